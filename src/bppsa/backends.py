@@ -1,0 +1,53 @@
+"""Where the BPPSA backward runs: the torch backend (any device) or CuPy RawKernels (CUDA only).
+
+A backend provides two operations, both on torch tensors in the layout of :mod:`bppsa.scan`:
+
+* ``scan(g, J, L_m=None)``: the exclusive scan (``J`` may be overwritten as workspace);
+* ``rnn_jacobians_t(h, W_hh, layout)``: the transposed Jacobians of a tanh RNN in scan order.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import scan as _scan
+from .jacobians import recurrent as _rec
+
+BACKENDS = ("auto", "torch", "cupy")
+
+
+class TorchBackend:
+    name = "torch"
+
+    def scan(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> torch.Tensor:
+        return _scan.blelloch_scan(g, J, L_m, inplace=True)
+
+    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str) -> torch.Tensor:
+        return _rec.rnn_jacobians_t(h, W_hh, layout)
+
+
+def cupy_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable"
+        return False
+    return True
+
+
+def get_backend(name: str = "auto", device: torch.device | None = None):
+    """Resolve a backend name. 'auto' is cupy on a CUDA device with CuPy installed, else torch."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend '{name}' (choose from {', '.join(BACKENDS)})")
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    if name == "auto":
+        name = "cupy" if on_cuda and cupy_available() else "torch"
+    if name == "torch":
+        return TorchBackend()
+    if not cupy_available():
+        raise RuntimeError("backend 'cupy' needs a CUDA GPU and CuPy (pip install cupy-cuda12x)")
+    if device is not None and not on_cuda:
+        raise RuntimeError("backend 'cupy' runs on CUDA tensors only; use --device cuda")
+    from .kernels import CupyBackend
+
+    return CupyBackend()

@@ -1,0 +1,35 @@
+"""The `bppsa` command line: one sub-command per job the workflow runs.
+
+Every module in :mod:`bppsa.commands` defines ``register(subparsers)``; this file only collects
+them, so each experiment's commands live next to nothing but themselves.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from . import commands as _commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bppsa", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for info in sorted(pkgutil.iter_modules(_commands.__path__), key=lambda m: m.name):
+        importlib.import_module(f"{_commands.__name__}.{info.name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rc = args.func(args)
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:  # clear one-line errors for users
+        print(f"bppsa {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Sub-commands of the `bppsa` CLI; each module exposes ``register(subparsers)``."""

@@ -1,0 +1,1 @@
+"""Datasets: generated (bitstreams), downloaded (IRMAS, CIFAR-10) and their offline stand-ins."""

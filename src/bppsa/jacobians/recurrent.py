@@ -1,0 +1,39 @@
+"""Transposed Jacobians of recurrent cells, batched and dense, in the scan order of bppsa.scan.
+
+Time-major throughout: hidden states ``h`` are ``[T, B, H]`` holding h_1 .. h_T.  The scan runs
+from the loss backwards, so element k of the result belongs to time step T - k.
+"""
+from __future__ import annotations
+
+import torch
+
+LAYOUTS = ("paper", "fused")
+
+
+def rnn_jacobians_t(h: torch.Tensor, W_hh: torch.Tensor, layout: str) -> torch.Tensor:
+    """Transposed Jacobians of the Elman tanh RNN ``h_t = tanh(a_t)``, ``a_t = W_ih x_t + W_hh h_{t-1} + b``.
+
+    * ``paper``: two per step, as in the paper -- ``(∂h_t/∂a_t)ᵀ = diag(1 - h_t²)`` then
+      ``(∂a_t/∂h_{t-1})ᵀ = W_hhᵀ``; result ``[2T, B, H, H]``; the scan then yields
+      ``[∇h_T, ∇a_T, ∇h_{T-1}, ∇a_{T-1}, ...]``.
+    * ``fused``: one per step, ``(∂h_t/∂h_{t-1})ᵀ = W_hhᵀ diag(1 - h_t²)``; result ``[T, B, H, H]``;
+      the scan yields ``[∇h_T, ..., ∇h_1]``.
+    """
+    T, B, H = h.shape
+    d = (1 - h * h).flip(0)  # [T, B, H], step T first
+    Wt = W_hh.t()
+    if layout == "fused":
+        return Wt * d.unsqueeze(-2)  # scale column j of W_hhᵀ by d_j
+    if layout == "paper":
+        J = h.new_zeros((T, 2, B, H, H))
+        J[:, 0].diagonal(dim1=-2, dim2=-1).copy_(d)
+        J[:, 1] = Wt
+        return J.view(2 * T, B, H, H)
+    raise ValueError(f"unknown layout '{layout}' (choose from {', '.join(LAYOUTS)})")
+
+
+def rnn_grad_preact(scan_out: torch.Tensor, h: torch.Tensor, layout: str) -> torch.Tensor:
+    """∇a_t for t = 1..T (time-major, ``[T, B, H]``) from the scan's output."""
+    if layout == "paper":
+        return scan_out[1::2].flip(0)
+    return (scan_out.flip(0)) * (1 - h * h)

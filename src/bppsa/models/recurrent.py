@@ -1,0 +1,80 @@
+"""Shared machinery of the recurrent classifiers: the BPPSA training step, phase by phase.
+
+A subclass supplies the cell (``self.cell``, a torch.nn.RNN/GRU with one layer, time-major), the
+head (``self.head``), and three methods: ``jacobians_t`` (the transposed Jacobians from the
+forward's states), ``grad_hidden`` (turn the scan's output into ∇h_t for t = 1..T) and
+``cell_param_grads`` (every cell parameter's gradient by batched reductions).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Phase = Callable[[str], contextlib.AbstractContextManager]
+
+
+def _no_phase(name: str):
+    return contextlib.nullcontext()
+
+
+class RecurrentClassifier(nn.Module):
+    cell: nn.RNNBase
+    head: nn.Linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Baseline forward (autograd; cuDNN on GPU): logits from the last hidden state."""
+        _, h_n = self.cell(x)
+        return self.head(h_n[-1])
+
+    # -- subclass hooks ---------------------------------------------------------------------------
+    def jacobians_t(self, x, h, layout, backend):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def grad_hidden(self, scan_out, x, h, layout):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def cell_param_grads(self, x, h, grad_h) -> dict[str, torch.Tensor]:  # pragma: no cover
+        raise NotImplementedError
+
+    # -- the two training steps -------------------------------------------------------------------
+    def baseline_step(self, x, y, phase: Phase = _no_phase, backward: bool = True) -> torch.Tensor:
+        with phase("forward"):
+            loss = F.cross_entropy(self(x), y)
+        if backward:
+            with phase("backward"):
+                loss.backward()
+        return loss.detach()
+
+    def bppsa_step(self, x, y, backend, layout: str = "fused", L_m: int | None = None,
+                   phase: Phase = _no_phase, backward: bool = True) -> torch.Tensor:
+        """Forward without autograd, then the scan backward; fills every parameter's ``.grad``."""
+        with phase("forward"):
+            with torch.no_grad():
+                h, _ = self.cell(x)  # [T, B, H]: h_1 .. h_T
+            h_last = h[-1].detach().requires_grad_(True)
+            loss = F.cross_entropy(self.head(h_last), y)
+        with phase("jacobian"):
+            with torch.no_grad():
+                J = self.jacobians_t(x, h, layout, backend)
+        if not backward:
+            return loss.detach()
+        with phase("backward"):
+            loss.backward()  # the head's parameters, and ∇h_T
+            with torch.no_grad():
+                out = backend.scan(h_last.grad, J, L_m)
+                del J
+                grad_h = self.grad_hidden(out, x, h, layout)
+                for name, g in self.cell_param_grads(x, h, grad_h).items():
+                    p = getattr(self.cell, name)
+                    p.grad = g if p.grad is None else p.grad + g
+        return loss.detach()
+
+
+def h_prev(h: torch.Tensor, h0: torch.Tensor | None = None) -> torch.Tensor:
+    """[h_0, h_1, ..., h_{T-1}] from [h_1, ..., h_T] (h_0 = 0 unless given)."""
+    first = torch.zeros_like(h[:1]) if h0 is None else h0.unsqueeze(0)
+    return torch.cat([first, h[:-1]], 0)

@@ -1,0 +1,1 @@
+# jacobians experiment rules (owned by its issue); append final outputs to TARGETS.
