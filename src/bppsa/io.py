@@ -21,6 +21,9 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None) -> Iterator[
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + (suffix if suffix is not None else path.suffix), dir=path.parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make outputs private to the writer
     tmp_path = Path(tmp)
     try:
         yield tmp_path

@@ -1,0 +1,1 @@
+"""Timing protocol and the training/benchmark loops that write the CSVs."""

@@ -1,0 +1,1 @@
+"""One function per figure; each reads only the measured CSVs."""

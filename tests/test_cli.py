@@ -1,0 +1,77 @@
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from bppsa.cli import main
+
+
+def _bppsa(*args):
+    return subprocess.run([sys.executable, "-m", "bppsa", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("layout", ["paper", "fused"])
+def test_verify_prints_json_and_passes(dtype, layout, tmp_path):
+    out = tmp_path / "v.json"
+    r = _bppsa("verify", "--model", "rnn", "--seq-len", "23", "--batch", "5", "--hidden", "20", "--dtype", dtype,
+               "--backend", "torch", "--layout", layout, "--seed", "3", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    for key in ("model", "seq_len", "batch", "hidden", "dtype", "backend", "layout", "max_rel_err"):
+        assert key in res
+    assert (res["model"], res["seq_len"], res["batch"], res["layout"], res["dtype"]) == ("rnn", 23, 5, layout, dtype)
+    assert res["max_rel_err"] <= {"float64": 1e-10, "float32": 1e-4}[dtype]
+    assert json.loads(out.read_text()) == res | {"device_slug": res["device_slug"]}
+
+
+def test_verify_fails_loudly_when_gradients_differ(tmp_path, monkeypatch, capsys):
+    """A broken scan must make verify exit non-zero and keep no JSON."""
+    import bppsa.backends as backends
+
+    real = backends.TorchBackend.scan
+    monkeypatch.setattr(backends.TorchBackend, "scan", lambda self, g, J, L_m=None: real(self, g, J, L_m) * 1.001)
+    out = tmp_path / "v.json"
+    rc = main(["verify", "--seq-len", "17", "--batch", "3", "--backend", "torch", "--out", str(out)])
+    assert rc == 1
+    assert "exceeds the float64 tolerance" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_bench_and_train_write_tidy_csvs(tmp_path):
+    data = tmp_path / "T37.npz"
+    assert main(["make-bitstream", "--seq-len", "37", "--samples", "64", "--out", str(data)]) == 0
+    bench = tmp_path / "bench.csv"
+    assert main(["bench", "--data", str(data), "--batch", "8", "--warmup", "1", "--iters", "2", "--backend", "torch",
+                 "--layout", "paper", "--out", str(bench)]) == 0
+    df = pd.read_csv(bench)
+    assert set(df["method"]) == {"baseline", "bppsa"} and set(df["mode"]) == {"full", "nobp"}
+    full = df[df["mode"] == "full"]
+    assert set(full[full["method"] == "bppsa"]["phase"]) == {"forward", "jacobian", "backward", "optimizer"}
+    assert set(full[full["method"] == "baseline"]["phase"]) == {"forward", "backward", "optimizer"}
+    assert set(df[df["mode"] == "nobp"]["phase"]) <= {"forward", "jacobian"}
+    assert (df["seconds"] > 0).all() and set(df["seq_len"]) == {37} and set(df["batch"]) == {8}
+    assert df.groupby(["method", "mode", "phase"]).size().eq(2).all()  # one row per timed iteration
+
+    curves = {}
+    for method in ("baseline", "bppsa"):
+        path = tmp_path / f"curve_{method}.csv"
+        assert main(["train", "--data", str(data), "--batch", "8", "--method", method, "--epochs", "3", "--lr", "1e-2",
+                     "--dtype", "float64", "--backend", "torch", "--out", str(path)]) == 0
+        curves[method] = pd.read_csv(path)
+    a, b = curves["baseline"], curves["bppsa"]
+    assert list(a["epoch"]) == [1, 2, 3] and (a["wall_clock_s"].diff().dropna() > 0).all()
+    # exact gradients, same seed and batch order: the two trainings follow the same trajectory
+    assert (a["loss"] - b["loss"]).abs().max() < 1e-9
+    assert (a["accuracy"] == b["accuracy"]).all()
+
+
+def test_corrupt_dataset_error_names_the_file(tmp_path, capsys):
+    bad = tmp_path / "T10.npz"
+    bad.write_bytes(b"not a zip")
+    rc = main(["bench", "--data", str(bad), "--batch", "2", "--out", str(tmp_path / "x.csv")])
+    assert rc == 2
+    assert "T10.npz" in capsys.readouterr().err
+    assert not (tmp_path / "x.csv").exists()

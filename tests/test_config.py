@@ -1,0 +1,48 @@
+"""Bad configuration is rejected before any job runs, naming the key."""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _dry_run(tmp_path, mutate):
+    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    mutate(cfg)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile", str(path),
+                           "--directory", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("mutate, key", [
+    (lambda c: c["rnn"].__setitem__("seq_lens", [10, -5]), "seq_lens"),
+    (lambda c: c.__setitem__("backend", "tpu"), "backend"),
+    (lambda c: c["rnn"].__setitem__("lenghts", [3]), "lenghts"),
+    (lambda c: c.__setitem__("dtpye", "float32"), "dtpye"),
+    (lambda c: c["bench"].__setitem__("iters", 0), "iters"),
+])
+def test_schema_rejects_and_names_the_key(tmp_path, mutate, key):
+    r = _dry_run(tmp_path, mutate)
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    assert key in out, out[-2000:]
+    assert not (tmp_path / "results").exists() and not (tmp_path / "data").exists()
+
+
+def test_both_profiles_validate_and_list_the_paper_grid(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile",
+                        str(ROOT / "config" / "paper.yaml"), "--directory", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    for T in (10, 30, 100, 300, 1000, 3000, 10000, 30000):
+        assert f"bench_T{T}_B16_baseline.csv" in out
+    for B in (2, 4, 8, 16, 32, 64, 128, 256):
+        assert f"bench_T1000_B{B}_bppsa-paper.csv" in out
+        assert f"bench_T1000_B{B}_bppsa-fused.csv" in out
+    assert "fig_8_b.png" in out and "fig_7.png" in out

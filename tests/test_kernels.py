@@ -1,0 +1,476 @@
+"""The CUDA path: kernel sources, launch geometry, and (on a GPU) the CuPy backend against torch.
+
+Three layers, so that as much as possible is checked on a machine without a GPU:
+
+* every ``.cu`` file compiles with ``nvcc`` for the oldest and the newest architecture we target;
+* the launch plan (:func:`bppsa.kernels.scan_plan`) reproduces the tree of :func:`bppsa.scan.levels`,
+  and the *actual kernel sources*, compiled as host C++ with a thin shim (blocks run one after the
+  other, the threads of a block as real threads meeting at a ``std::barrier``), reproduce
+  :func:`bppsa.scan.blelloch_scan` and ``rnn_jacobians_t`` when driven by that plan;
+* ``@pytest.mark.gpu``: the real CuPy backend against the torch twins, and a whole RNN training
+  step against autograd.
+"""
+from __future__ import annotations
+
+import copy
+import ctypes
+import functools
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bppsa import kernels
+from bppsa.jacobians.recurrent import rnn_jacobians_t
+from bppsa.scan import blelloch_scan, levels
+
+KERNEL_NAMES = {
+    "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
+    "rnn_jacobians.cu": [f"bppsa_rnn_jacobians_{k}_{s}" for k in ("paper", "fused") for s in ("f32", "f64")],
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. nvcc compiles every source for sm_70 (or the oldest arch this nvcc has) and sm_90
+# ---------------------------------------------------------------------------------------------
+def _compile_targets():
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return [pytest.param(None, None, marks=pytest.mark.skip(reason="nvcc not on PATH"), id="no-nvcc")]
+    listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True, timeout=60).stdout.split()
+    supported = sorted({int(a.split("_")[1]) for a in listed if a.startswith("compute_")})
+    if not supported:
+        return [pytest.param(None, None, marks=pytest.mark.skip(reason="nvcc --list-gpu-arch listed nothing"), id="no-archs")]
+    out = []
+    for want in (70, 90):
+        if want in supported:
+            out.append((want, f"sm{want}"))
+        elif want < supported[0]:
+            # CUDA 13 dropped Volta; the oldest arch it has stands in for it.
+            out.append((supported[0], f"sm{want}-unsupported-by-this-nvcc-using-sm{supported[0]}"))
+        else:
+            out.append(pytest.param(None, None, marks=pytest.mark.skip(reason=f"sm_{want} not supported by this nvcc"), id=f"sm{want}-unsupported"))
+    params = []
+    for src in kernels.SOURCES:
+        for item in out:
+            if isinstance(item, tuple):
+                params.append(pytest.param(src, item[0], id=f"{src}-{item[1]}"))
+            else:
+                params.append(pytest.param(src, None, marks=item.marks, id=f"{src}-{item.id}"))
+    return params
+
+
+@pytest.mark.parametrize("source,arch", _compile_targets())
+def test_nvcc_compiles(source, arch, tmp_path):
+    cubin = tmp_path / "k.cubin"
+    proc = subprocess.run(
+        ["nvcc", "-std=c++17", f"-arch=sm_{arch}", "-cubin", "-Werror", "all-warnings",
+         "-o", str(cubin), str(kernels.KERNEL_DIR / source)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    blob = cubin.read_bytes()
+    for name in KERNEL_NAMES[source]:  # extern "C": unmangled entry points that CuPy looks up
+        assert name.encode() in blob, f"{name} missing from the {source} cubin"
+
+
+def test_sources_ship_with_the_package():
+    for src in kernels.SOURCES:
+        assert (kernels.KERNEL_DIR / src).is_file()
+
+
+def test_plan_uses_only_kernels_that_exist():
+    used = {launch.kernel for N in range(1, 40) for L_m in (None, 0, 1, 2) for launch in kernels.scan_plan(N, 2, 3, L_m)[1]}
+    used |= {kernels.rnn_jacobians_launch(3, 2, 4, lay).kernel for lay in ("paper", "fused")}
+    defined = {n.rsplit("_", 1)[0] for names in KERNEL_NAMES.values() for n in names}
+    assert used <= defined
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. launch geometry, in pure Python
+# ---------------------------------------------------------------------------------------------
+def _block_pair(ints, block):
+    """The (b, l, r) a sweep block works on, by the kernels' own formula."""
+    N, B, H, first_l, half, step, d = ints
+    pair, b = divmod(block, B)
+    l = first_l + pair * step
+    return b, l, min(l + half, N - 1)
+
+
+@pytest.mark.parametrize("L_m", [None, 0, 1, 2, 3])
+def test_plan_reproduces_the_tree(L_m):
+    for N in list(range(1, 300)) + [1000, 1025, 2001, 60001]:
+        B = 1 + N % 4
+        L, launches = kernels.scan_plan(N, B, 5, L_m)
+        lv = levels(N)
+        assert L == (len(lv) if L_m is None else min(L_m, len(lv)))
+        ups = [x for x in launches if x.kernel == "bppsa_up_sweep"]
+        downs = [x for x in launches if x.kernel == "bppsa_down_sweep"]
+        mids = [x for x in launches if x.kernel == "bppsa_middle_scan"]
+        assert launches == ups + mids + downs  # up-sweep, middle, down-sweep, in that order
+        assert [x.ints[-1] for x in ups] == list(range(L))
+        assert [x.ints[-1] for x in downs] == list(reversed(range(L)))
+        for x in ups + downs:
+            want = lv[x.ints[-1]].pairs()
+            got = [_block_pair(x.ints, blk) for blk in range(x.grid)]
+            assert sorted(got) == sorted((b, l, r) for b in range(B) for (l, r) in want), (N, x)
+            # the spine pair is pair 0 of every level
+            assert _block_pair(x.ints, 0)[1:] == want[0] == (lv[x.ints[-1]].first_l, want[0][1])
+        size = 1 << L
+        ends = list(range(size - 1, N - 1, size)) + [N - 1]
+        if len(ends) >= 2:
+            (mid,) = mids
+            _, _, _, m_size, K, m_L, _ = mid.ints
+            assert (m_size, K, m_L, mid.grid) == (size, len(ends), L, B)
+            assert [min((k + 1) * m_size - 1, N - 1) for k in range(K)] == ends
+        else:
+            assert not mids
+
+
+def test_block_threads_and_shared_memory():
+    for H in range(1, 80):
+        t = kernels.block_threads(H)
+        assert t % 32 == 0 and 32 <= t <= kernels.MAX_THREADS
+        assert t >= min(H * H, kernels.MAX_THREADS)
+    # fp64 64x64 needs two 32 KiB operands: over the 48 KiB static limit, within Turing's 64 KiB opt-in
+    assert kernels.max_hidden(torch.float64, 64 * 1024) == 64
+    assert kernels.max_hidden(torch.float32, 64 * 1024) == 90
+    assert kernels.max_hidden(torch.float64, 48 * 1024) == 55
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. the kernel sources themselves, emulated on the CPU
+# ---------------------------------------------------------------------------------------------
+_SHIM = r"""
+#include <barrier>
+#include <cstring>
+#include <thread>
+#include <vector>
+struct emu_uint3 { unsigned x, y, z; };
+static thread_local emu_uint3 threadIdx;
+static emu_uint3 blockIdx, blockDim, gridDim;
+static std::barrier<>* emu_barrier;
+static unsigned char* emu_smem;
+#define BPPSA_SMEM emu_smem
+#define __global__
+#define __device__
+#define __syncthreads() emu_barrier->arrive_and_wait()
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline double __dsub_rn(double a, double b) { return a - b; }
+"""
+
+_DRIVER = r"""
+static const size_t EMU_GUARD = 256;
+// Shared memory starts as 0xFF bytes (NaN in either dtype), so reading anything a block did not
+// stage poisons its result; bytes past the requested size must still be 0xFF afterwards.
+template <typename... A>
+static int emu_run(void (*fn)(A...), unsigned grid, unsigned block, unsigned long long smem, A... args) {
+  std::vector<unsigned char> buf(smem + EMU_GUARD);
+  for (unsigned bx = 0; bx < grid; ++bx) {
+    std::memset(buf.data(), 0xFF, buf.size());
+    emu_smem = buf.data();
+    blockIdx = {bx, 0, 0};
+    blockDim = {block, 1, 1};
+    gridDim = {grid, 1, 1};
+    std::barrier<> bar(block);
+    emu_barrier = &bar;
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < block; ++t)
+      threads.emplace_back([&, t] {
+        threadIdx = {t, 0, 0};
+        fn(args...);
+        bar.arrive_and_drop();  // like an exited GPU thread: no longer waited for
+      });
+    for (auto& th : threads) th.join();
+    for (size_t i = smem; i < buf.size(); ++i)
+      if (buf[i] != 0xFF) return 1;
+  }
+  return 0;
+}
+template <typename F> struct Emu;
+template <typename... A> struct Emu<void (*)(A...)> {
+  template <void (*Fn)(A...)>
+  static int run(unsigned g, unsigned b, unsigned long long s, A... a) { return emu_run<A...>(Fn, g, b, s, a...); }
+};
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _emulator(build_dir: str):
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not on PATH: cannot emulate the kernels on the CPU")
+    names = [n for src in kernels.SOURCES for n in KERNEL_NAMES[src]]
+    exports = "\n".join(
+        f'extern "C" {{ auto emu_{n} = &Emu<decltype(&{n})>::template run<&{n}>; }}' for n in names
+    )
+    # Each source is its own module on the GPU; here they share one translation unit, which works
+    # because they define disjoint names (and typedef idx_t identically, which C++ allows).
+    body = _SHIM + "".join((kernels.KERNEL_DIR / s).read_text() + "\n" for s in kernels.SOURCES) + _DRIVER + exports
+    src = Path(build_dir) / "emu.cpp"
+    src.write_text(body)
+    lib = Path(build_dir) / "emu.so"
+    proc = subprocess.run(
+        ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", "-o", str(lib), str(src)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return ctypes.CDLL(str(lib))
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    return _emulator(str(tmp_path_factory.mktemp("emu")))
+
+
+SENTINEL = 1234.5  # in the guard bands around every global buffer: must stay, must never be read
+
+
+class _Buf:
+    """A global-memory buffer with guard bands on both sides."""
+
+    G = 64
+
+    def __init__(self, arr: np.ndarray):
+        self.shape = arr.shape
+        self.flat = np.full(arr.size + 2 * self.G, SENTINEL, dtype=arr.dtype)
+        self.flat[self.G : self.G + arr.size] = arr.ravel()
+
+    @property
+    def ptr(self) -> int:
+        return self.flat.ctypes.data + self.G * self.flat.itemsize
+
+    def value(self) -> np.ndarray:
+        assert (self.flat[: self.G] == SENTINEL).all() and (self.flat[-self.G :] == SENTINEL).all(), "write out of bounds"
+        return self.flat[self.G : -self.G].reshape(self.shape).copy()
+
+
+def _emu_launch(lib, launch, dtype, bufs):
+    name = f"{launch.kernel}_{'f32' if dtype == np.float32 else 'f64'}"
+    addr = ctypes.c_void_p.in_dll(lib, f"emu_{name}").value
+    proto = ctypes.CFUNCTYPE(
+        ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_ulonglong,
+        *([ctypes.c_void_p] * len(bufs)), *([ctypes.c_longlong] * len(launch.ints)),
+    )
+    smem = launch.smem_elems * np.dtype(dtype).itemsize
+    rc = proto(addr)(launch.grid, launch.block, smem, *(b.ptr for b in bufs), *launch.ints)
+    assert rc == 0, f"{name} wrote past its {smem} bytes of dynamic shared memory"
+
+
+def _emulated_scan(lib, g: np.ndarray, J: np.ndarray, L_m):
+    """CupyBackend.scan with the kernels run by the emulator: same plan, same buffers."""
+    n, B, H, _ = J.shape
+    L, launches = kernels.scan_plan(n + 1, B, H, L_m)
+    S = np.full((L + 1, B, H), np.nan, dtype=g.dtype)
+    S[0] = g
+    bufs = [_Buf(J), _Buf(S), _Buf(np.full((n, B, H), np.nan, dtype=g.dtype))]
+    for launch in launches:
+        _emu_launch(lib, launch, g.dtype.type, bufs)
+    return bufs[2].value(), bufs[0].value()
+
+
+@pytest.mark.parametrize(
+    "n,B,H,L_m",
+    [(1, 1, 1, None), (2, 2, 3, None), (3, 1, 2, None), (4, 3, 3, None), (5, 2, 7, None), (8, 1, 3, None),
+     (9, 2, 3, None), (16, 1, 4, None), (19, 2, 5, None), (33, 1, 3, None), (6, 2, 17, None),
+     (19, 2, 3, 0), (19, 1, 4, 1), (21, 2, 3, 2), (33, 1, 2, 3), (7, 1, 3, 2),
+     # L_m = ceil(log2 N) - 1 with N not a power of two: the middle's first block end is clipped
+     (9, 2, 3, 3), (19, 1, 3, 4)],
+)
+def test_emulated_scan_matches_torch(emu, n, B, H, L_m):
+    gen = torch.Generator().manual_seed(1000 * n + 10 * B + H)
+    g = torch.randn(B, H, generator=gen, dtype=torch.float64)
+    J = torch.randn(n, B, H, H, generator=gen, dtype=torch.float64) / H**0.5
+    ref_J = J.clone()
+    ref = blelloch_scan(g, ref_J, L_m, inplace=True)
+    out, J_after = _emulated_scan(emu, g.numpy(), J.numpy(), L_m)
+    assert not np.isnan(out).any(), "a prefix was never written (or read unstaged shared memory)"
+    np.testing.assert_allclose(out, ref.numpy(), rtol=1e-12, atol=1e-12)
+    # the workspace holds the same partial products, at the same positions, as the torch path's
+    np.testing.assert_allclose(J_after, ref_J.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_emulated_scan_float32(emu):
+    gen = torch.Generator().manual_seed(7)
+    g = torch.randn(3, 5, generator=gen)
+    J = torch.randn(13, 3, 5, 5, generator=gen) / 5**0.5
+    ref = blelloch_scan(g.double(), J.double())
+    out, _ = _emulated_scan(emu, g.numpy(), J.numpy(), None)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, ref.numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["paper", "fused"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("T,B,H", [(1, 1, 1), (3, 2, 4), (5, 3, 7)])
+def test_emulated_rnn_jacobians_bit_identical(emu, layout, dtype, T, B, H):
+    gen = torch.Generator().manual_seed(T * 100 + B * 10 + H)
+    tdt = torch.float32 if dtype == np.float32 else torch.float64
+    h = torch.tanh(torch.randn(T, B, H, generator=gen, dtype=tdt))
+    W = torch.randn(H, H, generator=gen, dtype=tdt)
+    ref = rnn_jacobians_t(h, W, layout).numpy()
+    launch = kernels.rnn_jacobians_launch(T, B, H, layout)
+    out = _Buf(np.full(ref.shape, np.nan, dtype=dtype))
+    _emu_launch(emu, launch, dtype, [_Buf(h.numpy()), _Buf(W.numpy()), out])
+    np.testing.assert_array_equal(out.value(), ref)
+
+
+def test_emulated_grid_stride_fill(emu, monkeypatch):
+    # Force fewer blocks than elements so every thread takes several grid-stride steps.
+    monkeypatch.setattr(kernels, "FILL_MAX_BLOCKS", 2)
+    T, B, H = 4, 3, 6
+    h = torch.tanh(torch.randn(T, B, H, dtype=torch.float64))
+    W = torch.randn(H, H, dtype=torch.float64)
+    launch = kernels.rnn_jacobians_launch(T, B, H, "paper")
+    assert launch.grid == 2 and launch.grid * launch.block < 2 * T * B * H * H
+    out = _Buf(np.full((2 * T, B, H, H), np.nan))
+    _emu_launch(emu, launch, np.float64, [_Buf(h.numpy()), _Buf(W.numpy()), out])
+    np.testing.assert_array_equal(out.value(), rnn_jacobians_t(h, W, "paper").numpy())
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. without CuPy / CUDA
+# ---------------------------------------------------------------------------------------------
+def test_import_needs_no_cupy():
+    code = "import sys; sys.modules['cupy'] = None; import bppsa.kernels as k; print(k.CupyBackend.name)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "cupy", proc.stderr
+
+
+def test_bench_membound_without_cuda_fails_clearly(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the command would run")
+    from bppsa.cli import main
+
+    rc = main(["bench-membound", "--seq-len", "10", "--out", str(tmp_path / "x.csv")])
+    assert rc != 0
+    assert not (tmp_path / "x.csv").exists()
+
+
+def test_scan_bytes_counts_the_schedule():
+    from bppsa.commands.gpu import scan_bytes
+
+    # N = 4 (n = 3), full scan, B = 1, H = 2, 8-byte elements.  Level 0: pairs (0,1) spine mv,
+    # (2,3) mm; level 1: (1,3) spine mv.  Up: mv reads M+v writes v = 4+2+2; mm reads 2M writes M
+    # = 12.  Down, level 1: spine copy 2+2; level 0: spine copy 2+2, pair (2,3) reads M+v, writes 2v = 4+2+4.
+    up = (4 + 2 + 2) + 12 + (4 + 2 + 2)
+    down = (2 + 2) + (2 + 2) + (4 + 2 + 4)
+    assert scan_bytes(3, 1, 2, 8, None) == 8 * (up + down)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. on a GPU: the real CuPy backend
+# ---------------------------------------------------------------------------------------------
+def _cupy_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"cupy not importable: {exc}")
+    return kernels.CupyBackend()
+
+
+SCAN_SHAPES = [(n, B, H) for n in (1, 2, 3, 5, 17, 64, 100, 1000) for B in (1, 5, 16) for H in (1, 7, 20, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n,B,H", SCAN_SHAPES)
+def test_cupy_scan_matches_torch(n, B, H, dtype):
+    be = _cupy_or_skip()
+    gen = torch.Generator(device="cuda").manual_seed(n * 1000 + B * 100 + H)
+    g = torch.randn(B, H, device="cuda", dtype=dtype, generator=gen)
+    # Scaled to spectral radius about 1, so products neither vanish nor overflow at n = 1000.
+    J = torch.randn(n, B, H, H, device="cuda", dtype=dtype, generator=gen) / H**0.5
+    ref = blelloch_scan(g.double(), J.double())
+    out = be.scan(g, J.clone())
+    assert out.shape == (n, B, H) and out.dtype == dtype
+    err = (out.double() - ref).abs().amax() / ref.abs().amax().clamp_min(1e-300)
+    assert err <= (1e-10 if dtype == torch.float64 else 1e-4), float(err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L_m", [0, 1, 2, 3, "top-1", 20])
+@pytest.mark.parametrize("n", [1, 7, 33, 1000])
+def test_cupy_heterogeneous_scan_matches_torch(n, L_m):
+    be = _cupy_or_skip()
+    if L_m == "top-1":  # the middle's first block end clipped at N - 1 (N not a power of two)
+        L_m = max(0, len(levels(n + 1)) - 1)
+    g = torch.randn(5, 20, device="cuda", dtype=torch.float64)
+    J = torch.randn(n, 5, 20, 20, device="cuda", dtype=torch.float64) / 20**0.5
+    ref = blelloch_scan(g, J, L_m)
+    out = be.scan(g, J.clone(), L_m)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10 * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+def test_cupy_scan_runs_on_torch_current_stream():
+    be = _cupy_or_skip()
+    g = torch.randn(16, 20, device="cuda", dtype=torch.float64)
+    J = torch.randn(999, 16, 20, 20, device="cuda", dtype=torch.float64) / 20**0.5
+    ref = blelloch_scan(g, J)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        J2 = J.clone()  # produced on s; the kernels must be ordered after it on s
+        out = be.scan(g, J2)
+    s.synchronize()
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.gpu
+def test_cupy_rejects_what_it_cannot_do():
+    be = _cupy_or_skip()
+    with pytest.raises(ValueError, match="hidden sizes up to"):
+        be.scan(torch.zeros(1, 512, device="cuda", dtype=torch.float64), torch.zeros(1, 1, 512, 512, device="cuda", dtype=torch.float64))
+    with pytest.raises(ValueError, match="float32 and float64"):
+        be.scan(torch.zeros(1, 4, device="cuda", dtype=torch.float16), torch.zeros(2, 1, 4, 4, device="cuda", dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="CUDA"):
+        be.scan(torch.zeros(1, 4), torch.zeros(2, 1, 4, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["paper", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("T,B,H", [(1, 1, 1), (3, 5, 7), (1000, 16, 20), (17, 2, 64)])
+def test_cupy_rnn_jacobians_match_torch(layout, dtype, T, B, H):
+    be = _cupy_or_skip()
+    h = torch.tanh(torch.randn(T, B, H, device="cuda", dtype=dtype))
+    W = torch.randn(H, H, device="cuda", dtype=dtype)
+    # Bit-identical: the kernel rounds h*h, 1 - h*h and the product separately, as torch does.
+    assert torch.equal(be.rnn_jacobians_t(h, W, layout), rnn_jacobians_t(h, W, layout))
+
+
+def _rel_err(g, ref):
+    scale = ref.abs().max()
+    return float((g - ref).abs().max() / (scale if scale > 0 else 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["paper", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("B", [1, 5, 16])
+@pytest.mark.parametrize("T", [1, 2, 3, 17, 1000])
+def test_rnn_training_step_cupy_vs_autograd(T, B, dtype, layout):
+    from bppsa.models.rnn import RNNClassifier
+
+    be = _cupy_or_skip()
+    torch.manual_seed(T * 31 + B)
+    model = RNNClassifier().to("cuda", dtype)
+    x = torch.bernoulli(torch.full((T, B, 1), 0.35, device="cuda", dtype=dtype))
+    y = torch.randint(0, 10, (B,), device="cuda")
+    ref_model, bp_model = copy.deepcopy(model), copy.deepcopy(model)
+    # TF32 off: with it, cuDNN's fp32 RNN on Ampere and later is itself only ~1e-3 accurate.
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        ref_loss = ref_model.baseline_step(x, y)
+        loss = bp_model.bppsa_step(x, y, be, layout)
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    assert abs(float(loss) - float(ref_loss)) <= tol * max(1.0, abs(float(ref_loss)))
+    for (name, p_ref), (_, p) in zip(ref_model.named_parameters(), bp_model.named_parameters()):
+        assert p.grad is not None, name
+        assert _rel_err(p.grad, p_ref.grad) <= tol, (name, _rel_err(p.grad, p_ref.grad))

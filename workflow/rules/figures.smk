@@ -1,0 +1,18 @@
+# Figures of the RNN experiments; they overlay every results/<device>/ folder present
+# (including committed results/reference/<device>/ ones).
+
+RNN_FIGURES = ["results/fig_7.png"] + [f"results/fig_8_{p}.png" for p in "abcdef"]
+
+
+rule figures_rnn:
+    input:
+        RNN_BENCH + RNN_CURVES,
+    output:
+        RNN_FIGURES,
+    log:
+        "logs/figures_rnn.log",
+    shell:
+        "bppsa plot-rnn --results results --out-dir results 2> {log}"
+
+
+TARGETS.extend(RNN_FIGURES)
