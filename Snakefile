@@ -7,11 +7,17 @@ from snakemake.utils import min_version, validate
 
 min_version("8.0")
 
-configfile: "config/config.yaml"
+configfile: str(Path(workflow.basedir, "config", "config.yaml"))
 
 # Every section is checked before any job runs; misspelt keys and bad values are named.
 for _schema in sorted(Path(workflow.basedir, "workflow", "schemas").glob("*.schema.yaml")):
     validate(config, str(_schema))
+
+# `snakemake --use-singularity` runs every job in this image (build it from docker/Dockerfile)
+if config.get("container"):
+
+    container: config["container"]
+
 
 from bppsa import device as _device  # noqa: E402
 

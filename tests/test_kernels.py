@@ -286,13 +286,25 @@ def test_emulated_scan_matches_torch(emu, n, B, H, L_m):
     gen = torch.Generator().manual_seed(1000 * n + 10 * B + H)
     g = torch.randn(B, H, generator=gen, dtype=torch.float64)
     J = torch.randn(n, B, H, H, generator=gen, dtype=torch.float64) / H**0.5
-    ref_J = J.clone()
-    ref = blelloch_scan(g, ref_J, L_m, inplace=True)
+    ref = blelloch_scan(g, J, L_m)
     out, J_after = _emulated_scan(emu, g.numpy(), J.numpy(), L_m)
     assert not np.isnan(out).any(), "a prefix was never written (or read unstaged shared memory)"
     np.testing.assert_allclose(out, ref.numpy(), rtol=1e-12, atol=1e-12)
-    # the workspace holds the same partial products, at the same positions, as the torch path's
-    np.testing.assert_allclose(J_after, ref_J.numpy(), rtol=1e-12, atol=1e-12)
+    # the workspace holds the textbook in-place up-sweep's partial products, position by position
+    np.testing.assert_allclose(J_after, _inplace_up_sweep(J, L_m).numpy(), rtol=1e-12, atol=1e-12)
+
+
+def _inplace_up_sweep(J, L_m):
+    """Algorithm 1's up-sweep in place, one pair at a time: a[r] <- a[r] · a[l] off the spine.
+
+    (On the spine the kernels keep the vector apart, so the matrix at r stays as it was.)"""
+    W = J.clone()
+    lv = levels(J.shape[0] + 1)
+    for level in lv[: len(lv) if L_m is None else L_m]:
+        for l, r in level.pairs():
+            if l != level.first_l:  # pair k = 0 is the spine
+                W[r - 1] = W[r - 1] @ W[l - 1]
+    return W
 
 
 def test_emulated_scan_float32(emu):

@@ -2,7 +2,7 @@
 
 A backend provides two operations, both on torch tensors in the layout of :mod:`bppsa.scan`:
 
-* ``scan(g, J, L_m=None)``: the exclusive scan (``J`` may be overwritten as workspace);
+* ``scan(g, J, L_m=None)``: the exclusive scan (a backend may overwrite ``J`` as workspace);
 * ``rnn_jacobians_t(h, W_hh, layout)``: the transposed Jacobians of a tanh RNN in scan order.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ class TorchBackend:
     name = "torch"
 
     def scan(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> torch.Tensor:
-        return _scan.blelloch_scan(g, J, L_m, inplace=True)
+        return _scan.blelloch_scan(g, J, L_m)
 
     def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str) -> torch.Tensor:
         return _rec.rnn_jacobians_t(h, W_hh, layout)

@@ -16,9 +16,8 @@ Tensor layout used throughout the package:
 * result: ``[n, B, H]`` -- ``out[k]`` is the exclusive prefix at position ``k + 1``
   (so ``out[0] == g`` and ``out[k] == J[k-1] ... J[0] g``).
 
-Lengths need not be powers of two.  Node values live at the *last* real index of their block
-(the textbook in-place layout, with the right-most block of a level clipped at N - 1), so a level
-is a strided slice and one batched matmul; no padding with identities is ever materialised.
+Lengths need not be powers of two: the right-most block of a level is clipped at N - 1 (an odd
+block out is carried up unchanged); no padding with identities is ever materialised.
 
 Because position 0 is a vector, the left spine of the tree (blocks that start at position 0)
 carries vectors: its up-sweep products are matrix-vector, and so is every down-sweep product
@@ -92,71 +91,56 @@ def _mv(M: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.matmul(M, v.unsqueeze(-1)).squeeze(-1)
 
 
-def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None, *, inplace: bool = False) -> torch.Tensor:
+def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> torch.Tensor:
     """Modified Blelloch exclusive scan (Algorithm 1), optionally heterogeneous.
 
     ``L_m`` is the number of up-sweep levels run before a linear scan over what is left, followed
     by the matching ``L_m`` down-sweep levels.  ``None`` (or any value >= ceil(log2 N)) is the full
-    Blelloch scan; ``0`` degenerates to the linear scan.
+    Blelloch scan; ``0`` degenerates to the linear scan.  ``J`` is not modified.
 
-    ``J`` is used as workspace (up-sweep partial products overwrite it) when ``inplace`` is true;
-    otherwise it is cloned first.
+    The tree is the one of :func:`levels` (blocks of 2^d positions, the right-most one clipped);
+    each level's block values are kept *compact* -- a contiguous ``[blocks, B, H, H]`` tensor --
+    so every product is one batched matmul on contiguous operands.  (The in-place textbook
+    layout, which the CUDA kernels use, needs strided gathers and scatters on the CPU.)  The left
+    operands of each level are exactly the ``T`` of the down-sweep, so they are kept for it.
     """
     if g.dim() != 2 or J.dim() != 4 or J.shape[1:3] != g.shape or J.shape[2] != J.shape[3]:
         raise ValueError(f"expected g [B, H] and J [n, B, H, H], got {tuple(g.shape)} and {tuple(J.shape)}")
     n = J.shape[0]
-    N = n + 1
-    if n == 0:
-        return g.new_empty((0,) + tuple(g.shape))
-    if not inplace:
-        J = J.clone()
-    lv = levels(N)
-    L = len(lv) if L_m is None else max(0, min(int(L_m), len(lv)))
+    depth = num_levels(n + 1)
+    L = depth if L_m is None else max(0, min(int(L_m), depth))
 
-    # Position p >= 1 is J[p - 1]; spine vectors are kept apart, keyed by position.
-    spine: dict[int, torch.Tensor] = {0: g}
+    # Level d has K blocks: block 0 is the spine (a vector), blocks 1..K-1 are matrices in A.
+    # Up-sweep a[r] <- a[l] ◇ a[r] = a[r] · a[l] pairs blocks (2j, 2j+1); an odd last block carries.
+    spine, A, K = g, J, n + 1
+    saved = []  # per level: (spine value, left operands, whether the last block carried)
+    for _ in range(L):
+        pairs = (K - 2) // 2  # pairs j >= 1 (block 2j is A[2j-1], block 2j+1 is A[2j])
+        carry = (K - 2) % 2 == 1
+        left = A[1:2 * pairs:2].contiguous()
+        nxt = torch.matmul(A[2:2 * pairs + 1:2], left)
+        if carry:
+            nxt = torch.cat([nxt, A[-1:]])
+        saved.append((spine, left, carry))
+        spine = _mv(A[0], spine)  # the spine's pair is matrix-vector
+        A, K = nxt, (K + 1) // 2
 
-    # ---- up-sweep: a[r] <- a[l] ◇ a[r] = a[r] · a[l] -------------------------------------------
-    for level in lv[:L]:
-        half, step = level.step // 2, level.step
-        l0 = level.first_l
-        r0 = l0 + half if level.full > 0 else level.tail[1]
-        spine[r0] = _mv(J[r0 - 1], spine[l0])  # k = 0: spine, matrix-vector
-        if level.full > 1:  # k >= 1 full pairs: strided slices, one batched matmul
-            ls = slice(l0 + step - 1, l0 + step * (level.full - 1) + step - 1, step)  # J index = pos - 1
-            rs = slice(l0 + half + step - 1, l0 + half + step * (level.full - 1) + step - 1, step)
-            J[rs] = torch.matmul(J[rs], J[ls])
-        if level.tail is not None and level.full > 0:
-            tl, tr = level.tail
-            J[tr - 1] = torch.matmul(J[tr - 1], J[tl - 1])
+    # Middle: linear exclusive scan over the K blocks left; Q[k-1] is the prefix of block k.
+    Q = g.new_empty((K - 1,) + tuple(g.shape))
+    if K > 1:
+        Q[0] = spine
+        for k in range(1, K - 1):
+            Q[k] = _mv(A[k - 1], Q[k - 1])
 
-    # ---- middle: linear exclusive scan over the blocks of level L --------------------------------
-    P = g.new_empty((N,) + tuple(g.shape))  # P[p]: prefix (a vector) at position p; P[0] is I
-    size = 1 << L
-    ends = list(range(size - 1, N - 1, size)) + [N - 1]  # last index of each block (spine first)
-    if len(ends) > 1:
-        P[ends[1]] = spine[ends[0]]
-        for k in range(1, len(ends) - 1):
-            P[ends[k + 1]] = _mv(J[ends[k] - 1], P[ends[k]])
-
-    # ---- down-sweep: T <- a[l]; a[l] <- a[r]; a[r] <- a[r] ◇ T = T · a[r] ------------------------
-    for level in reversed(lv[:L]):
-        half, step = level.step // 2, level.step
-        l0 = level.first_l
-        r0 = l0 + half if level.full > 0 else level.tail[1]
-        P[r0] = spine[l0]  # k = 0: the prefix of the spine is I, so a[r] = T and a[l] = I
-        if level.full > 1:
-            ls = slice(l0 + step, l0 + step * (level.full - 1) + step, step)
-            rs = slice(l0 + half + step, l0 + half + step * (level.full - 1) + step, step)
-            Pr = P[rs].clone()
-            P[rs] = _mv(J[ls.start - 1 : ls.stop - 1 : step], Pr)
-            P[ls] = Pr
-        if level.tail is not None and level.full > 0:
-            tl, tr = level.tail
-            Pr = P[tr].clone()
-            P[tr] = _mv(J[tl - 1], Pr)
-            P[tl] = Pr
-    return P[1:]
+    # Down-sweep T <- a[l]; a[l] <- a[r]; a[r] <- a[r] ◇ T = T · a[r]: a left child inherits its
+    # parent's prefix, a right child gets (left sibling's value) · (parent's prefix): matrix-vector.
+    for spine_d, left, carry in reversed(saved):
+        pairs = left.shape[0]
+        parent = Q[:pairs]
+        kids = torch.stack([parent, _mv(left, parent)], 1).reshape((2 * pairs,) + tuple(g.shape))
+        # block 1's prefix is block 0's value (the spine's prefix is I); a carried block keeps its own
+        Q = torch.cat([spine_d.unsqueeze(0), kids] + ([Q[pairs:pairs + 1]] if carry else []))
+    return Q
 
 
 def linear_scan(g: torch.Tensor, J: torch.Tensor) -> torch.Tensor:

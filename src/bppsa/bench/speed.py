@@ -22,12 +22,11 @@ from ..scan import blelloch_scan, linear_scan
 from .timing import PhaseTimer
 
 
-def _time(fn, repeats: int, warmup: int, setup=None) -> list[float]:
+def _time(fn, repeats: int, warmup: int) -> list[float]:
     out = []
     for i in range(warmup + repeats):
-        arg = setup() if setup else None
         t0 = time.perf_counter()
-        fn(arg)
+        fn(None)
         dt = time.perf_counter() - t0
         if i >= warmup:
             out.append(dt)
@@ -86,8 +85,7 @@ def run(seq_len: int, batches: list[int], hidden: int = 20, layouts=("fused", "p
         g = h_last.grad
         J = backend.rnn_jacobians_t(h.detach(), model.cell.weight_hh_l0.detach(), "fused")
         for L_m in L_ms:
-            add("scan_blelloch", _time(lambda Jw: blelloch_scan(g, Jw, L_m, inplace=True), repeats, warmup,
-                                       setup=J.clone), layout="fused", L_m=L_m)
+            add("scan_blelloch", _time(lambda _: blelloch_scan(g, J, L_m), repeats, warmup), layout="fused", L_m=L_m)
         add("scan_linear", _time(lambda _: linear_scan(g, J), repeats, warmup), layout="fused")
         add("scan_associative_generic", _time(lambda _: associative_scan_generic(g, J), repeats, warmup), layout="fused")
         ref = linear_scan(g, J)

@@ -7,11 +7,13 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.patches import Patch
 
 from ..results import load_all
 from .common import VARIANT_NAME, VARIANT_STYLE, device_colors, provenance, save, variant
 
 PHASES = ["forward", "jacobian", "backward", "optimizer"]
+HATCH = ["//", "", "xx"]  # one per variant: baseline, then the BPPSA layouts
 PHASE_COLOR = {"forward": "#4c72b0", "jacobian": "#dd8452", "backward": "#c44e52", "optimizer": "#8c8c8c"}
 
 
@@ -141,7 +143,7 @@ def fig_breakdown(s: pd.DataFrame, axis: str, out: str | Path) -> None:
     fixed = _fixed_values(s, axis)
     d = _sweep(s, axis, fixed)
     devices = sorted(d["device_label"].unique(), key=lambda v: ("reference" in v, v))
-    fig, axes = plt.subplots(len(devices), 1, figsize=(7.2, 3.4 * len(devices)), squeeze=False)
+    fig, axes = plt.subplots(len(devices), 1, figsize=(10, 3.4 * len(devices)), squeeze=False)
     for ax, dev in zip(axes[:, 0], devices):
         g = d[d["device_label"] == dev]
         xs = sorted(g[axis].unique(), reverse=(axis == "batch"))
@@ -155,15 +157,17 @@ def fig_breakdown(s: pd.DataFrame, axis: str, out: str | Path) -> None:
                                  for v in xs])
                 vals = np.nan_to_num(vals)
                 ax.bar(np.arange(len(xs)) + (j - (len(variants) - 1) / 2) * width, vals, width, bottom=bottom,
-                       color=PHASE_COLOR[phase], edgecolor="k", linewidth=0.4,
-                       label=phase if j == len(variants) - 1 else None, hatch=["//", "", ".."][j % 3])
+                       color=PHASE_COLOR[phase], edgecolor="k", linewidth=0.4, hatch=HATCH[j % len(HATCH)])
                 bottom += vals
         ax.set_xticks(np.arange(len(xs)))
         ax.set_xticklabels([str(v) if axis == "seq_len" else f"1/{v}" for v in xs])
-        ax.set_xlabel(XLABEL[axis] + "   (bars left to right: " + ", ".join(variants) + "; hatched: baseline)")
+        ax.set_xlabel(XLABEL[axis])
         ax.set_ylabel("runtime / baseline runtime")
         ax.set_title(dev, fontsize=9)
-        ax.legend(fontsize=7, ncol=4)
+        handles = [Patch(facecolor=PHASE_COLOR[p], edgecolor="k", linewidth=0.4, label=p) for p in PHASES]
+        handles += [Patch(facecolor="white", edgecolor="k", hatch=HATCH[j % len(HATCH)], label=VARIANT_NAME[v])
+                    for j, v in enumerate(variants)]
+        ax.legend(handles=handles, fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle("Runtime breakdown per iteration, normalised by the baseline\n"
                  + provenance(d, f"means of n={int(d['n'].min())} iterations"), fontsize=8)

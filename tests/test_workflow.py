@@ -1,0 +1,36 @@
+"""The RNN part of the DAG end to end on a tiny configuration: data -> verify -> bench -> figures."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_rnn_workflow_end_to_end(tmp_path):
+    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    cfg.update(profile="tiny", bench={"warmup": 1, "iters": 2}, bitstream={"samples": 48, "seed": 0})
+    cfg["rnn"].update(seq_lens=[5, 9], batch_at_seq_len=4, batches=[2, 4], seq_len_at_batch=9,
+                      curves={"seq_len": 9, "batch": 4, "epochs": 2}, speed={"seq_len": 9, "batches": [2]})
+    conf = tmp_path / "tiny.yaml"
+    conf.write_text(yaml.safe_dump(cfg))
+    targets = ["results/fig_7.png"] + [f"results/fig_8_{p}.png" for p in "abcdef"]
+    r = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", str(conf),
+                        "--directory", str(tmp_path), *targets],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    for t in targets:
+        png = tmp_path / t
+        assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    rnn = tmp_path / "results" / "cpu" / "rnn"
+    bench = pd.concat(pd.read_csv(p) for p in rnn.glob("bench_*.csv"))
+    assert set(bench["seq_len"]) == {5, 9} and set(bench["batch"]) == {2, 4}
+    assert set(bench["profile"]) == {"tiny"}
+    # every BPPSA configuration that was timed was verified first, and the check passed
+    for (T, B, layout), _ in bench[bench["method"] == "bppsa"].groupby(["seq_len", "batch", "layout"]):
+        assert (rnn / f"verify_T{T}_B{B}_{layout}.json").exists()
+    assert not list(tmp_path.rglob("*.tmp*")), "temporary files were left behind"
