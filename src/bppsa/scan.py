@@ -118,9 +118,10 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> t
         pairs = (K - 2) // 2  # pairs j >= 1 (block 2j is A[2j-1], block 2j+1 is A[2j])
         carry = (K - 2) % 2 == 1
         left = A[1:2 * pairs:2].contiguous()
-        nxt = torch.matmul(A[2:2 * pairs + 1:2], left)
+        nxt = A.new_empty((pairs + carry,) + tuple(A.shape[1:]))  # written in place: no cat copies
+        torch.matmul(A[2:2 * pairs + 1:2], left, out=nxt[:pairs])
         if carry:
-            nxt = torch.cat([nxt, A[-1:]])
+            nxt[pairs] = A[-1]
         saved.append((spine, left, carry))
         spine = _mv(A[0], spine)  # the spine's pair is matrix-vector
         A, K = nxt, (K + 1) // 2
@@ -136,10 +137,15 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> t
     # parent's prefix, a right child gets (left sibling's value) · (parent's prefix): matrix-vector.
     for spine_d, left, carry in reversed(saved):
         pairs = left.shape[0]
-        parent = Q[:pairs]
-        kids = torch.stack([parent, _mv(left, parent)], 1).reshape((2 * pairs,) + tuple(g.shape))
+        Qn = Q.new_empty((1 + 2 * pairs + carry,) + tuple(g.shape))
         # block 1's prefix is block 0's value (the spine's prefix is I); a carried block keeps its own
-        Q = torch.cat([spine_d.unsqueeze(0), kids] + ([Q[pairs:pairs + 1]] if carry else []))
+        Qn[0] = spine_d
+        kids = Qn[1:1 + 2 * pairs].view((pairs, 2) + tuple(g.shape))
+        kids[:, 0] = Q[:pairs]
+        kids[:, 1] = _mv(left, Q[:pairs])
+        if carry:
+            Qn[-1] = Q[pairs]
+        Q = Qn
     return Q
 
 

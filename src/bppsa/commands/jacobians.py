@@ -1,0 +1,102 @@
+"""`bppsa jacobians-table1` (measure) and `bppsa table1` (write the text): Table 1 of the paper."""
+from __future__ import annotations
+
+import platform
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .. import io
+from ..jacobians import sparse as sj
+from .common import add_runtime_args, setup
+
+# VGG-11's first conv, ReLU and max-pool on a 32x32 image (the paper's Table 1 examples)
+C_IN, C_OUT, SIZE, KERNEL, PADDING, POOL = 3, 64, 32, 3, 1, 2
+
+
+def register(sub) -> None:
+    p = sub.add_parser("jacobians-table1", help="Table 1: guaranteed-zero sparsity and analytic-vs-autograd generation time (CSV)")
+    p.add_argument("--repeats-analytic", type=int, default=20, help="timed analytic generations per operator (the paper: 1000)")
+    p.add_argument("--repeats-autograd", type=int, default=1, help="timed column-by-column autograd generations per operator (the paper: 1000)")
+    p.add_argument("--mkldnn", action="store_true",
+                   help="let autograd use oneDNN for the conv (off by default: on CPU its per-call overhead makes "
+                        "single-column backward passes ~30x slower, which would flatter the analytic routine)")
+    p.add_argument("--data-label", default="random input (sparsity and timing do not depend on it)")
+    p.add_argument("--out", required=True, help="CSV of raw timings, one row per operator x method x repeat")
+    add_runtime_args(p)
+    p.set_defaults(func=_measure)
+
+    p = sub.add_parser("table1", help="write results/table_1_last_column.txt from the measured CSVs")
+    p.add_argument("--results", default="results")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_text)
+
+
+def _operators(seed: int):
+    """(name, analytic generator, function for autograd, its input, expression kwargs) in the paper's order."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(C_OUT, C_IN, KERNEL, KERNEL, generator=g) * (2.0 / (C_IN * KERNEL * KERNEL)) ** 0.5
+    x = torch.randn(C_IN, SIZE, SIZE, generator=g)
+    conv_out = torch.nn.functional.conv2d(x[None], w, padding=PADDING)[0]
+    relu_out = torch.relu(conv_out)
+    _, pool_idx = torch.nn.functional.max_pool2d(relu_out[None], POOL, stride=POOL, return_indices=True)
+    conv_np, relu_np = conv_out.numpy(), relu_out
+    return [
+        ("Convolution", "conv2d",
+         lambda: sj.conv2d_jacobian_t(w, (C_IN, SIZE, SIZE), PADDING, dtype=np.float32),
+         lambda t: torch.nn.functional.conv2d(t[None], w, padding=PADDING)[0], x,
+         dict(c=C_IN, h=SIZE, w=SIZE, hf=KERNEL, wf=KERNEL)),
+        ("ReLU", "relu",
+         lambda: sj.relu_jacobian_t(conv_np, dtype=np.float32),
+         torch.relu, conv_out,
+         dict(c=C_OUT, h=SIZE, w=SIZE)),
+        # the forward pass's pool indices are taken as given, as in the paper's Algorithm 8
+        ("Max-pooling", "maxpool2d",
+         lambda: sj.maxpool2d_jacobian_t(relu_np, POOL, indices=pool_idx[0], dtype=np.float32),
+         lambda t: torch.nn.functional.max_pool2d(t[None], POOL, stride=POOL)[0], relu_out,
+         dict(c=C_OUT, h=SIZE, w=SIZE, hf=POOL, wf=POOL)),
+    ]
+
+
+def _measure(args) -> int:
+    setup(args)
+    if args.repeats_analytic < 1 or args.repeats_autograd < 1:
+        raise ValueError("--repeats-analytic and --repeats-autograd must be >= 1")
+    rows = []
+    meta = dict(profile=args.profile, device_slug=args.device_slug, processor=platform.processor() or platform.machine(),
+                threads=torch.get_num_threads(), mkldnn=bool(args.mkldnn), data=args.data_label)
+    for name, op, analytic, f, x, expr in _operators(args.seed):
+        M = analytic()  # warm-up, and the matrix the autograd result is checked against
+        sparsity = sj.guaranteed_sparsity(M)
+        common = dict(operator=name, op=op, rows=M.shape[0], cols=M.shape[1], nnz=M.nnz, sparsity=sparsity,
+                      sparsity_expression=sj.sparsity_expression(op, **expr), csr_mb=(M.data.nbytes + M.indices.nbytes + M.indptr.nbytes) / 2**20,
+                      dense_mb=M.shape[0] * M.shape[1] * 4 / 2**20, **meta)
+        for i in range(args.repeats_analytic):
+            t0 = time.perf_counter()
+            analytic()
+            rows.append(dict(common, method="analytic", repeat=i, seconds=time.perf_counter() - t0))
+        with torch.backends.mkldnn.flags(enabled=args.mkldnn):
+            for i in range(args.repeats_autograd):
+                t0 = time.perf_counter()
+                A = sj.autograd_jacobian_t_columns(f, x)
+                rows.append(dict(common, method="autograd-columns", repeat=i, seconds=time.perf_counter() - t0))
+                if i == 0:
+                    # autograd drops the explicit zeros the analytic CSR keeps, so compare values
+                    err = abs(A - M).max() if A.nnz or M.nnz else 0.0
+                    if err > 1e-5:
+                        raise RuntimeError(f"{name}: analytic and autograd transposed Jacobians differ by {err:.3e}")
+        an = np.mean([r["seconds"] for r in rows if r["operator"] == name and r["method"] == "analytic"])
+        ag = np.mean([r["seconds"] for r in rows if r["operator"] == name and r["method"] == "autograd-columns"])
+        print(f"{name}: sparsity {sparsity:.5f}; analytic {an * 1e3:.2f} ms, autograd by columns {ag:.2f} s, speedup {ag / an:.3g}x",
+              flush=True)
+    io.write_csv(args.out, pd.DataFrame(rows))
+    return 0
+
+
+def _text(args) -> int:
+    from ..plots.table1 import write_table1
+
+    write_table1(args.results, args.out)
+    return 0

@@ -1,0 +1,186 @@
+"""`bppsa vgg11-train`, `bppsa vgg11-flops` and `bppsa fig10`: the pruned VGG-11 micro-benchmark (Sec 4.3, 5.3)."""
+from __future__ import annotations
+
+import resource
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .. import flops as fl
+from .. import io
+from ..data import cifar
+from ..models import vgg
+from .common import add_runtime_args, optional_int, setup
+
+
+def _data_args(p) -> None:
+    p.add_argument("--source", default="standin", help="CIFAR-10 source: download | standin | <path> (config cifar10.source)")
+    p.add_argument("--data-root", default="data/cifar10", help="where the download goes (config cifar10.root)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("vgg11-train", help="train VGG-11, prune it by magnitude, retrain with masks held; accuracies (CSV)")
+    _data_args(p)
+    p.add_argument("--width", type=float, default=1.0, help="conv width multiplier (1.0 = the real VGG-11)")
+    p.add_argument("--epochs", type=int, required=True, help="training epochs (the paper: 100)")
+    p.add_argument("--retrain-epochs", type=int, required=True, help="retraining epochs after pruning (the paper: 100)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--no-augment", dest="augment", action="store_false")
+    p.add_argument("--prune", type=float, default=0.97, help="fraction of conv and linear weights pruned")
+    p.add_argument("--scheme", choices=vgg.SCHEMES, default="class-uniform")
+    p.add_argument("--out-models", required=True, help="checkpoint with the trained and the pruned-retrained weights")
+    p.add_argument("--out", required=True, help="accuracy CSV")
+    add_runtime_args(p)
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("vgg11-flops", help="static FLOP analysis of BPPSA and the BP baseline over CSR Jacobians (CSV)")
+    _data_args(p)
+    p.add_argument("--models", default=None, help="checkpoint from vgg11-train (omit with --untrained)")
+    p.add_argument("--untrained", action="store_true",
+                   help="analyse a freshly initialised network pruned by magnitude instead (a budget check only)")
+    p.add_argument("--width", type=float, default=1.0, help="with --untrained: width multiplier")
+    p.add_argument("--prune", type=float, default=0.97, help="with --untrained: pruned fraction")
+    p.add_argument("--scheme", choices=vgg.SCHEMES, default="class-uniform")
+    p.add_argument("--networks", nargs="+", choices=["pruned", "dense"], default=["pruned", "dense"])
+    p.add_argument("--samples", type=int, default=2, help="test images analysed (one batch, one scan per sample)")
+    p.add_argument("--L-m", dest="L_m", type=optional_int, default=2,
+                   help="up-sweep levels before the linear middle scan (the paper: L0-L2, i.e. 2; 'none' = full)")
+    p.add_argument("--keep-zeros", dest="drop_zeros", action="store_false",
+                   help="count input-dependent zeros as stored (default: every zero value is skipped)")
+    p.add_argument("--dense-limit-gb", type=float, default=2.0, help="memory cap of the dense-GEMM fast path of a product")
+    p.add_argument("--out", required=True, help="per-product CSV")
+    p.add_argument("--out-summary", default=None, help="per-sample totals and the run's time and peak memory (CSV)")
+    add_runtime_args(p)
+    p.set_defaults(func=_flops)
+
+    p = sub.add_parser("fig10", help="Fig 10 from results/*/vgg11/flops.csv")
+    p.add_argument("--results", default="results")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_fig10)
+
+
+def _train(args) -> int:
+    dev = setup(args)
+    torch.manual_seed(args.seed)
+    data = cifar.load(args.source, args.data_root, seed=args.seed)
+    model = vgg.VGG11(width=args.width).to(dev)
+    cfg = vgg.TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+                          augment=args.augment, seed=args.seed)
+    rows = []
+    log = lambda phase: (lambda r: print(f"[{phase}] epoch {r['epoch']}: loss {r['train_loss']:.4f} ({r['seconds']:.1f} s)", flush=True))  # noqa: E731
+
+    t0 = time.perf_counter()
+    hist = vgg.train(model, data.x_train, data.y_train, cfg, log=log("train"))
+    acc_dense = vgg.accuracy(model, data.x_test, data.y_test)
+    rows.append(dict(network="dense", stage="trained", epochs=args.epochs, top1=acc_dense, seconds=time.perf_counter() - t0,
+                     final_train_loss=hist[-1]["train_loss"] if hist else float("nan"), pruned_fraction=vgg.pruned_fraction(model)["all"]))
+    dense_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+    masks = vgg.magnitude_masks(model, args.prune, args.scheme)
+    vgg.apply_masks(model, masks)
+    rows.append(dict(network="pruned", stage="pruned, before retraining", epochs=0, top1=vgg.accuracy(model, data.x_test, data.y_test),
+                     seconds=0.0, final_train_loss=float("nan"), pruned_fraction=vgg.pruned_fraction(model)["all"]))
+    t0 = time.perf_counter()
+    hist = vgg.train(model, data.x_train, data.y_train, vgg.TrainConfig(**{**cfg.__dict__, "epochs": args.retrain_epochs}),
+                     masks=masks, log=log("retrain"))
+    frac = vgg.pruned_fraction(model)
+    rows.append(dict(network="pruned", stage="retrained", epochs=args.retrain_epochs, top1=vgg.accuracy(model, data.x_test, data.y_test),
+                     seconds=time.perf_counter() - t0, final_train_loss=hist[-1]["train_loss"] if hist else float("nan"),
+                     pruned_fraction=frac["all"]))
+    paper = {"trained": 0.901, "retrained": 0.889}
+    df = pd.DataFrame(rows)
+    df["paper_top1"] = df["stage"].map(paper)  # the paper's CIFAR-10 accuracies, for reference only
+    df["data"], df["width"], df["prune"], df["scheme"] = data.name, args.width, args.prune, args.scheme
+    df["profile"], df["device_slug"], df["train_size"], df["test_size"] = args.profile, args.device_slug, len(data.y_train), len(data.y_test)
+    df["per_layer_pruned"] = "; ".join(f"{k}={v:.4f}" for k, v in frac.items() if k != "all")
+    print(df[["network", "stage", "top1", "paper_top1", "pruned_fraction"]].to_string(index=False))
+    with io.atomic_path(args.out_models, suffix=".pt") as tmp:
+        torch.save({"width": args.width, "data": data.name, "dense": dense_state,
+                    "pruned": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                    "masks": masks, "prune": args.prune, "scheme": args.scheme}, tmp)
+    io.write_csv(args.out, df)
+    return 0
+
+
+def _networks(args) -> tuple[dict[str, vgg.VGG11], str | None]:
+    if args.untrained:
+        torch.manual_seed(args.seed)
+        dense = vgg.VGG11(width=args.width)
+        pruned = vgg.VGG11(width=args.width)
+        pruned.load_state_dict(dense.state_dict())
+        vgg.apply_masks(pruned, vgg.magnitude_masks(pruned, args.prune, args.scheme))
+        return {"dense": dense, "pruned": pruned}, None
+    if not args.models:
+        raise ValueError("vgg11-flops needs --models (a vgg11-train checkpoint) or --untrained")
+    ck = torch.load(args.models, map_location="cpu", weights_only=False)
+    nets = {}
+    for name in ("dense", "pruned"):
+        m = vgg.VGG11(width=ck["width"])
+        m.load_state_dict(ck[name])
+        nets[name] = m
+    args.width, args.prune, args.scheme = ck["width"], ck["prune"], ck["scheme"]
+    return nets, ck["data"]
+
+
+def _flops(args) -> int:
+    setup(args)
+    if args.samples < 1:
+        raise ValueError("--samples must be >= 1")
+    t_start = time.perf_counter()
+    nets, trained_on = _networks(args)
+    data = cifar.load(args.source, args.data_root, seed=args.seed)
+    if trained_on is not None and trained_on != data.name:
+        raise ValueError(f"the models were trained on '{trained_on}' but --source gives '{data.name}'")
+    x, y = data.x_test[: args.samples], data.y_test[: args.samples]
+    dtype = np.float64 if args.dtype == "float64" else np.float32
+    gemm_kw = dict(dense_limit_bytes=int(args.dense_limit_gb * 2**30))
+    records, summary = [], []
+    for net in args.networks:
+        model = nets[net].double() if dtype == np.float64 else nets[net].float()
+        model.eval()
+        xb = x.to(next(model.parameters()).dtype).requires_grad_(False)
+        feats = model.features(xb).detach().requires_grad_(True)
+        loss = torch.nn.functional.cross_entropy(model.classifier(feats.flatten(1)), y)  # one real batch
+        (g,) = torch.autograd.grad(loss, feats)
+        for s in range(args.samples):
+            t0 = time.perf_counter()
+            res = fl.analyse_sample(model.features, xb[s].detach(), g[s], args.L_m, drop_zeros=args.drop_zeros, dtype=dtype, **gemm_kw)
+            secs = time.perf_counter() - t0
+            ops = res["ops"]
+            records += fl.ops_records(ops, network=net, sample=s)
+            scan_ops = [o for o in ops if o.phase != "baseline"]
+            base = [o for o in ops if o.phase == "baseline"]
+            summary.append(dict(network=net, sample=s, seconds=secs,
+                                bppsa_critical_flop=sum(o.flop for o in scan_ops if o.critical),
+                                bppsa_total_flop=sum(o.flop for o in scan_ops),
+                                bppsa_max_step_flop=max(o.flop for o in scan_ops),
+                                baseline_total_flop=sum(o.flop for o in base),
+                                baseline_max_step_flop=max(o.flop for o in base),
+                                bppsa_steps=len({(o.phase, o.d) for o in scan_ops if o.phase != "middle"}) + sum(o.phase == "middle" for o in scan_ops),
+                                baseline_steps=len(base)))
+            print(f"[{net}] sample {s}: {secs:.1f} s; BPPSA critical path {summary[-1]['bppsa_critical_flop']:.3g} FLOP "
+                  f"(max step {summary[-1]['bppsa_max_step_flop']:.3g}), BP {summary[-1]['baseline_total_flop']:.3g} FLOP "
+                  f"(max step {summary[-1]['baseline_max_step_flop']:.3g})", flush=True)
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+    meta = dict(profile=args.profile, device_slug=args.device_slug, data=data.name, width=args.width, prune=args.prune,
+                scheme=args.scheme, L_m="none" if args.L_m is None else args.L_m, drop_zeros=args.drop_zeros,
+                models="untrained, pruned by magnitude" if args.untrained else "trained / pruned-retrained")
+    df = pd.DataFrame(records).assign(**meta)
+    io.write_csv(args.out, df)
+    if args.out_summary:
+        sm = pd.DataFrame(summary).assign(**meta, run_seconds=time.perf_counter() - t_start, peak_rss_gb=peak_gb,
+                                          threads=torch.get_num_threads())
+        io.write_csv(args.out_summary, sm)
+    print(f"total {time.perf_counter() - t_start:.1f} s, peak RSS {peak_gb:.2f} GiB", flush=True)
+    return 0
+
+
+def _fig10(args) -> int:
+    from ..plots.fig10 import plot_fig10
+
+    plot_fig10(args.results, args.out)
+    return 0

@@ -1,0 +1,281 @@
+"""Static FLOP analysis of BPPSA over CSR transposed Jacobians (Sec 4.3, 5.3, Fig 10).
+
+For one sample, the chain of transposed Jacobians of a network's conv part (conv, ReLU, max-pool)
+is scanned with exactly the schedule of :func:`bppsa.scan.blelloch_scan` -- the same
+:func:`bppsa.scan.levels`, node values at the last index of their block, the left spine carrying
+vectors, a linear scan over the blocks of level ``L_m`` in the middle, then the matching down-sweep
+(matrix-vector).  Every product is carried out for real with scipy CSR operands (so the next step
+sees the product's true structure and the final gradients can be checked against autograd), and its
+cost is counted as
+
+    FLOP(A @ B) = 2 * sum_k nnz(A[:, k]) * nnz(B[k, :])
+
+(a multiply and an add per pair of non-zeros that meet), with a gradient vector counted as a
+one-column matrix of its non-zeros.  The baseline is ordinary back-propagation: each layer's
+transposed Jacobian times the incoming gradient vector, in sequence.
+
+Which zeros count: the Jacobians are built with ``drop_zeros=True`` by default -- pruned weights,
+inactive ReLUs and losing pool inputs are not stored, and scipy drops exact zeros from every product
+-- i.e. the FLOP a sparse kernel that skips every zero value would perform.  ``drop_zeros=False``
+keeps the input-dependent zeros (only guaranteed zeros skipped; pruned weights still count).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+from torch import nn
+
+from . import scan as _scan
+from .jacobians import sparse as _sj
+
+__all__ = [
+    "product_flop",
+    "spgemm",
+    "Op",
+    "scan_with_flops",
+    "baseline_with_flops",
+    "layer_chain",
+    "analyse_sample",
+    "level_label",
+]
+
+
+def _col_nnz(A: sp.csr_matrix) -> np.ndarray:
+    return np.bincount(A.indices, minlength=A.shape[1]).astype(np.int64)
+
+
+def _row_nnz(B) -> np.ndarray:
+    if isinstance(B, np.ndarray):  # a gradient vector: a one-column matrix
+        return (B != 0).astype(np.int64)
+    return np.diff(B.indptr).astype(np.int64)
+
+
+def product_flop(A: sp.csr_matrix, B) -> int:
+    """2 * sum_k nnz(A[:, k]) * nnz(B[k, :]); ``B`` is a CSR matrix or a dense vector."""
+    if A.shape[1] != B.shape[0]:
+        raise ValueError(f"shapes {A.shape} and {B.shape} do not chain")
+    return 2 * int(np.dot(_col_nnz(A), _row_nnz(B)))
+
+
+def spgemm(A: sp.csr_matrix, B: sp.csr_matrix, *, dense_limit_bytes: int = 1 << 30, dense_min_flop: float = 2e9) -> sp.csr_matrix:
+    """``A @ B`` as CSR with exact zeros removed.
+
+    Large, dense-ish products (an unpruned network's deep up-sweep levels) are far faster as one
+    BLAS GEMM over the rows, inner indices and columns that actually carry non-zeros; the result
+    is the same matrix (an entry with no contributing pair is an exact 0 either way).
+    """
+    ca, rb = _col_nnz(A), _row_nnz(B)
+    flop = 2 * int(np.dot(ca, rb))
+    if flop >= dense_min_flop:
+        live = np.flatnonzero((ca > 0) & (rb > 0))
+        Ak, Bk = A[:, live].tocsr(), B[live].tocsr()
+        rows = np.flatnonzero(np.diff(Ak.indptr))
+        cols = np.unique(Bk.indices)
+        m, k, n = len(rows), len(live), len(cols)
+        if (m * k + k * n + m * n) * A.dtype.itemsize <= dense_limit_bytes:
+            Ad = torch.from_numpy(Ak[rows].toarray())
+            Bd = torch.from_numpy(Bk[:, cols].toarray())
+            Cd = (Ad @ Bd).numpy()
+            del Ad, Bd
+            r, c = np.nonzero(Cd)
+            C = sp.csr_matrix((Cd[r, c], (rows[r], cols[c])), shape=(A.shape[0], B.shape[1]))
+            C.sort_indices()
+            return C
+    C = A @ B
+    C.sort_indices()
+    return C
+
+
+@dataclass
+class Op:
+    """One ◇ product of the scan (or one baseline gradient operator)."""
+
+    phase: str  # up | middle | down | baseline
+    d: int  # tree level (-1 for the middle scan and the baseline)
+    level: str  # the paper's level name (L0, L1, ...), 'linear' or 'BP'
+    kind: str  # mm | mv
+    l: int  # scan positions combined (baseline: the layer's position)
+    r: int
+    m: int
+    k: int
+    n: int
+    flop: int
+    nnz_a: int
+    nnz_b: int
+    nnz_out: int
+    layer: str = ""
+    critical: bool = False
+
+    @property
+    def dense_size(self) -> int:
+        return self.m * self.n * self.k
+
+
+def level_label(phase: str, d: int, D: int) -> str:
+    """Level names of the paper's Fig 3 for a tree of ``D`` levels.
+
+    Fig 3 (VGG-11's conv part: 21 Jacobians and the gradient, so ``D = 5``) names the input array
+    L0, the up-sweep levels d = 0..D-2 of Algorithm 1 L1..L_{D-1} ("L0-L4 up-sweep"), the root
+    set to I L_D and the down-sweep levels d = D-1..0 L_{D+1}..L_{2D} ("L5-L10 down-sweep").
+    Hence up-sweep d -> L_{d+1} and down-sweep d -> L_{2D-d}.
+    """
+    if phase == "up":
+        return f"L{d + 1}"
+    if phase == "down":
+        return f"L{2 * D - d}"
+    return "linear" if phase == "middle" else "BP"
+
+
+def _mv(A: sp.csr_matrix, v: np.ndarray) -> np.ndarray:
+    return np.asarray(A @ v).reshape(-1)
+
+
+def scan_with_flops(g: np.ndarray, J: list[sp.csr_matrix], L_m: int | None = None, names: list[str] | None = None, **gemm_kw):
+    """The exclusive scan of ``[g, J[0], ..., J[n-1]]`` on CSR operands, recording every product.
+
+    Mirrors :func:`bppsa.scan.blelloch_scan` step by step (same levels, same pairs, same
+    heterogeneous middle).  Returns ``(out, ops)``: ``out[p-1]`` is the prefix at position ``p``
+    (``out[0] == g``, ``out[k] == J[k-1] ... J[0] g``) and ``ops`` the products in execution order.
+    ``J`` is not modified.
+    """
+    n = len(J)
+    N = n + 1
+    if n == 0:
+        return [], []
+    names = names or [""] * n
+    lv = _scan.levels(N)
+    D = len(lv)
+    L = D if L_m is None else max(0, min(int(L_m), D))
+    A: dict[int, sp.csr_matrix] = {p: J[p - 1] for p in range(1, N)}  # up-sweep workspace
+    spine: dict[int, np.ndarray] = {0: np.asarray(g).reshape(-1)}
+    ops: list[Op] = []
+
+    def blk(p, size):  # the layers a workspace entry covers, earliest layer first
+        lo = max(1, p - size + 1)
+        return names[p - 1] if lo == p else f"{names[p - 1]}..{names[lo - 1]}"
+
+    def rec(phase, d, kind, l, r, a, b, out, layer=""):
+        m, k = a.shape
+        nn_ = 1 if kind == "mv" else b.shape[1]
+        nnz_b = int(np.count_nonzero(b)) if kind == "mv" else b.nnz
+        nnz_out = int(np.count_nonzero(out)) if kind == "mv" else out.nnz
+        ops.append(Op(phase, d, level_label(phase, d, D), kind, l, r, m, k, nn_, product_flop(a, b), a.nnz, nnz_b, nnz_out, layer))
+
+    # up-sweep: a[r] <- a[r] · a[l]
+    for level in lv[:L]:
+        pairs = level.pairs()
+        l0, r0 = pairs[0]
+        spine[r0] = _mv(A[r0], spine[l0])
+        rec("up", level.d, "mv", l0, r0, A[r0], spine[l0], spine[r0], blk(r0, 1 << level.d))
+        for l, r in pairs[1:]:
+            a, b = A[r], A[l]
+            A[r] = spgemm(a, b, **gemm_kw)
+            rec("up", level.d, "mm", l, r, a, b, A[r], blk(r, r - l + (1 << level.d)))
+
+    # middle: linear exclusive scan over the blocks of level L
+    P: dict[int, np.ndarray] = {}
+    size = 1 << L
+    ends = list(range(size - 1, N - 1, size)) + [N - 1]
+    if len(ends) > 1:
+        P[ends[1]] = spine[ends[0]]
+        for i in range(1, len(ends) - 1):
+            e, e2 = ends[i], ends[i + 1]
+            P[e2] = _mv(A[e], P[e])
+            rec("middle", -1, "mv", e, e2, A[e], P[e], P[e2], blk(e, size))
+
+    # down-sweep: T <- a[l]; a[l] <- a[r]; a[r] <- T · a[r]
+    for level in reversed(lv[:L]):
+        pairs = level.pairs()
+        l0, r0 = pairs[0]
+        P[r0] = spine[l0]  # the spine's prefix is I: a data movement, no product
+        for l, r in pairs[1:]:
+            Pr = P[r]
+            P[r] = _mv(A[l], Pr)
+            P[l] = Pr
+            rec("down", level.d, "mv", l, r, A[l], Pr, P[r], blk(l, 1 << level.d))
+
+    _mark_critical(ops)
+    return [P[p] for p in range(1, N)], ops
+
+
+def _mark_critical(ops: list[Op]) -> None:
+    """Ops of one level run in parallel, so the level lasts as long as its costliest op (the one on
+    the critical path); the middle scan and the baseline are sequential, every op is critical."""
+    groups: dict[tuple[str, int], list[Op]] = {}
+    for op in ops:
+        groups.setdefault((op.phase, op.d), []).append(op)
+    for (phase, _), group in groups.items():
+        if phase in ("middle", "baseline"):
+            for op in group:
+                op.critical = True
+        else:
+            max(group, key=lambda o: o.flop).critical = True
+
+
+def baseline_with_flops(g: np.ndarray, J: list[sp.csr_matrix], names: list[str] | None = None):
+    """Ordinary back-propagation: ``v <- J[i] @ v`` for i = 0 .. n-2 (the last Jacobian would only
+    give the gradient of the network's input, which autograd does not compute)."""
+    names = names or [""] * len(J)
+    v = np.asarray(g).reshape(-1)
+    out, ops = [v], []
+    for i in range(len(J) - 1):
+        w = _mv(J[i], v)
+        ops.append(Op("baseline", -1, "BP", "mv", i + 1, i + 2, J[i].shape[0], J[i].shape[1], 1,
+                      product_flop(J[i], v), J[i].nnz, int(np.count_nonzero(v)), int(np.count_nonzero(w)), names[i], True))
+        v = w
+        out.append(v)
+    return out, ops
+
+
+def layer_chain(features: nn.Sequential, x: torch.Tensor, *, drop_zeros: bool = True, dtype=np.float64):
+    """Transposed Jacobians of a conv/ReLU/max-pool chain at one sample ``x`` (C, H, W), in
+    back-propagation order (last layer first), with their layer names; also the activations
+    (``acts[i]`` is the input of layer i, ``acts[-1]`` the output)."""
+    acts = [x.detach()]
+    with torch.no_grad():
+        for layer in features:
+            acts.append(layer(acts[-1].unsqueeze(0))[0])
+    J, names = [], []
+    counters: dict[str, int] = {}
+    for i, layer in enumerate(features):
+        xin = acts[i]
+        if isinstance(layer, nn.Conv2d):
+            if layer.stride != (1, 1) or layer.dilation != (1, 1) or layer.groups != 1 or layer.padding[0] != layer.padding[1]:
+                raise ValueError(f"layer {i} ({layer}): only stride-1, undilated, ungrouped, square-padded convs are supported")
+            m = _sj.conv2d_jacobian_t(layer.weight, tuple(xin.shape), layer.padding[0], drop_zeros=drop_zeros, dtype=dtype)
+            kind = "conv"
+        elif isinstance(layer, nn.ReLU):
+            m = _sj.relu_jacobian_t(xin, drop_zeros=drop_zeros, dtype=dtype)
+            kind = "relu"
+        elif isinstance(layer, nn.MaxPool2d):
+            k = layer.kernel_size if isinstance(layer.kernel_size, int) else layer.kernel_size[0]
+            s = layer.stride if isinstance(layer.stride, int) else layer.stride[0]
+            if s != k or layer.padding not in (0, (0, 0)):
+                raise ValueError(f"layer {i} ({layer}): only max-pooling with stride = window and no padding is supported")
+            m = _sj.maxpool2d_jacobian_t(xin, k, drop_zeros=drop_zeros, dtype=dtype)
+            kind = "pool"
+        else:
+            raise ValueError(f"layer {i} ({type(layer).__name__}) has no analytic transposed Jacobian")
+        counters[kind] = counters.get(kind, 0) + 1
+        J.append(m)
+        names.append(f"{kind}{counters[kind]}")
+    return J[::-1], names[::-1], acts
+
+
+def analyse_sample(features: nn.Sequential, x: torch.Tensor, g: torch.Tensor, L_m: int | None, *, drop_zeros: bool = True, dtype=np.float64, **gemm_kw) -> dict:
+    """The scan and the baseline for one sample; ``g`` is the loss gradient at the features' output.
+
+    Returns a dict with ``ops`` (records of the scan and the baseline) and both gradient lists.
+    """
+    J, names, _ = layer_chain(features, x, drop_zeros=drop_zeros, dtype=dtype)
+    gv = g.detach().cpu().numpy().reshape(-1).astype(dtype)
+    scan_out, scan_ops = scan_with_flops(gv, J, L_m, names, **gemm_kw)
+    base_out, base_ops = baseline_with_flops(gv, J, names)
+    return {"ops": scan_ops + base_ops, "scan": scan_out, "baseline": base_out, "names": names}
+
+
+def ops_records(ops: list[Op], **extra) -> list[dict]:
+    return [dict(asdict(op), dense_size=op.dense_size, **extra) for op in ops]
