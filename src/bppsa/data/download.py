@@ -36,7 +36,8 @@ def fetch(url: str, dest: str | Path, md5: str, timeout: float = 60.0) -> Path:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             if have and resp.status != 206:  # server ignored the range: start over
                 have = 0
-            total = resp.length + have if resp.length is not None else None
+            length = getattr(resp, "length", None)  # file:// responses have none
+            total = length + have if length is not None else None
             with open(part, "ab" if have else "wb") as f, tqdm(
                 total=total, initial=have, unit="B", unit_scale=True, desc=dest.name
             ) as bar:

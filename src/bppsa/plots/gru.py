@@ -1,0 +1,165 @@
+"""Fig 9 (GRU runtime breakdown per MFCC set and batch size) and Fig 13 (GRU training curves)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.patches import Patch
+
+from ..data.irmas import MFCC_SETS
+from ..io import write_csv
+from ..results import load_all
+from .common import VARIANT_NAME, VARIANT_STYLE, device_colors, provenance, save, variant
+
+PHASES = ["forward", "jacobian", "backward", "optimizer"]
+SET_OF_FRAMES = {s.frames: name.upper() for name, s in MFCC_SETS.items()}
+SET_ORDER = [n.upper() for n in MFCC_SETS]
+# The paper's four categories; BP and BPPSA include the optimizer step, as the paper's
+# "full minus nobp" subtraction does.
+SEGMENTS = {"FP": "#4c72b0", "FO": "#dd8452", "BP": "#c44e52", "BPPSA": "#55a868"}
+
+
+def set_name(seq_len: int) -> str:
+    return SET_OF_FRAMES.get(int(seq_len), f"T={int(seq_len)}")
+
+
+def _clean(df: pd.DataFrame) -> pd.DataFrame:
+    # empty strings (baseline rows have no layout) come back from CSV as NaN, which groupby drops
+    for col in ("layout", "backend", "profile"):
+        if col in df:
+            df[col] = df[col].fillna("")
+    return df
+
+
+def summary(bench: pd.DataFrame) -> pd.DataFrame:
+    """Mean seconds per phase and mean/std of the whole iteration, per configuration (full runs)."""
+    full = _clean(bench[bench["mode"] == "full"].copy())
+    keys = ["device_label", "profile", "method", "seq_len", "batch"]
+    wide = full.pivot_table(index=keys + ["iter"], columns="phase", values="seconds", aggfunc="sum", fill_value=0.0)
+    wide = wide.reindex(columns=PHASES, fill_value=0.0).reset_index()
+    wide["total"] = wide[PHASES].sum(axis=1)
+    return wide.groupby(keys).agg(n=("iter", "size"), **{f"{c}_mean": (c, "mean") for c in PHASES + ["total"]},
+                                  total_std=("total", "std")).reset_index()
+
+
+def breakdown(bench: pd.DataFrame) -> pd.DataFrame:
+    """One row per (device, profile, set, B): FP/FO/BP/BPPSA seconds per iteration and speedups."""
+    s = summary(bench)
+    on = ["device_label", "profile", "seq_len", "batch"]
+    base = s[s["method"] == "baseline"].set_index(on)
+    rows = []
+    for _, b in s[s["method"] == "bppsa"].iterrows():
+        key = tuple(b[k] for k in on)
+        if key not in base.index:
+            continue
+        a = base.loc[key]
+        if isinstance(a, pd.DataFrame):
+            a = a.iloc[0]
+        r = {k: b[k] for k in on}
+        r.update(set=set_name(b["seq_len"]), n=int(min(a["n"], b["n"])),
+                 base_FP=a["forward_mean"], base_BP=a["backward_mean"] + a["optimizer_mean"],
+                 FP=b["forward_mean"], FO=b["jacobian_mean"], BPPSA=b["backward_mean"] + b["optimizer_mean"],
+                 base_total_std=a["total_std"], bppsa_total_std=b["total_std"])
+        r["norm"] = r["base_FP"] + r["base_BP"]
+        r["bp_speedup"] = r["base_BP"] / r["BPPSA"]
+        r["overall_speedup"] = r["norm"] / (r["FP"] + r["FO"] + r["BPPSA"])
+        rows.append(r)
+    out = pd.DataFrame(rows)
+    if out.empty:
+        raise FileNotFoundError("no GRU configuration measured with both the baseline and BPPSA")
+    out["set_rank"] = out["set"].map({n: i for i, n in enumerate(SET_ORDER)}).fillna(len(SET_ORDER))
+    return out.sort_values(["device_label", "set_rank", "seq_len", "batch"]).reset_index(drop=True)
+
+
+def fig_9(bench: pd.DataFrame, out: str | Path) -> pd.DataFrame:
+    d = breakdown(bench)
+    devices = sorted(d["device_label"].unique(), key=lambda v: ("reference" in v, v))
+    fig, axes = plt.subplots(len(devices), 1, figsize=(max(9.0, 0.9 * d.groupby("device_label").size().max() + 2),
+                                                       3.8 * len(devices)), squeeze=False)
+    width = 0.38
+    for ax, dev in zip(axes[:, 0], devices):
+        g = d[d["device_label"] == dev].reset_index(drop=True)
+        x = np.arange(len(g))
+        norm = g["norm"].to_numpy()
+        stacks = {"baseline": [("FP", g["base_FP"]), ("BP", g["base_BP"])],
+                  "bppsa": [("FP", g["FP"]), ("FO", g["FO"]), ("BPPSA", g["BPPSA"])]}
+        stds = {"baseline": g["base_total_std"], "bppsa": g["bppsa_total_std"]}
+        for j, (method, segs) in enumerate(stacks.items()):
+            pos = x + (j - 0.5) * width
+            bottom = np.zeros(len(g))
+            for name, vals in segs:
+                v = vals.to_numpy() / norm
+                ax.bar(pos, v, width, bottom=bottom, color=SEGMENTS[name], edgecolor="k", linewidth=0.5,
+                       hatch="//" if method == "baseline" else None)
+                bottom += v
+            err = np.nan_to_num(stds[method].to_numpy() / norm)
+            ax.errorbar(pos, bottom, yerr=err, fmt="none", ecolor="k", capsize=2, lw=0.8)
+            if method == "bppsa":
+                for xi, top, bs, os_ in zip(pos, bottom + err, g["bp_speedup"], g["overall_speedup"]):
+                    ax.annotate(f"bwd {bs:.3g}×\nall {os_:.3g}×", (xi, top), xytext=(0, 2), textcoords="offset points",
+                                ha="center", va="bottom", fontsize=6)
+        ax.axhline(1.0, color="k", lw=0.6, ls=":")
+        ax.set_xticks(x)
+        ax.set_xticklabels([f"{s}\nB={b}" for s, b in zip(g["set"], g["batch"])], fontsize=8)
+        ax.set_xlabel("MFCC set (S: T=259, M: T=517, L: T=1034) and batch size B"
+                      "   (left bar: baseline, hatched; right bar: BPPSA)", fontsize=8)
+        ax.set_ylabel("time per iteration /\nbaseline (FP + BP)")
+        ax.set_ylim(0, max(1.35, float(ax.get_ylim()[1]) * 1.18))  # room for the legend and speedup labels
+        ax.set_title(dev, fontsize=9)
+        handles = [Patch(facecolor=c, edgecolor="k", label=n) for n, c in SEGMENTS.items()]
+        ax.legend(handles=handles, fontsize=7, ncol=4, loc="upper left")
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("GRU runtime breakdown per iteration (Fig 9), normalised by the baseline's FP + BP\n"
+                 "FP forward · FO Jacobian overhead · BP baseline backward · BPPSA scan backward "
+                 "(BP and BPPSA include the optimizer step)\n"
+                 "labels: BPPSA speedup, bwd = BP / BPPSA (excluding FO, like the paper's 13.4×), all = whole iteration\n"
+                 + provenance(_clean(bench), f"means of n={int(d['n'].min())} timed iterations per bar"), fontsize=8)
+    save(fig, out)
+    return d
+
+
+def fig_13(curves: pd.DataFrame, out: str | Path) -> None:
+    curves = _clean(curves).copy()
+    curves["set"] = curves["seq_len"].map(set_name)
+    curves["variant"] = variant(curves)
+    sets = sorted(curves["set"].unique(), key=lambda n: (SET_ORDER.index(n) if n in SET_ORDER else 99, n))
+    colors = device_colors(curves["device_label"])
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.6 * len(sets), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], sets):
+        sub = curves[curves["set"] == name]
+        for (dev, var), g in sub.groupby(["device_label", "variant"]):
+            g = g.sort_values("epoch")
+            style = VARIANT_STYLE.get(var, dict(ls="-", marker="o"))
+            ax.plot(g["wall_clock_s"], g["loss"], color=colors[dev], ls=style["ls"], marker=style["marker"], ms=3,
+                    label=f"{VARIANT_NAME.get(var, var)} · {dev}")
+        spec = MFCC_SETS.get(name.lower())
+        ax.set_title(f"set {name} ({spec.frames} frames × {spec.features} features)" if spec else f"set {name}",
+                     fontsize=9)
+        ax.set_xlabel("wall-clock training time (s)")
+        ax.set_ylabel("training loss (cross-entropy)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    B = ",".join(map(str, sorted(set(curves["batch"]))))
+    lr = ",".join(f"{v:g}" for v in sorted(set(curves["lr"])))
+    epochs = int(curves["epoch"].max())
+    samples = ",".join(map(str, sorted(set(curves["samples"])))) if "samples" in curves else "?"
+    fig.suptitle(f"GRU training curves (Fig 13): B={B}, {epochs} epochs, Adam lr={lr}, {samples} clips\n"
+                 + provenance(curves, "one point per epoch"), fontsize=8)
+    save(fig, out)
+
+
+def plot_all(results: str | Path, out_dir: str | Path) -> list[Path]:
+    results, out_dir = Path(results), Path(out_dir)
+    outs = [out_dir / "fig_9.png", out_dir / "fig_13.png"]
+    bench = load_all(results, "gru", "bench_*.csv")
+    d = fig_9(bench, outs[0])
+    # the numbers behind the bars, for the report (seconds per iteration)
+    d["data"] = ", ".join(sorted(set(map(str, bench["data"])))) if "data" in bench else ""
+    cols = ["device_label", "profile", "data", "set", "seq_len", "batch", "n", "base_FP", "base_BP", "FP", "FO",
+            "BPPSA", "bp_speedup", "overall_speedup"]
+    table = out_dir / "fig_9_data.csv"
+    write_csv(table, d[cols])
+    fig_13(load_all(results, "gru", "curve_*.csv"), outs[1])
+    return outs + [table]
