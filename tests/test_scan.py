@@ -76,3 +76,19 @@ def test_levels_cover_a_tree(N):
 def test_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match="expected g"):
         blelloch_scan(torch.zeros(2, 3), torch.zeros(4, 2, 3, 4))
+
+
+def test_workspace_reuse_never_leaks_into_results():
+    """A reused workspace gives the same answers, and a returned result is never overwritten."""
+    from bppsa.scan import Workspace
+
+    ws = Workspace()
+    g1, J1 = _chain(300, 3, 5, seed=1)
+    g2, J2 = _chain(300, 3, 5, seed=2)
+    out1 = blelloch_scan(g1, J1, workspace=ws)
+    kept = out1.clone()
+    out2 = blelloch_scan(g2, J2, workspace=ws)
+    assert torch.equal(out1, kept)
+    assert _rel(out2, linear_scan(g2, J2)) <= 1e-12
+    g3, J3 = _chain(77, 3, 5, seed=3)  # another shape through the same workspace
+    assert _rel(blelloch_scan(g3, J3, 3, workspace=ws), linear_scan(g3, J3)) <= 1e-12

@@ -16,13 +16,21 @@ BACKENDS = ("auto", "torch", "cupy")
 
 
 class TorchBackend:
+    """Batched torch ops on any device; scratch buffers are reused across iterations."""
+
     name = "torch"
 
+    def __init__(self):
+        self.workspace = _scan.Workspace()
+
     def scan(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> torch.Tensor:
-        return _scan.blelloch_scan(g, J, L_m)
+        return _scan.blelloch_scan(g, J, L_m, self.workspace)
 
     def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str) -> torch.Tensor:
-        return _rec.rnn_jacobians_t(h, W_hh, layout)
+        # the Jacobians are consumed by the scan of the same step, so their buffer can be reused
+        T, B, H = h.shape
+        shape = (T if layout == "fused" else 2 * T, B, H, H)
+        return _rec.rnn_jacobians_t(h, W_hh, layout, out=self.workspace.get(("jacobians", layout), shape, h))
 
 
 def cupy_available() -> bool:

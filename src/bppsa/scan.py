@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "Workspace",
     "Level",
     "levels",
     "num_levels",
@@ -86,12 +87,34 @@ def levels(N: int) -> list[Level]:
     return out
 
 
+class Workspace:
+    """Scratch tensors reused from call to call while the shapes stay the same.
+
+    On the CPU a fresh multi-megabyte tensor comes from ``mmap`` and is page-faulted and zeroed
+    by the kernel at first touch, every iteration (glibc hands large blocks back to the OS on
+    free); at T = 1000, B = 16 that doubled the BPPSA backward.  CUDA's caching allocator makes
+    this unnecessary on a GPU, but harmless.  A workspace belongs to one caller at a time.
+    """
+
+    def __init__(self):
+        self._bufs: dict = {}
+
+    def get(self, key, shape, like: torch.Tensor) -> torch.Tensor:
+        shape = tuple(shape)
+        t = self._bufs.get(key)
+        if t is None or tuple(t.shape) != shape or t.dtype != like.dtype or t.device != like.device:
+            t = self._bufs[key] = like.new_empty(shape)
+        return t
+
+
 def _mv(M: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Batched matrix-vector product: M[..., H, H] @ v[..., H]."""
     return torch.matmul(M, v.unsqueeze(-1)).squeeze(-1)
 
 
-def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> torch.Tensor:
+@torch.no_grad()  # the scan *is* a backward pass; it is never differentiated itself
+def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None,
+                  workspace: Workspace | None = None) -> torch.Tensor:
     """Modified Blelloch exclusive scan (Algorithm 1), optionally heterogeneous.
 
     ``L_m`` is the number of up-sweep levels run before a linear scan over what is left, followed
@@ -103,22 +126,26 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> t
     so every product is one batched matmul on contiguous operands.  (The in-place textbook
     layout, which the CUDA kernels use, needs strided gathers and scatters on the CPU.)  The left
     operands of each level are exactly the ``T`` of the down-sweep, so they are kept for it.
+    Intermediate levels live in ``workspace`` when one is given; the result is always a new tensor.
     """
     if g.dim() != 2 or J.dim() != 4 or J.shape[1:3] != g.shape or J.shape[2] != J.shape[3]:
         raise ValueError(f"expected g [B, H] and J [n, B, H, H], got {tuple(g.shape)} and {tuple(J.shape)}")
     n = J.shape[0]
     depth = num_levels(n + 1)
     L = depth if L_m is None else max(0, min(int(L_m), depth))
+    ws = workspace if workspace is not None else Workspace()
+    vec = tuple(g.shape)
 
     # Level d has K blocks: block 0 is the spine (a vector), blocks 1..K-1 are matrices in A.
     # Up-sweep a[r] <- a[l] ◇ a[r] = a[r] · a[l] pairs blocks (2j, 2j+1); an odd last block carries.
     spine, A, K = g, J, n + 1
     saved = []  # per level: (spine value, left operands, whether the last block carried)
-    for _ in range(L):
+    for d in range(L):
         pairs = (K - 2) // 2  # pairs j >= 1 (block 2j is A[2j-1], block 2j+1 is A[2j])
         carry = (K - 2) % 2 == 1
-        left = A[1:2 * pairs:2].contiguous()
-        nxt = A.new_empty((pairs + carry,) + tuple(A.shape[1:]))  # written in place: no cat copies
+        left = ws.get(("left", d), (pairs,) + tuple(A.shape[1:]), A)
+        left.copy_(A[1:2 * pairs:2])
+        nxt = ws.get(("up", d), (pairs + carry,) + tuple(A.shape[1:]), A)  # written in place: no cat
         torch.matmul(A[2:2 * pairs + 1:2], left, out=nxt[:pairs])
         if carry:
             nxt[pairs] = A[-1]
@@ -127,7 +154,7 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> t
         A, K = nxt, (K + 1) // 2
 
     # Middle: linear exclusive scan over the K blocks left; Q[k-1] is the prefix of block k.
-    Q = g.new_empty((K - 1,) + tuple(g.shape))
+    Q = g.new_empty((K - 1,) + vec) if L == 0 else ws.get(("prefix", L), (K - 1,) + vec, g)
     if K > 1:
         Q[0] = spine
         for k in range(1, K - 1):
@@ -135,12 +162,14 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> t
 
     # Down-sweep T <- a[l]; a[l] <- a[r]; a[r] <- a[r] ◇ T = T · a[r]: a left child inherits its
     # parent's prefix, a right child gets (left sibling's value) · (parent's prefix): matrix-vector.
-    for spine_d, left, carry in reversed(saved):
+    for d in reversed(range(L)):
+        spine_d, left, carry = saved[d]
         pairs = left.shape[0]
-        Qn = Q.new_empty((1 + 2 * pairs + carry,) + tuple(g.shape))
+        shape = (1 + 2 * pairs + carry,) + vec
+        Qn = g.new_empty(shape) if d == 0 else ws.get(("prefix", d), shape, g)
         # block 1's prefix is block 0's value (the spine's prefix is I); a carried block keeps its own
         Qn[0] = spine_d
-        kids = Qn[1:1 + 2 * pairs].view((pairs, 2) + tuple(g.shape))
+        kids = Qn[1:1 + 2 * pairs].view((pairs, 2) + vec)
         kids[:, 0] = Q[:pairs]
         kids[:, 1] = _mv(left, Q[:pairs])
         if carry:
@@ -149,6 +178,7 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> t
     return Q
 
 
+@torch.no_grad()
 def linear_scan(g: torch.Tensor, J: torch.Tensor) -> torch.Tensor:
     """The sequential exclusive scan: what ordinary back-propagation computes, one step at a time."""
     n = J.shape[0]

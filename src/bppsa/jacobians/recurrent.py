@@ -10,7 +10,7 @@ import torch
 LAYOUTS = ("paper", "fused")
 
 
-def rnn_jacobians_t(h: torch.Tensor, W_hh: torch.Tensor, layout: str) -> torch.Tensor:
+def rnn_jacobians_t(h: torch.Tensor, W_hh: torch.Tensor, layout: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """Transposed Jacobians of the Elman tanh RNN ``h_t = tanh(a_t)``, ``a_t = W_ih x_t + W_hh h_{t-1} + b``.
 
     * ``paper``: two per step, as in the paper -- ``(∂h_t/∂a_t)ᵀ = diag(1 - h_t²)`` then
@@ -18,14 +18,17 @@ def rnn_jacobians_t(h: torch.Tensor, W_hh: torch.Tensor, layout: str) -> torch.T
       ``[∇h_T, ∇a_T, ∇h_{T-1}, ∇a_{T-1}, ...]``.
     * ``fused``: one per step, ``(∂h_t/∂h_{t-1})ᵀ = W_hhᵀ diag(1 - h_t²)``; result ``[T, B, H, H]``;
       the scan yields ``[∇h_T, ..., ∇h_1]``.
+
+    ``out`` (optional) is a buffer of the result's shape to write into.
     """
     T, B, H = h.shape
     d = (1 - h * h).flip(0)  # [T, B, H], step T first
     Wt = W_hh.t()
     if layout == "fused":
-        return Wt * d.unsqueeze(-2)  # scale column j of W_hhᵀ by d_j
+        return torch.mul(Wt, d.unsqueeze(-2), out=out)  # scale column j of W_hhᵀ by d_j
     if layout == "paper":
-        J = h.new_zeros((T, 2, B, H, H))
+        J = (out if out is not None else h.new_empty((2 * T, B, H, H))).view(T, 2, B, H, H)
+        J[:, 0].zero_()
         J[:, 0].diagonal(dim1=-2, dim2=-1).copy_(d)
         J[:, 1] = Wt
         return J.view(2 * T, B, H, H)
