@@ -14,3 +14,17 @@ rule make_bitstream:
     shell:
         "bppsa make-bitstream --seq-len {wildcards.T} --samples {params.samples} --seed {params.seed} "
         "--out {output} 2> {log}"
+
+
+rule bench_bitstream:
+    """Budget of the paper's largest set (T = 30,000, 32,000 samples): time, peak memory, size."""
+    output:
+        f"results/{DEVICE}/datasets/bitstream_T30000.csv",
+    threads: workflow.cores
+    log:
+        "logs/bench_bitstream.log",
+    shell:
+        "bppsa bench-bitstream --seq-len 30000 --samples 32000 --out {output} 2> {log}"
+
+
+TARGETS.append(f"results/{DEVICE}/datasets/bitstream_T30000.csv")

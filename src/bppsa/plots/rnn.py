@@ -107,7 +107,7 @@ def fig_latency(s: pd.DataFrame, axis: str, out: str | Path) -> None:
     ax.set_ylabel("backward latency per iteration (ms)")
     other = "B" if axis == "seq_len" else "T"
     fixed_txt = ", ".join(f"{other}={v}" for v in sorted(set(fixed.values())))
-    ax.set_title(f"Backward latency vs {XLABEL[axis].split(' ')[0] if axis == 'seq_len' else '1/B'} ({fixed_txt})\n"
+    ax.set_title(f"Backward latency per iteration vs {'T' if axis == 'seq_len' else '1/B'} ({fixed_txt})\n"
                  + provenance(d, f"mean ± std of n={int(d['n'].min())} iterations"), fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
