@@ -26,6 +26,14 @@ echo "[gpu_reference] 2/4 RNN part of the paper profile"
 # shellcheck disable=SC2086  # RNN_TARGETS is a list of paths
 snakemake --cores "$CORES" --configfile config/paper.yaml $RNN_TARGETS
 
+echo "[gpu_reference] 2b/4 the torch backend on the same GPU, at the headline configurations"
+# a separate results folder (<device>-torch-backend), so the figures overlay it beside the CuPy one
+snakemake --cores "$CORES" --configfile config/paper.yaml --config backend=torch "device_slug=$DEVICE-torch-backend" -- \
+  "results/$DEVICE-torch-backend/rnn/bench_T30000_B16_bppsa-fused.csv" \
+  "results/$DEVICE-torch-backend/rnn/bench_T1000_B16_bppsa-fused.csv" \
+  "results/$DEVICE-torch-backend/rnn/bench_T30000_B16_baseline.csv" \
+  "results/$DEVICE-torch-backend/rnn/bench_T1000_B16_baseline.csv"
+
 echo "[gpu_reference] 3/4 memory-traffic bound of the scan"
 for shape in "1000 16 20" "10000 16 20" "1000 16 64"; do
   read -r T B H <<<"$shape"
@@ -41,10 +49,12 @@ echo "[gpu_reference] 4/4 environment record"
 "$PY" -c "import bppsa.device, json; print(json.dumps(bppsa.device.describe('cuda'), indent=2))" > "$OUT/environment.json.tmp"
 mv "$OUT/environment.json.tmp" "$OUT/environment.json"
 
-REF=results/reference/$DEVICE
 mkdir -p results/reference
-rm -rf "$REF.tmp"
-cp -r "$OUT" "$REF.tmp"
-rm -rf "$REF"
-mv "$REF.tmp" "$REF"
-echo "[gpu_reference] done: $REF"
+for dev in "$DEVICE" "$DEVICE-torch-backend"; do
+  REF=results/reference/$dev
+  rm -rf "$REF.tmp"
+  cp -r "results/$dev" "$REF.tmp"
+  rm -rf "$REF"
+  mv "$REF.tmp" "$REF"
+  echo "[gpu_reference] done: $REF"
+done
