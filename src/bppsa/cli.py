@@ -1,7 +1,7 @@
 """The `bppsa` command line: one sub-command per job the workflow runs.
 
-Every module in :mod:`bppsa.commands` defines ``register(subparsers)``; this file only collects
-them, so each experiment's commands live next to nothing but themselves.
+Every module in :mod:`bppsa.commands` that defines ``register(subparsers)`` contributes its
+commands; this file only collects them, so each experiment's commands live on their own.
 """
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bppsa", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(_commands.__path__), key=lambda m: m.name):
-        importlib.import_module(f"{_commands.__name__}.{info.name}").register(sub)
+        module = importlib.import_module(f"{_commands.__name__}.{info.name}")
+        if hasattr(module, "register"):  # shared helpers (common.py) define no command
+            module.register(sub)
     return parser
 
 

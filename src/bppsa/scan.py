@@ -37,7 +37,6 @@ __all__ = [
     "num_levels",
     "blelloch_scan",
     "linear_scan",
-    "exclusive_scan_reference",
 ]
 
 
@@ -189,8 +188,3 @@ def linear_scan(g: torch.Tensor, J: torch.Tensor) -> torch.Tensor:
     for k in range(1, n):
         out[k] = _mv(J[k - 1], out[k - 1])
     return out
-
-
-def exclusive_scan_reference(g: torch.Tensor, J: torch.Tensor) -> torch.Tensor:
-    """Alias kept for symmetry with the kernels' reference twins."""
-    return linear_scan(g, J)

@@ -10,10 +10,6 @@ from .. import device as _device
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def register(sub) -> None:  # this module defines no command of its own
-    pass
-
-
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
     p.add_argument("--device-slug", default=None, help="device label recorded in the CSV (default: detected)")
