@@ -34,3 +34,11 @@ def test_rnn_workflow_end_to_end(tmp_path):
     for (T, B, layout), _ in bench[bench["method"] == "bppsa"].groupby(["seq_len", "batch", "layout"]):
         assert (rnn / f"verify_T{T}_B{B}_{layout}.json").exists()
     assert not list(tmp_path.rglob("*.tmp*")), "temporary files were left behind"
+
+    # the report renders from whatever was measured, saying what is missing
+    from bppsa.report import build
+
+    report = build(tmp_path / "results")
+    assert "## RNN (Fig 8)" in report and "largest backward speedup" in report
+    assert "| cpu | rnn | float32 | torch | fused |" in report  # the verify results, per group
+    assert "No GRU benchmarks." in report

@@ -1,6 +1,7 @@
 """Which hardware measures: a slug used as the results/<device>/ folder name, and its description."""
 from __future__ import annotations
 
+import os
 import platform
 import re
 
@@ -38,7 +39,8 @@ def describe(device: str | torch.device = "auto") -> dict:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
-        "cpu_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "cpu_threads": torch.get_num_threads(),  # of this process (Snakemake sets OMP_NUM_THREADS per job)
     }
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)

@@ -1,0 +1,17 @@
+# results/report.md: every measured number on one page, rendered last.
+
+REPORT = "results/report.md"
+
+
+rule report:
+    input:
+        lambda wildcards: [t for t in TARGETS if t != REPORT],
+    output:
+        REPORT,
+    log:
+        "logs/report.log",
+    shell:
+        "bppsa report --results results --out {output} 2> {log}"
+
+
+TARGETS.append(REPORT)
