@@ -92,6 +92,18 @@ def _x(df: pd.DataFrame, axis: str):
 XLABEL = {"seq_len": "sequence length T", "batch": "fraction of GPU per sample 1/B"}
 
 
+def _xaxis(ax, d: pd.DataFrame, axis: str) -> None:
+    """Log x-axis ticked at the measured values (1/B written as a fraction, as in the paper)."""
+    from matplotlib.ticker import NullFormatter
+
+    ax.set_xscale("log")
+    vals = sorted(d[axis].unique())
+    ax.set_xticks([v if axis == "seq_len" else 1.0 / v for v in vals])
+    ax.set_xticklabels([str(v) if axis == "seq_len" else f"1/{v}" for v in vals])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel(XLABEL[axis])
+
+
 def fig_latency(s: pd.DataFrame, axis: str, out: str | Path) -> None:
     fixed = _fixed_values(s, axis)
     d = _sweep(s, axis, fixed)
@@ -101,9 +113,8 @@ def fig_latency(s: pd.DataFrame, axis: str, out: str | Path) -> None:
         g = g.sort_values(axis)
         ax.errorbar(_x(g, axis), g["bp_mean"] * 1e3, yerr=g["bp_std"] * 1e3, color=colors[dev],
                     label=f"{VARIANT_NAME[var]} · {dev}", capsize=2, **VARIANT_STYLE[var])
-    ax.set_xscale("log")
+    _xaxis(ax, d, axis)
     ax.set_yscale("log")
-    ax.set_xlabel(XLABEL[axis])
     ax.set_ylabel("backward latency per iteration (ms)")
     other = "B" if axis == "seq_len" else "T"
     fixed_txt = ", ".join(f"{other}={v}" for v in sorted(set(fixed.values())))
@@ -129,9 +140,8 @@ def fig_speedup(s: pd.DataFrame, axis: str, out: str | Path) -> None:
                 label=f"backward (paper's nobp subtraction), {tag}")
         ax.plot(x, g["total_speedup"], "--" + mk, color=colors[dev], alpha=0.6, label=f"whole iteration, {tag}")
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xscale("log")
+    _xaxis(ax, sp, axis)
     ax.set_yscale("log")
-    ax.set_xlabel(XLABEL[axis])
     ax.set_ylabel("speedup of BPPSA over the baseline (×)")
     ax.set_title("BPPSA speedup over the baseline\n" + provenance(_sweep(s, axis, fixed), "ratio of means"), fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
