@@ -1,5 +1,4 @@
 """Bad configuration is rejected before any job runs, naming the key."""
-import shutil
 import subprocess
 import sys
 from pathlib import Path

@@ -3,7 +3,10 @@
 A backend provides two operations, both on torch tensors in the layout of :mod:`bppsa.scan`:
 
 * ``scan(g, J, L_m=None)``: the exclusive scan (a backend may overwrite ``J`` as workspace);
-* ``rnn_jacobians_t(h, W_hh, layout)``: the transposed Jacobians of a tanh RNN in scan order.
+* ``rnn_jacobians_t(h, W_hh, layout)``: the transposed Jacobians of a tanh RNN in scan order;
+
+and a ``workspace`` (:class:`bppsa.scan.Workspace`) into which a model may build Jacobians that
+the same step's scan consumes.
 """
 from __future__ import annotations
 

@@ -50,10 +50,11 @@ def _exactness(results: Path) -> str:
 
 
 def _rnn(results: Path) -> str:
-    from .plots.rnn import speedups, summary
+    from .plots.common import phase_summary
+    from .plots.rnn import speedups
 
     try:
-        sp = speedups(summary(load_all(results, "rnn", "bench_*.csv")))
+        sp = speedups(phase_summary(load_all(results, "rnn", "bench_*.csv")))
     except FileNotFoundError:
         return "No RNN benchmarks."
     sp = sp.sort_values(["device_label", "variant", "seq_len", "batch"])

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..models.recurrent import no_phase
 from .timing import PhaseTimer
 
 METHODS = ("baseline", "bppsa")
@@ -25,7 +26,7 @@ def baseline_backend_name(device: torch.device) -> str:
 def train_step(model, x, y, method: str, backend=None, layout: str = "fused", L_m=None,
                optimizer=None, timer: PhaseTimer | None = None, backward: bool = True) -> torch.Tensor:
     """One training iteration; phases are timed when a timer is given."""
-    phase = timer.phase if timer is not None else (lambda name: _Null())
+    phase = timer.phase if timer is not None else no_phase
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     if method == "baseline":
@@ -38,14 +39,6 @@ def train_step(model, x, y, method: str, backend=None, layout: str = "fused", L_
         with phase("optimizer"):
             optimizer.step()
     return loss
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def time_iterations(model, batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]], method: str, *,

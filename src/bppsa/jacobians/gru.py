@@ -42,8 +42,10 @@ def gru_gates(x: torch.Tensor, h: torch.Tensor, W_ih, W_hh, b_ih, b_hh, h0: torc
 
 
 @torch.no_grad()  # the Jacobians are the scan's data, never differentiated themselves
-def gru_jacobians_t(g: Gates, W_hh: torch.Tensor) -> torch.Tensor:
-    """``[T, B, H, H]`` transposed Jacobians ``(∂h_t/∂h_{t-1})ᵀ``; ``J[k]`` belongs to t = T - k."""
+def gru_jacobians_t(g: Gates, W_hh: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[T, B, H, H]`` transposed Jacobians ``(∂h_t/∂h_{t-1})ᵀ``; ``J[k]`` belongs to t = T - k.
+
+    ``out`` (optional) is a buffer of that shape to write into."""
     T, B, H = g.r.shape
     dN = (1 - g.z) * (1 - g.n * g.n)  # ∂h/∂N, elementwise
     coef = (  # scan order (step T first), broadcast over the rows i of each [H, H] block
@@ -54,7 +56,7 @@ def gru_jacobians_t(g: Gates, W_hh: torch.Tensor) -> torch.Tensor:
     Wt = W_hh.view(3, H, H).transpose(1, 2)  # Wt[g] = W_hgᵀ
     # Column j of W_hgᵀ scaled by coef_g[j]; written into a contiguous buffer because the scan's
     # strided batched matmuls are markedly slower on a transposed layout.
-    J = torch.empty((T, B, H, H), dtype=W_hh.dtype, device=W_hh.device)
+    J = out if out is not None else torch.empty((T, B, H, H), dtype=W_hh.dtype, device=W_hh.device)
     torch.mul(Wt[0], coef[0], out=J)
     J.addcmul_(Wt[1], coef[1])
     J.addcmul_(Wt[2], coef[2])

@@ -192,6 +192,7 @@ class CupyBackend:
 
     def __init__(self):
         _import_cupy()
+        self.workspace = _scan.Workspace()  # for Jacobians built outside the kernels (the GRU's)
 
     def scan(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> torch.Tensor:
         if g.dim() != 2 or J.dim() != 4 or J.shape[1:3] != g.shape or J.shape[2] != J.shape[3]:

@@ -33,7 +33,9 @@ class GRUClassifier(RecurrentClassifier):
 
     def jacobians_t(self, x, h, layout, backend):
         self._check_layout(layout)
-        return gru_jacobians_t(self._gates_for(x, h), self.cell.weight_hh_l0)
+        T, B, H = h.shape
+        buf = backend.workspace.get(("jacobians", "gru"), (T, B, H, H), h)  # consumed by this step's scan
+        return gru_jacobians_t(self._gates_for(x, h), self.cell.weight_hh_l0, out=buf)
 
     def grad_hidden(self, scan_out, x, h, layout):
         self._check_layout(layout)

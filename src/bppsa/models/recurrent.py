@@ -17,7 +17,7 @@ from torch import nn
 Phase = Callable[[str], contextlib.AbstractContextManager]
 
 
-def _no_phase(name: str):
+def no_phase(name: str):
     return contextlib.nullcontext()
 
 
@@ -41,7 +41,7 @@ class RecurrentClassifier(nn.Module):
         raise NotImplementedError
 
     # -- the two training steps -------------------------------------------------------------------
-    def baseline_step(self, x, y, phase: Phase = _no_phase, backward: bool = True) -> torch.Tensor:
+    def baseline_step(self, x, y, phase: Phase = no_phase, backward: bool = True) -> torch.Tensor:
         with phase("forward"):
             loss = F.cross_entropy(self(x), y)
         if backward:
@@ -50,7 +50,7 @@ class RecurrentClassifier(nn.Module):
         return loss.detach()
 
     def bppsa_step(self, x, y, backend, layout: str = "fused", L_m: int | None = None,
-                   phase: Phase = _no_phase, backward: bool = True) -> torch.Tensor:
+                   phase: Phase = no_phase, backward: bool = True) -> torch.Tensor:
         """Forward without autograd, then the scan backward; fills every parameter's ``.grad``."""
         with phase("forward"):
             with torch.no_grad():

@@ -11,9 +11,8 @@ from matplotlib.patches import Patch
 from ..data.irmas import MFCC_SETS
 from ..io import write_csv
 from ..results import load_all
-from .common import VARIANT_NAME, VARIANT_STYLE, device_colors, provenance, save, variant
+from .common import VARIANT_NAME, VARIANT_STYLE, device_colors, phase_summary, provenance, save, variant
 
-PHASES = ["forward", "jacobian", "backward", "optimizer"]
 SET_OF_FRAMES = {s.frames: name.upper() for name, s in MFCC_SETS.items()}
 SET_ORDER = [n.upper() for n in MFCC_SETS]
 # The paper's four categories; BP and BPPSA include the optimizer step, as the paper's
@@ -25,32 +24,13 @@ def set_name(seq_len: int) -> str:
     return SET_OF_FRAMES.get(int(seq_len), f"T={int(seq_len)}")
 
 
-def _clean(df: pd.DataFrame) -> pd.DataFrame:
-    # empty strings (baseline rows have no layout) come back from CSV as NaN, which groupby drops
-    for col in ("layout", "backend", "profile"):
-        if col in df:
-            df[col] = df[col].fillna("")
-    return df
-
-
-def summary(bench: pd.DataFrame) -> pd.DataFrame:
-    """Mean seconds per phase and mean/std of the whole iteration, per configuration (full runs)."""
-    full = _clean(bench[bench["mode"] == "full"].copy())
-    keys = ["device_label", "profile", "method", "seq_len", "batch"]
-    wide = full.pivot_table(index=keys + ["iter"], columns="phase", values="seconds", aggfunc="sum", fill_value=0.0)
-    wide = wide.reindex(columns=PHASES, fill_value=0.0).reset_index()
-    wide["total"] = wide[PHASES].sum(axis=1)
-    return wide.groupby(keys).agg(n=("iter", "size"), **{f"{c}_mean": (c, "mean") for c in PHASES + ["total"]},
-                                  total_std=("total", "std")).reset_index()
-
-
 def breakdown(bench: pd.DataFrame) -> pd.DataFrame:
     """One row per (device, profile, set, B): FP/FO/BP/BPPSA seconds per iteration and speedups."""
-    s = summary(bench)
+    s = phase_summary(bench)
     on = ["device_label", "profile", "seq_len", "batch"]
-    base = s[s["method"] == "baseline"].set_index(on)
+    base = s[s["variant"] == "baseline"].set_index(on)
     rows = []
-    for _, b in s[s["method"] == "bppsa"].iterrows():
+    for _, b in s[s["variant"] != "baseline"].iterrows():
         key = tuple(b[k] for k in on)
         if key not in base.index:
             continue
@@ -115,13 +95,13 @@ def fig_9(bench: pd.DataFrame, out: str | Path) -> pd.DataFrame:
                  "FP forward · FO Jacobian overhead · BP baseline backward · BPPSA scan backward "
                  "(BP and BPPSA include the optimizer step)\n"
                  "labels: BPPSA speedup, bwd = BP / BPPSA (excluding FO, like the paper's 13.4×), all = whole iteration\n"
-                 + provenance(_clean(bench), f"means of n={int(d['n'].min())} timed iterations per bar"), fontsize=8)
+                 + provenance(bench, f"means of n={int(d['n'].min())} timed iterations per bar"), fontsize=8)
     save(fig, out)
     return d
 
 
 def fig_13(curves: pd.DataFrame, out: str | Path) -> None:
-    curves = _clean(curves).copy()
+    curves = curves.copy()
     curves["set"] = curves["seq_len"].map(set_name)
     curves["variant"] = variant(curves)
     sets = sorted(curves["set"].unique(), key=lambda n: (SET_ORDER.index(n) if n in SET_ORDER else 99, n))

@@ -10,40 +10,10 @@ import pandas as pd
 from matplotlib.patches import Patch
 
 from ..results import load_all
-from .common import VARIANT_NAME, VARIANT_STYLE, device_colors, provenance, save, variant
+from .common import PHASES, VARIANT_NAME, VARIANT_STYLE, device_colors, phase_summary, provenance, save, variant
 
-PHASES = ["forward", "jacobian", "backward", "optimizer"]
 HATCH = ["//", "", "xx"]  # one per variant: baseline, then the BPPSA layouts
 PHASE_COLOR = {"forward": "#4c72b0", "jacobian": "#dd8452", "backward": "#c44e52", "optimizer": "#8c8c8c"}
-
-
-def per_iteration(bench: pd.DataFrame) -> pd.DataFrame:
-    """One row per (device, method, T, B, mode, iter) with a column per phase and the derived times.
-
-    ``bp`` is the backward time as the paper defines it: the baseline's backward; BPPSA's Jacobian
-    generation plus its scan backward.  ``total`` is the whole iteration.
-    """
-    bench = bench.assign(variant=variant(bench))
-    keys = ["device_label", "profile", "variant", "backend", "seq_len", "batch", "mode", "iter"]
-    wide = bench.pivot_table(index=keys, columns="phase", values="seconds", aggfunc="sum", fill_value=0.0)
-    wide = wide.reindex(columns=PHASES, fill_value=0.0).reset_index()
-    wide["bp"] = wide["jacobian"] + wide["backward"]
-    wide["total"] = wide[PHASES].sum(axis=1)
-    return wide
-
-
-def summary(bench: pd.DataFrame) -> pd.DataFrame:
-    """Mean/std per configuration, the backward speedup and the paper's nobp cross-check."""
-    it = per_iteration(bench)
-    keys = ["device_label", "profile", "variant", "backend", "seq_len", "batch"]
-    full = it[it["mode"] == "full"].groupby(keys).agg(
-        n=("iter", "size"), **{f"{c}_mean": (c, "mean") for c in PHASES + ["bp", "total"]},
-        bp_std=("bp", "std"), total_std=("total", "std")).reset_index()
-    nobp = it[it["mode"] == "nobp"].groupby(keys)["total"].mean().rename("nobp_total_mean").reset_index()
-    s = full.merge(nobp, on=keys, how="left")
-    # the paper's method: backward = full iteration - forward-only iteration
-    s["bp_by_subtraction"] = s["total_mean"] - s["nobp_total_mean"]
-    return s
 
 
 def speedups(s: pd.DataFrame) -> pd.DataFrame:
@@ -210,7 +180,7 @@ def fig_7(curves: pd.DataFrame, out: str | Path) -> None:
 
 def plot_all(results: str | Path, out_dir: str | Path) -> list[Path]:
     results, out_dir = Path(results), Path(out_dir)
-    s = summary(load_all(results, "rnn", "bench_*.csv"))
+    s = phase_summary(load_all(results, "rnn", "bench_*.csv"))
     outs = []
     for axis, (a, b, c) in {"seq_len": ("a", "b", "c"), "batch": ("d", "e", "f")}.items():
         for letter, fn in zip((a, b, c), (fig_latency, fig_speedup, fig_breakdown)):
