@@ -9,12 +9,6 @@ GRU_SHAPE = {"s": (259, 38), "m": (517, 24), "l": (1034, 12)}  # Table 3: frames
 GRU_VARIANTS = ["baseline", "bppsa-fused"]  # the GRU has one Jacobian layout
 
 
-def gru_variant_args(variant):
-    if variant == "baseline":
-        return "--methods baseline"
-    return f"--methods bppsa --layout fused --backend {config['backend']}"
-
-
 rule make_irmas:
     output:
         "data/irmas/corpus.json",
@@ -79,7 +73,7 @@ rule bench_gru:
     threads: workflow.cores  # timings never share the machine with another job
     params:
         args=runtime_args(),
-        variant=lambda wc: gru_variant_args(wc.variant),
+        variant=lambda wc: variant_args(wc.variant),
     log:
         "logs/bench_gru/{set}_B{B}_{variant}.log",
     shell:

@@ -10,12 +10,6 @@ RNN_VARIANTS = ["baseline"] + [f"bppsa-{layout}" for layout in RNN["layouts"]]
 RNN_DIR = f"results/{DEVICE}/rnn"
 
 
-def rnn_variant_args(variant):
-    if variant == "baseline":
-        return "--methods baseline"
-    return f"--methods bppsa --layout {variant.split('-', 1)[1]} --backend {config['backend']} --L-m {L_m_arg(RNN['L_m'])}"
-
-
 rule verify_rnn:
     output:
         RNN_DIR + "/verify_T{T}_B{B}_{layout}.json",
@@ -47,7 +41,7 @@ rule bench_rnn:
     threads: workflow.cores  # timings never share the machine with another job
     params:
         args=runtime_args(),
-        variant=lambda wc: rnn_variant_args(wc.variant),
+        variant=lambda wc: variant_args(wc.variant, RNN["L_m"]),
     log:
         "logs/bench_rnn/T{T}_B{B}_{variant}.log",
     shell:
