@@ -10,12 +10,14 @@ the same step's scan consumes.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import scan as _scan
 from .jacobians import recurrent as _rec
 
-BACKENDS = ("auto", "torch", "cupy")
+BACKENDS = ("auto", "torch", "cupy", "cpu")
 
 
 class TorchBackend:
@@ -46,6 +48,18 @@ def cupy_available() -> bool:
     return True
 
 
+def _cpu_backend(device):
+    """The CPU fast path (bppsa.kernels.cpu); the torch backend, with a warning saying why, where it cannot load."""
+    if device is not None and torch.device(device).type != "cpu":
+        raise RuntimeError(f"backend 'cpu' runs on CPU tensors only (device {device}); use --device cpu")
+    try:
+        from .kernels.cpu import CpuBackend
+    except Exception as e:  # noqa: BLE001 - any failure to load means "use the reference"
+        warnings.warn(f"backend 'cpu' unavailable ({type(e).__name__}: {e}); using the torch backend", stacklevel=3)
+        return TorchBackend()
+    return CpuBackend()
+
+
 def get_backend(name: str = "auto", device: torch.device | None = None):
     """Resolve a backend name. 'auto' is cupy on a CUDA device with CuPy installed, else torch."""
     if name not in BACKENDS:
@@ -55,6 +69,8 @@ def get_backend(name: str = "auto", device: torch.device | None = None):
         name = "cupy" if on_cuda and cupy_available() else "torch"
     if name == "torch":
         return TorchBackend()
+    if name == "cpu":
+        return _cpu_backend(device)
     if not cupy_available():
         raise RuntimeError("backend 'cupy' needs a CUDA GPU and CuPy (pip install cupy-cuda12x)")
     if device is not None and not on_cuda:

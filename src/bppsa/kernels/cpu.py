@@ -1,0 +1,242 @@
+"""The CPU fast path of the BPPSA backward, and the compiled sequential backward it must beat.
+
+**The scan** (:func:`blelloch_scan`, reference twin :func:`bppsa.scan.blelloch_scan`): the same tree,
+the same ``L_m`` semantics, the same numbers, but every level's independent products are split into
+one contiguous chunk per thread, and each chunk is one stacked ``numpy.matmul`` (OpenBLAS's small-GEMM
+kernels, GIL released) writing into its slice of the level's output.  Level ``d``'s input array is
+kept as is: its odd entries are the left operands the down-sweep needs (no copy, unlike the torch
+twin).  Why this means and not explicit numba loops, ``torch.matmul`` or a batch-interleaved layout
+is measured in the README's "CPU speed benchmark" section.
+
+**The sequential rival** (:func:`linear_scan`, :func:`rnn_sequential_grad_preact`): back-propagation
+as a compiled (numba) loop of matrix-vector products, one step after another -- the strongest
+sequential backward over the same chain, against which BPPSA's speedups should be read.  numba
+also runs the short sequential middle of a heterogeneous scan (``L_m`` below the tree's depth).
+
+Threads: ``torch.get_num_threads()`` (set by ``--threads``) governs both.  Worker threads are
+created by the calling thread and inherit its floating-point environment, so ``torch.set_flush_denormal``
+made before the first scan applies to them as well.  numba is optional at run time: where it cannot
+be imported, :func:`unavailable_reason` says why and the sequential parts run as numpy loops.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from .. import scan as _scan
+from ..backends import TorchBackend
+
+__all__ = ["CpuBackend", "blelloch_scan", "linear_scan", "rnn_sequential_grad_preact", "numba_available",
+           "unavailable_reason", "MIN_CHUNK_FLOP"]
+
+try:  # a broken numba (e.g. built for another numpy) must not break the package
+    import numba
+    from numba import njit, prange
+    _NUMBA_ERROR: str | None = None
+except Exception as e:  # noqa: BLE001 - any failure means "use the numpy loops"
+    numba = None
+    _NUMBA_ERROR = f"{type(e).__name__}: {e}"
+
+# A chunk handed to another thread must carry enough work to repay the hand-off (~20-50 us).
+MIN_CHUNK_FLOP = 2_000_000
+
+
+def numba_available() -> bool:
+    return _NUMBA_ERROR is None
+
+
+def unavailable_reason() -> str | None:
+    """None when numba compiles the sequential parts, else why not."""
+    return _NUMBA_ERROR
+
+
+# -- threads ----------------------------------------------------------------------------------------
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _executor(p: int) -> ThreadPoolExecutor:
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size != p:
+            if _pool is not None:
+                _pool.shutdown(wait=True)
+            _pool, _pool_size = ThreadPoolExecutor(max_workers=p - 1, thread_name_prefix="bppsa-cpu"), p
+        return _pool
+
+
+def _parallel(fn, n: int, flop_per_item: float) -> None:
+    """Run ``fn(a, b)`` over [0, n) in contiguous chunks, one per thread (the caller takes the first)."""
+    p = min(_threads(), max(1, int(n * flop_per_item // MIN_CHUNK_FLOP)), n)
+    if p <= 1:
+        if n:
+            fn(0, n)
+        return
+    bounds = [n * i // p for i in range(p + 1)]
+    futures = [_executor(_threads()).submit(fn, bounds[i], bounds[i + 1]) for i in range(1, p)]
+    fn(bounds[0], bounds[1])
+    for f in futures:
+        f.result()
+
+
+# -- compiled sequential loops ----------------------------------------------------------------------
+if numba is not None:
+    _jit = njit(cache=True, nogil=True, parallel=True)
+
+    @_jit
+    def _linear_nb(A, first, Q):  # pragma: no cover - compiled
+        """Q[0] = first; Q[k] = A[k-1] @ Q[k-1]; each batch element is an independent chain."""
+        H = first.shape[1]
+        for b in prange(first.shape[0]):
+            for i in range(H):
+                Q[0, b, i] = first[b, i]
+            for k in range(1, Q.shape[0]):
+                M, v, o = A[k - 1, b], Q[k - 1, b], Q[k, b]
+                for i in range(H):
+                    s = M[i, 0] * v[0]
+                    for j in range(1, H):
+                        s += M[i, j] * v[j]
+                    o[i] = s
+
+    @_jit
+    def _rnn_seq_nb(h, W, g, out):  # pragma: no cover - compiled
+        """∇a_t of a tanh RNN from ∇h_T, straight from W_hh: ∇a_t = (1 - h_t²) ∇h_t, ∇h_{t-1} = W_hhᵀ ∇a_t."""
+        T, B, H = h.shape
+        for b in prange(B):
+            gh = g[b].copy()
+            for t in range(T - 1, -1, -1):
+                for i in range(H):
+                    out[t, b, i] = gh[i] * (1 - h[t, b, i] * h[t, b, i])
+                for j in range(H):
+                    s = W[0, j] * out[t, b, 0]
+                    for i in range(1, H):
+                        s += W[i, j] * out[t, b, i]
+                    gh[j] = s
+
+
+def _linear(A: np.ndarray, first: np.ndarray, Q: np.ndarray) -> None:
+    if numba is not None:
+        numba.set_num_threads(max(1, min(_threads(), numba.config.NUMBA_NUM_THREADS)))
+        _linear_nb(A, first, Q)
+        return
+    Q[0] = first
+    for k in range(1, Q.shape[0]):
+        np.matmul(A[k - 1], Q[k - 1][..., None], out=Q[k][..., None])
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    if t.device.type != "cpu":
+        raise ValueError(f"the cpu backend runs on CPU tensors only (got one on {t.device}); use --device cpu")
+    return t.detach().contiguous().numpy()
+
+
+# -- the scan ---------------------------------------------------------------------------------------
+@torch.no_grad()
+def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None,
+                  workspace: _scan.Workspace | None = None) -> torch.Tensor:
+    """The modified (heterogeneous) Blelloch scan of :func:`bppsa.scan.blelloch_scan`, multi-threaded."""
+    if g.dim() != 2 or J.dim() != 4 or J.shape[1:3] != g.shape or J.shape[2] != J.shape[3]:
+        raise ValueError(f"expected g [B, H] and J [n, B, H, H], got {tuple(g.shape)} and {tuple(J.shape)}")
+    if g.dtype != J.dtype:
+        raise ValueError(f"g and J must have one dtype (got {g.dtype} and {J.dtype})")
+    n, B, H = J.shape[0], g.shape[0], g.shape[1]
+    depth = _scan.num_levels(n + 1)
+    L = depth if L_m is None else max(0, min(int(L_m), depth))
+    ws = workspace if workspace is not None else _scan.Workspace()
+    mm_flop, mv_flop = 2 * B * H ** 3, 2 * B * H * H
+
+    spine, A, K = _np(g), _np(J), n + 1
+    saved = []  # per level: (spine vector, the level's block array -- odd entries are the left operands, pairs, carry)
+    for d in range(L):
+        pairs, carry = (K - 2) // 2, (K - 2) % 2 == 1
+        nxt = ws.get(("cpu-up", d), (pairs + carry, B, H, H), J).numpy()
+        X, Y = A[2:2 * pairs + 1:2], A[1:2 * pairs:2]  # block pair j: A[2j+2] @ A[2j+1]
+
+        def up(a, b, X=X, Y=Y, nxt=nxt):
+            np.matmul(X[a:b], Y[a:b], out=nxt[a:b])
+
+        _parallel(up, pairs, mm_flop)
+        if carry:
+            nxt[pairs] = A[K - 2]
+        new_spine = np.matmul(A[0], spine[..., None])[..., 0]
+        saved.append((spine, A, pairs, carry))
+        spine, A, K = new_spine, nxt, (K + 1) // 2
+
+    if L == 0:
+        out = g.new_empty((n, B, H))
+        Q = out.numpy()
+    else:
+        Q = ws.get(("cpu-prefix", L), (K - 1, B, H), g).numpy()
+    if K > 1:
+        _linear(A, spine, Q)
+
+    for d in reversed(range(L)):
+        spine_d, A_d, pairs, carry = saved[d]
+        shape = (1 + 2 * pairs + carry, B, H)
+        if d == 0:
+            out = g.new_empty(shape)
+            Qn = out.numpy()
+        else:
+            Qn = ws.get(("cpu-prefix", d), shape, g).numpy()
+        Qn[0] = spine_d
+        kids = Qn[1:1 + 2 * pairs].reshape((pairs, 2, B, H))
+        Y = A_d[1:2 * pairs:2]
+
+        def down(a, b, Y=Y, Q=Q, kids=kids):  # left child inherits the prefix; right child: left sibling · prefix
+            kids[a:b, 0] = Q[a:b]
+            np.matmul(Y[a:b], Q[a:b, ..., None], out=kids[a:b, 1, ..., None])
+
+        _parallel(down, pairs, mv_flop)
+        if carry:
+            Qn[-1] = Q[pairs]
+        Q = Qn
+    return out
+
+
+@torch.no_grad()
+def linear_scan(g: torch.Tensor, J: torch.Tensor) -> torch.Tensor:
+    """Sequential back-propagation over the chain ``J`` as a compiled loop of mat-vecs (``L_m = 0``)."""
+    return blelloch_scan(g, J, 0)
+
+
+@torch.no_grad()
+def rnn_sequential_grad_preact(h: torch.Tensor, W_hh: torch.Tensor, grad_h_last: torch.Tensor) -> torch.Tensor:
+    """∇a_t (t = 1..T, ``[T, B, H]``) of the tanh RNN by the compiled sequential backward.
+
+    Needs no Jacobians: each step is an elementwise scaling and one mat-vec with ``W_hhᵀ``, half the
+    work of a step of the fused chain -- the strongest sequential backward this package can offer.
+    """
+    hn, W, g = _np(h), _np(W_hh), _np(grad_h_last)
+    out = np.empty_like(hn)
+    if numba is not None:
+        numba.set_num_threads(max(1, min(_threads(), numba.config.NUMBA_NUM_THREADS)))
+        _rnn_seq_nb(hn, W, g, out)
+    else:
+        gh = g.copy()
+        for t in range(hn.shape[0] - 1, -1, -1):
+            out[t] = gh * (1 - hn[t] * hn[t])
+            gh = out[t] @ W
+    return torch.from_numpy(out)
+
+
+class CpuBackend(TorchBackend):
+    """The CPU fast path: the threaded scan; Jacobians are built as by the torch backend."""
+
+    name = "cpu"
+
+    def scan(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> torch.Tensor:
+        return blelloch_scan(g, J, L_m, self.workspace)
+
+
+def default_threads() -> int:
+    """All the cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
