@@ -1,96 +1,216 @@
-"""The CPU speed benchmark of the RNN backward (issue: foundation, item 11).
+"""The CPU speed benchmark of the RNN backward, on the shared timing protocol (:mod:`.protocol`).
 
-On the same weights, batch and Jacobian chain it times
-* ``autograd_backward``: ``loss.backward()`` of the baseline nn.RNN;
-* ``bppsa_backward``: Jacobian generation + scan + parameter gradients, per layout and ``L_m``;
-* the scan alone, three ways: ``scan_blelloch`` (this package), ``scan_linear`` (sequential) and
-  ``scan_associative_generic`` (``torch._higher_order_ops.associative_scan``, combine_mode
-  "generic", all prefix matrix products, then applied to the gradient vector).
-Rows: one per (B, what, repeat) in seconds.
+Per batch size, on the same weights, batch and Jacobian chain, two interleaved groups of methods
+(every method one iteration per round, so each ratio is a median of *paired* iterations):
+
+``backward`` group (metric: Jacobian generation + backward, what BPPSA replaces):
+* ``autograd``: ``loss.backward()`` of the baseline nn.RNN (eager autograd);
+* ``sequential``: the compiled sequential backward (:func:`bppsa.kernels.cpu.rnn_sequential_grad_preact`,
+  a numba loop of mat-vecs with W_hhᵀ, no Jacobians) plus the same parameter gradients -- the
+  strongest sequential rival, the one a reader should compare BPPSA with;
+* ``bppsa-<backend>-<layout>[-L<L_m>]``: the BPPSA backward (Jacobians + scan + parameter gradients).
+
+``scan`` group (metric: the call): the scan alone over the real fused chain --
+``scan-<backend>`` (Blelloch), ``scan-linear-compiled`` (the numba sequential loop over the same
+Jacobians) and ``scan-linear-torch``.
+
+Rows: ``batch, group, method, iter, phase, seconds`` plus the method's ``backend, layout, L_m`` and
+its ``noisy`` flag; :func:`summary` turns them into paired ratios with intervals.
 """
 from __future__ import annotations
 
 import copy
+import math
 import time
 
 import numpy as np
+import pandas as pd
 import torch
 
-from ..backends import TorchBackend
+from ..backends import get_backend
+from ..kernels import cpu as _cpu
 from ..models.rnn import RNNClassifier
-from ..scan import blelloch_scan, linear_scan
+from ..scan import linear_scan
+from .protocol import StopRule, interleave, ratio_ci
 from .timing import PhaseTimer
 
-
-def _time(fn, repeats: int, warmup: int) -> list[float]:
-    out = []
-    for i in range(warmup + repeats):
-        t0 = time.perf_counter()
-        fn(None)
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            out.append(dt)
-    return out
+SEQUENTIAL, AUTOGRAD = "sequential", "autograd"
 
 
-def associative_scan_generic(g: torch.Tensor, J: torch.Tensor) -> torch.Tensor:
-    from torch._higher_order_ops.associative_scan import associative_scan
+def backward_seconds(phases) -> float | None:
+    """The backward as BPPSA sees it: its Jacobian generation plus the backward phase."""
+    if "backward" not in phases:
+        return None
+    return phases.get("jacobian", 0.0) + phases["backward"]
 
-    prefixes = associative_scan(lambda a, b: torch.matmul(b, a), J[:-1], dim=0, combine_mode="generic")
-    return torch.cat([g.unsqueeze(0), torch.matmul(prefixes, g.unsqueeze(-1)).squeeze(-1)])
+
+backward_seconds.__name__ = "bwd"
 
 
-def run(seq_len: int, batches: list[int], hidden: int = 20, layouts=("fused", "paper"), L_ms=(None,),
-        repeats: int = 10, warmup: int = 2, seed: int = 0, dtype=torch.float32) -> list[dict]:
-    rows = []
-    backend = TorchBackend()
-    for B in batches:
-        torch.manual_seed(seed)
-        model = RNNClassifier(hidden=hidden).to(dtype)
-        rng = np.random.default_rng(seed)
-        c = rng.integers(0, 10, B)
-        x = torch.from_numpy((rng.random((seq_len, B, 1)) < (0.05 + 0.1 * c)[None, :, None]).astype(np.float32)).to(dtype)
-        y = torch.from_numpy(c.astype(np.int64))
+def bppsa_name(backend: str, layout: str, L_m) -> str:
+    return f"bppsa-{backend}-{layout}" + ("" if L_m is None else f"-L{L_m}")
 
-        def add(what, secs, **kw):
-            rows.extend({"batch": B, "seq_len": seq_len, "hidden": hidden, "what": what, "repeat": i,
-                         "seconds": s, **kw} for i, s in enumerate(secs))
 
-        # whole backward passes, phase-timed exactly as in the training benchmark
-        def phases(method, layout=None, L_m=None):
-            m = copy.deepcopy(model)
-            timer = PhaseTimer(torch.device("cpu"))
-            secs = []
-            for i in range(warmup + repeats):
-                m.zero_grad(set_to_none=True)
-                if method == "baseline":
-                    m.baseline_step(x, y, phase=timer.phase)
-                else:
-                    m.bppsa_step(x, y, backend, layout, L_m, phase=timer.phase)
-                t = timer.collect()
-                if i >= warmup:
-                    secs.append(t.get("jacobian", 0.0) + t["backward"])
-            return secs
+def bitstream_batch(seq_len: int, B: int, seed: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bitstream-like batch: sample b is Bernoulli with a rate set by its class."""
+    rng = np.random.default_rng(seed)
+    c = rng.integers(0, 10, B)
+    x = (rng.random((seq_len, B, 1)) < (0.05 + 0.1 * c)[None, :, None]).astype(np.float32)
+    return torch.from_numpy(x).to(dtype), torch.from_numpy(c.astype(np.int64))
 
-        add("autograd_backward", phases("baseline"))
-        for layout in layouts:
-            for L_m in L_ms:
-                add("bppsa_backward", phases("bppsa", layout, L_m), layout=layout, L_m=L_m)
 
-        # the scan alone over the real fused Jacobian chain of this batch
+def sequential_step(model: RNNClassifier, x, y, phase) -> torch.Tensor:
+    """The RNN's backward as a compiled sequential loop (same forward and parameter gradients as BPPSA)."""
+    import torch.nn.functional as F
+
+    with phase("forward"):
         with torch.no_grad():
             h, _ = model.cell(x)
         h_last = h[-1].detach().requires_grad_(True)
-        torch.nn.functional.cross_entropy(model.head(h_last), y).backward()
-        g = h_last.grad
-        J = backend.rnn_jacobians_t(h.detach(), model.cell.weight_hh_l0.detach(), "fused")
-        for L_m in L_ms:
-            add("scan_blelloch", _time(lambda _: blelloch_scan(g, J, L_m), repeats, warmup), layout="fused", L_m=L_m)
-        add("scan_linear", _time(lambda _: linear_scan(g, J), repeats, warmup), layout="fused")
-        add("scan_associative_generic", _time(lambda _: associative_scan_generic(g, J), repeats, warmup), layout="fused")
-        ref = linear_scan(g, J)
-        for name, out in (("scan_blelloch", blelloch_scan(g, J)), ("scan_associative_generic", associative_scan_generic(g, J))):
-            err = ((out - ref).abs().max() / ref.abs().max()).item()
-            if err > 1e-4:
-                raise RuntimeError(f"{name} disagrees with the linear scan (rel err {err:.2e})")
+        loss = F.cross_entropy(model.head(h_last), y)
+    with phase("backward"):
+        loss.backward()
+        with torch.no_grad():
+            grad_a = _cpu.rnn_sequential_grad_preact(h, model.cell.weight_hh_l0, h_last.grad)
+            for name, g in model.cell_param_grads(x, h, grad_a).items():
+                p = getattr(model.cell, name)
+                p.grad = g if p.grad is None else p.grad + g
+    return loss.detach()
+
+
+def _phased(step):
+    """A protocol callable: one zeroed-gradient iteration of ``step(phase)``, seconds per phase."""
+    timer = PhaseTimer(torch.device("cpu"))
+
+    def run(i: int) -> dict:
+        step(timer.phase)
+        return timer.collect()
+
+    return run
+
+
+def _timed(fn):
+    def run(i: int) -> dict:
+        t0 = time.perf_counter()
+        fn()
+        return {"total": time.perf_counter() - t0}
+
+    return run
+
+
+def backward_methods(model, x, y, backends=("cpu",), layouts=("fused",), L_ms=(None,)) -> dict:
+    """name -> (protocol callable, attributes) for the backward group."""
+    out = {}
+
+    def model_step(fn):
+        m = copy.deepcopy(model)
+
+        def step(phase):
+            m.zero_grad(set_to_none=True)
+            fn(m, phase)
+
+        return _phased(step)
+
+    out[AUTOGRAD] = (model_step(lambda m, ph: m.baseline_step(x, y, phase=ph)), {})
+    out[SEQUENTIAL] = (model_step(lambda m, ph: sequential_step(m, x, y, ph)), {})
+    for be in backends:
+        for layout in layouts:
+            for L_m in L_ms:
+                backend = get_backend(be, torch.device("cpu"))
+                out[bppsa_name(backend.name, layout, L_m)] = (
+                    model_step(lambda m, ph, b=backend, lay=layout, L=L_m: m.bppsa_step(x, y, b, lay, L, phase=ph)),
+                    {"backend": backend.name, "layout": layout, "L_m": L_m})
+    return out
+
+
+def scan_methods(model, x, y, backends=("cpu",), check_tol: float = 1e-4) -> dict:
+    """name -> (protocol callable, attributes) for the scan-alone group, each checked against the
+    sequential torch scan first."""
+    with torch.no_grad():
+        h, _ = model.cell(x)
+    h_last = h[-1].detach().requires_grad_(True)
+    torch.nn.functional.cross_entropy(model.head(h_last), y).backward()
+    g = h_last.grad
+    J = get_backend("torch").rnn_jacobians_t(h.detach(), model.cell.weight_hh_l0.detach(), "fused").clone()
+    fns = {"scan-linear-torch": (lambda: linear_scan(g, J), {"backend": "torch"}),
+           "scan-linear-compiled": (lambda: _cpu.linear_scan(g, J), {"backend": "numba"})}
+    for be in backends:
+        backend = get_backend(be, torch.device("cpu"))
+        fns[f"scan-{backend.name}"] = (lambda b=backend: b.scan(g, J), {"backend": backend.name})
+    ref = linear_scan(g, J)
+    scale = ref.abs().max().clamp_min(torch.finfo(ref.dtype).tiny)
+    for name, (fn, _) in fns.items():
+        err = ((fn() - ref).abs().max() / scale).item()
+        if not err <= check_tol:
+            raise RuntimeError(f"{name} disagrees with the sequential torch scan (rel. err {err:.2e} > {check_tol})")
+    return {name: (_timed(fn), attrs) for name, (fn, attrs) in fns.items()}
+
+
+def measure(methods: dict, rule: StopRule, reference: str, metric, **labels) -> list[dict]:
+    """Interleave ``methods`` under ``rule``; tidy rows labelled with ``labels`` and each method's attributes."""
+    m = interleave({k: fn for k, (fn, _) in methods.items()}, rule, reference=reference, metric=metric)
+    rows = []
+    for r in m.rows:
+        attrs = methods[r["method"]][1]
+        rows.append({**labels, **r, "backend": attrs.get("backend"), "layout": attrs.get("layout"),
+                     "L_m": attrs.get("L_m"), "noisy": m.noisy[r["method"]], "stopped_by": m.stopped_by})
     return rows
+
+
+def run(seq_len: int, batches: list[int], hidden: int = 20, layouts=("fused",), L_ms=(None,),
+        backends=("cpu", "torch"), rule: StopRule | None = None, seed: int = 0, dtype=torch.float32,
+        groups=("backward", "scan")) -> list[dict]:
+    rule = rule or StopRule()
+    rows = []
+    for B in batches:
+        torch.manual_seed(seed)
+        model = RNNClassifier(hidden=hidden).to(dtype)
+        x, y = bitstream_batch(seq_len, B, seed, dtype)
+        labels = {"batch": B, "seq_len": seq_len, "hidden": hidden}
+        if "backward" in groups:
+            rows += measure(backward_methods(model, x, y, backends, layouts, L_ms), rule, AUTOGRAD,
+                            backward_seconds, group="backward", **labels)
+        if "scan" in groups:
+            rows += measure(scan_methods(model, x, y, backends), rule, "scan-linear-compiled", "total",
+                            group="scan", **labels)
+    return rows
+
+
+def _per_iter(df: pd.DataFrame) -> pd.DataFrame:
+    """One value per (batch, group, method, iter): the group's metric."""
+    bwd = df[(df["group"] == "backward") & df["phase"].isin(["jacobian", "backward"])]
+    scan = df[(df["group"] == "scan") & (df["phase"] == "total")]
+    keys = ["batch", "group", "method", "iter"]
+    return pd.concat([bwd.groupby(keys, as_index=False)["seconds"].sum(),
+                      scan.groupby(keys, as_index=False)["seconds"].sum()])
+
+
+def summary(df: pd.DataFrame, conf: float = 0.95) -> pd.DataFrame:
+    """Paired speed ratios with intervals: per batch, ``autograd / bppsa-*`` and ``sequential / bppsa-*``
+    (backward), and ``scan-linear-compiled / scan-*`` and ``scan-linear-torch / scan-*`` (scan alone).
+
+    Columns: batch, ratio, median, ci_low, ci_high, n, noisy (either side was marked noisy by the
+    protocol), plus the medians of the two sides in seconds.
+    """
+    per = _per_iter(df)
+    noisy = df.groupby(["batch", "group", "method"])["noisy"].any()
+    out = []
+    for (B, group), d in per.groupby(["batch", "group"]):
+        wide = d.pivot(index="iter", columns="method", values="seconds")
+        if group == "backward":
+            nums, dens = [AUTOGRAD, SEQUENTIAL], [c for c in wide.columns if c.startswith("bppsa-")]
+        else:
+            nums = ["scan-linear-compiled", "scan-linear-torch"]
+            dens = [c for c in wide.columns if c not in nums]
+        for den in dens:
+            for num in nums:
+                if num not in wide.columns:
+                    continue
+                ok = wide[num].notna() & wide[den].notna()
+                med, lo, hi = ratio_ci(wide[num][ok].to_numpy(), wide[den][ok].to_numpy(), conf)
+                out.append({"batch": int(B), "ratio": f"{num} / {den}", "median": med, "ci_low": lo, "ci_high": hi,
+                            "n": int(ok.sum()), "noisy": bool(noisy.get((B, group, num), False)
+                                                              or noisy.get((B, group, den), False)),
+                            "num_s": float(np.median(wide[num][ok])) if ok.any() else math.nan,
+                            "den_s": float(np.median(wide[den][ok])) if ok.any() else math.nan})
+    return pd.DataFrame(out, columns=["batch", "ratio", "median", "ci_low", "ci_high", "n", "noisy", "num_s", "den_s"])

@@ -1,4 +1,4 @@
-"""`bppsa speed`: the CPU speed benchmark of the RNN backward and of the scan alone."""
+"""`bppsa speed`: the CPU speed benchmark of the RNN backward and of the scan alone (paired ratios)."""
 from __future__ import annotations
 
 import sys
@@ -7,8 +7,30 @@ import pandas as pd
 import torch
 
 from .. import io
+from ..backends import BACKENDS
 from ..bench import speed
+from ..bench.protocol import StopRule
 from .common import DTYPES, add_runtime_args, optional_int, setup
+
+# kept importable from here: report.py and older callers read the ratios through this name
+ratios = speed.summary
+
+
+def add_rule_args(p) -> None:
+    """The protocol's stop rule as flags (defaults: protocol.StopRule's)."""
+    d = StopRule()
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed rounds first")
+    p.add_argument("--min-iters", type=int, default=d.min_iters)
+    p.add_argument("--max-iters", type=int, default=d.max_iters, help="cap on timed rounds per configuration")
+    p.add_argument("--min-seconds", type=float, default=d.min_seconds)
+    p.add_argument("--max-seconds", type=float, default=d.max_seconds, help="cap on timed seconds per configuration")
+    p.add_argument("--rel-ci", type=float, default=d.rel_ci, help="stop once every median's CI is within +-this")
+
+
+def rule_from_args(args) -> StopRule:
+    return StopRule(warmup=args.warmup, min_iters=args.min_iters, max_iters=args.max_iters,
+                    min_seconds=args.min_seconds, max_seconds=max(args.max_seconds, args.min_seconds),
+                    rel_ci=args.rel_ci)
 
 
 def register(sub) -> None:
@@ -16,44 +38,27 @@ def register(sub) -> None:
     p.add_argument("--seq-len", type=int, default=1000)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--hidden", type=int, default=20)
-    p.add_argument("--layouts", nargs="+", default=["fused", "paper"], choices=["fused", "paper"])
+    p.add_argument("--layouts", nargs="+", default=["fused"], choices=["fused", "paper"])
     p.add_argument("--L-m", dest="L_ms", type=optional_int, nargs="+", default=[None],
                    help="scan variants to time (none = full Blelloch)")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--backends", nargs="+", default=["cpu", "torch"], choices=[b for b in BACKENDS if b != "cupy"],
+                   help="BPPSA backends to time (cpu: the fast path; torch: its reference twin)")
+    add_rule_args(p)
     p.add_argument("--out", required=True)
     add_runtime_args(p)
     p.set_defaults(func=_speed)
-
-
-def ratios(df: pd.DataFrame) -> pd.DataFrame:
-    """The three headline ratios per batch size (means over repeats)."""
-    m = df.groupby(["batch", "what", "layout", "L_m"], dropna=False)["seconds"].mean()
-    out = []
-    for B in sorted(df["batch"].unique()):
-        mb = m.loc[B]
-        auto = mb.loc["autograd_backward"].iloc[0]
-        assoc = mb.loc["scan_associative_generic"].iloc[0]
-        for (what, layout, L_m), secs in mb.items():
-            if what == "bppsa_backward":
-                out.append({"batch": B, "ratio": "autograd_backward / bppsa_backward", "layout": layout, "L_m": L_m,
-                            "value": auto / secs})
-            if what == "scan_blelloch":
-                out.append({"batch": B, "ratio": "associative_scan_generic / scan_blelloch", "layout": layout,
-                            "L_m": L_m, "value": assoc / secs})
-    return pd.DataFrame(out)
 
 
 def _speed(args) -> int:
     dev = setup(args)
     if dev.type != "cpu":
         raise ValueError("bppsa speed measures the CPU; run it with --device cpu")
-    rows = speed.run(args.seq_len, args.batches, args.hidden, args.layouts, args.L_ms, args.repeats, args.warmup,
-                     args.seed, DTYPES[args.dtype])
+    rows = speed.run(args.seq_len, args.batches, args.hidden, args.layouts, args.L_ms, args.backends,
+                     rule_from_args(args), args.seed, DTYPES[args.dtype])
     df = pd.DataFrame(rows)
     for k, v in dict(profile=args.profile, device=args.device_slug, dtype=args.dtype,
                      threads=torch.get_num_threads(), flush_denormal=args.flush_denormal).items():
         df[k] = v
     io.write_csv(args.out, df)
-    print(ratios(df).to_string(index=False), file=sys.stderr)
+    print(speed.summary(df).to_string(index=False), file=sys.stderr)
     return 0

@@ -35,7 +35,7 @@ __all__ = ["CpuBackend", "blelloch_scan", "linear_scan", "rnn_sequential_grad_pr
 
 try:  # a broken numba (e.g. built for another numpy) must not break the package
     import numba
-    from numba import njit, prange
+    from numba import njit
     _NUMBA_ERROR: str | None = None
 except Exception as e:  # noqa: BLE001 - any failure means "use the numpy loops"
     numba = None
@@ -90,13 +90,16 @@ def _parallel(fn, n: int, flop_per_item: float) -> None:
 
 # -- compiled sequential loops ----------------------------------------------------------------------
 if numba is not None:
-    _jit = njit(cache=True, nogil=True, parallel=True)
+    # Not numba's own parallel=True: its OpenMP workers spin after each region and fight torch's for
+    # the same cores; the GIL-free kernels are run on this module's thread pool instead, one batch
+    # slice [b0, b1) per thread.
+    _jit = njit(cache=True, nogil=True)
 
     @_jit
-    def _linear_nb(A, first, Q):  # pragma: no cover - compiled
+    def _linear_nb(A, first, Q, b0, b1):  # pragma: no cover - compiled
         """Q[0] = first; Q[k] = A[k-1] @ Q[k-1]; each batch element is an independent chain."""
         H = first.shape[1]
-        for b in prange(first.shape[0]):
+        for b in range(b0, b1):
             for i in range(H):
                 Q[0, b, i] = first[b, i]
             for k in range(1, Q.shape[0]):
@@ -108,10 +111,10 @@ if numba is not None:
                     o[i] = s
 
     @_jit
-    def _rnn_seq_nb(h, W, g, out):  # pragma: no cover - compiled
+    def _rnn_seq_nb(h, W, g, out, b0, b1):  # pragma: no cover - compiled
         """∇a_t of a tanh RNN from ∇h_T, straight from W_hh: ∇a_t = (1 - h_t²) ∇h_t, ∇h_{t-1} = W_hhᵀ ∇a_t."""
         T, B, H = h.shape
-        for b in prange(B):
+        for b in range(b0, b1):
             gh = g[b].copy()
             for t in range(T - 1, -1, -1):
                 for i in range(H):
@@ -125,8 +128,7 @@ if numba is not None:
 
 def _linear(A: np.ndarray, first: np.ndarray, Q: np.ndarray) -> None:
     if numba is not None:
-        numba.set_num_threads(max(1, min(_threads(), numba.config.NUMBA_NUM_THREADS)))
-        _linear_nb(A, first, Q)
+        _parallel(lambda a, b: _linear_nb(A, first, Q, a, b), first.shape[0], 2 * Q.shape[0] * first.shape[1] ** 2)
         return
     Q[0] = first
     for k in range(1, Q.shape[0]):
@@ -218,8 +220,7 @@ def rnn_sequential_grad_preact(h: torch.Tensor, W_hh: torch.Tensor, grad_h_last:
     hn, W, g = _np(h), _np(W_hh), _np(grad_h_last)
     out = np.empty_like(hn)
     if numba is not None:
-        numba.set_num_threads(max(1, min(_threads(), numba.config.NUMBA_NUM_THREADS)))
-        _rnn_seq_nb(hn, W, g, out)
+        _parallel(lambda a, b: _rnn_seq_nb(hn, W, g, out, a, b), g.shape[0], 2 * hn.shape[0] * hn.shape[2] ** 2)
     else:
         gh = g.copy()
         for t in range(hn.shape[0] - 1, -1, -1):

@@ -1,0 +1,136 @@
+"""The CPU fast path (backend 'cpu', bppsa.kernels.cpu) held to its torch reference twin."""
+import json
+import math
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from bppsa import backends, scan
+from bppsa.jacobians.recurrent import rnn_grad_preact
+from bppsa.kernels import cpu
+from bppsa.verify import verify
+
+
+def _chain(n, B, H, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    J = torch.randn(n, B, H, H, generator=g, dtype=dtype) / math.sqrt(H)
+    return torch.randn(B, H, generator=g, dtype=dtype), J
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+@pytest.fixture(params=["one chunk", "many chunks"])
+def chunking(request, monkeypatch):
+    """Run each test single-chunk and with every level split across threads (tiny chunks)."""
+    if request.param == "many chunks":
+        monkeypatch.setattr(cpu, "MIN_CHUNK_FLOP", 1)
+        old = torch.get_num_threads()
+        torch.set_num_threads(3)  # more chunks than this machine's cores: the split itself is exercised
+        yield
+        torch.set_num_threads(old)
+    else:
+        monkeypatch.setattr(cpu, "MIN_CHUNK_FLOP", float("inf"))
+        yield
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 300), B=st.integers(1, 5), H=st.integers(1, 9),
+       L_m=st.one_of(st.none(), st.integers(0, 10)), seed=st.integers(0, 2 ** 16))
+def test_scan_equals_torch_twin(chunking, n, B, H, L_m, seed):
+    assume(n & (n + 1))  # scan length N = n + 1 not a power of two
+    g, J = _chain(n, B, H, seed)
+    J0 = J.clone()
+    got = cpu.blelloch_scan(g, J, L_m)
+    assert torch.equal(J, J0)  # the chain is not used as scratch
+    ref = scan.blelloch_scan(g, J, L_m)
+    assert got.shape == ref.shape == (n, B, H)
+    assert _rel(got, ref) <= 1e-12
+    assert _rel(got, scan.linear_scan(g, J)) <= 1e-10
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 100, 1000])
+def test_compiled_linear_scan_equals_torch(chunking, n):
+    g, J = _chain(n, 4, 20, n)
+    assert _rel(cpu.linear_scan(g, J), scan.linear_scan(g, J)) <= 1e-12
+
+
+def test_workspace_reuse_gives_the_same_result():
+    ws = scan.Workspace()
+    for seed in range(3):  # same shapes, new values: stale scratch must never leak into the result
+        g, J = _chain(77, 3, 6, seed)
+        assert _rel(cpu.blelloch_scan(g, J, None, ws), scan.blelloch_scan(g, J)) <= 1e-12
+
+
+def test_float32_scan_matches(chunking):
+    g, J = _chain(999, 16, 20, 1, torch.float32)
+    assert _rel(cpu.blelloch_scan(g, J), scan.linear_scan(g.double(), J.double()).float()) <= 1e-4
+
+
+@pytest.mark.parametrize("T,B", [(1, 1), (37, 3), (1000, 2)])
+def test_sequential_rnn_backward_equals_the_scan(chunking, T, B):
+    torch.manual_seed(T)
+    h = torch.randn(T, B, 20, dtype=torch.float64).tanh()
+    W = torch.randn(20, 20, dtype=torch.float64) / 20 ** 0.5
+    g = torch.randn(B, 20, dtype=torch.float64)
+    J = backends.TorchBackend().rnn_jacobians_t(h, W, "fused")
+    ref = rnn_grad_preact(scan.linear_scan(g, J), h, "fused")
+    assert _rel(cpu.rnn_sequential_grad_preact(h, W, g), ref) <= 1e-12
+
+
+def test_numpy_loops_when_numba_is_missing(monkeypatch):
+    g, J = _chain(50, 2, 5, 0)
+    h = torch.randn(30, 2, 5, dtype=torch.float64).tanh()
+    W = torch.randn(5, 5, dtype=torch.float64)
+    with_numba = cpu.blelloch_scan(g, J, 2), cpu.rnn_sequential_grad_preact(h, W, g)
+    monkeypatch.setattr(cpu, "numba", None)
+    without = cpu.blelloch_scan(g, J, 2), cpu.rnn_sequential_grad_preact(h, W, g)
+    for a, b in zip(with_numba, without):
+        assert _rel(a, b) <= 1e-12
+
+
+@pytest.mark.parametrize("model,layouts", [("rnn", ["fused", "paper"]), ("gru", ["fused"])])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("L_m", [None, 0, 3])
+def test_gradients_equal_autograd_through_the_fast_path(model, layouts, dtype, L_m):
+    for layout in layouts:
+        for T, B in ((37, 5), (300, 3)):
+            r = verify(model=model, seq_len=T, batch=B, dtype=dtype, backend="cpu", layout=layout, L_m=L_m, seed=T)
+            assert r["backend"] == "cpu"
+            assert r["ok"], (layout, T, B, r["rel_err"])
+            assert r["max_rel_err"] <= {"float64": 1e-10, "float32": 1e-4}[dtype]
+
+
+def test_verify_command_runs_the_cpu_backend(tmp_path):
+    out = tmp_path / "v.json"
+    r = subprocess.run([sys.executable, "-m", "bppsa", "verify", "--backend", "cpu", "--seq-len", "101", "--batch", "4",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["backend"] == "cpu" and res["ok"] and res["max_rel_err"] <= 1e-10
+
+
+def test_cpu_backend_refuses_cuda_and_falls_back_with_a_warning(monkeypatch):
+    with pytest.raises(RuntimeError, match="CPU tensors only"):
+        backends.get_backend("cpu", torch.device("cuda"))
+    assert backends.get_backend("cpu", torch.device("cpu")).name == "cpu"
+    monkeypatch.setitem(sys.modules, "bppsa.kernels.cpu", None)  # import fails like a broken install
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        be = backends.get_backend("cpu")
+    assert be.name == "torch"
+    assert any("backend 'cpu' unavailable" in str(x.message) and "bppsa.kernels.cpu" in str(x.message) for x in w)
+
+
+def test_scan_rejects_bad_operands():
+    g, J = _chain(5, 2, 3, 0)
+    with pytest.raises(ValueError, match="expected g"):
+        cpu.blelloch_scan(g[:, :2], J)
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu.blelloch_scan(g.float(), J)
