@@ -79,7 +79,6 @@ def _speed(results: Path) -> str:
         path = folder / "rnn" / "speed.csv"
         if path.exists():
             r = ratios(pd.read_csv(path))
-            r["L_m"] = r["L_m"].astype(object).where(r["L_m"].notna(), "full")
             r.insert(0, "device", label)
             parts.append(r)
     return _md(pd.concat(parts)) if parts else "No CPU speed benchmark."

@@ -123,7 +123,7 @@ def backward_methods(model, x, y, backends=("cpu",), layouts=("fused",), L_ms=(N
     return out
 
 
-def scan_methods(model, x, y, backends=("cpu",), check_tol: float = 1e-4) -> dict:
+def scan_methods(model, x, y, backends=("cpu",), L_m=None, check_tol: float = 1e-4) -> dict:
     """name -> (protocol callable, attributes) for the scan-alone group, each checked against the
     sequential torch scan first."""
     with torch.no_grad():
@@ -136,7 +136,7 @@ def scan_methods(model, x, y, backends=("cpu",), check_tol: float = 1e-4) -> dic
            "scan-linear-compiled": (lambda: _cpu.linear_scan(g, J), {"backend": "numba"})}
     for be in backends:
         backend = get_backend(be, torch.device("cpu"))
-        fns[f"scan-{backend.name}"] = (lambda b=backend: b.scan(g, J), {"backend": backend.name})
+        fns[f"scan-{backend.name}"] = (lambda b=backend: b.scan(g, J, L_m), {"backend": backend.name, "L_m": L_m})
     ref = linear_scan(g, J)
     scale = ref.abs().max().clamp_min(torch.finfo(ref.dtype).tiny)
     for name, (fn, _) in fns.items():

@@ -1,0 +1,60 @@
+"""`bppsa scaling`: backward time against the number of worker threads (CSV), and its figure."""
+from __future__ import annotations
+
+import sys
+
+import pandas as pd
+import torch
+
+from .. import io
+from ..bench import scaling
+from ..kernels.cpu import default_threads
+from .common import DTYPES, add_runtime_args, setup
+from .speed import add_rule_args, rule_from_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser("scaling", help="autograd / BPPSA / compiled sequential backward vs threads (CSV)")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1000, 10000])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--hidden", type=int, default=20)
+    p.add_argument("--max-threads", type=int, default=0, help="time 1 .. this many threads (0: every core)")
+    add_rule_args(p)
+    p.add_argument("--out", required=True)
+    add_runtime_args(p)
+    p.set_defaults(func=_scaling)
+
+    q = sub.add_parser("plot-scaling", help="figure and extrapolated crossover from scaling CSVs")
+    q.add_argument("csv", nargs="+")
+    q.add_argument("--out", required=True, help="figure (.png/.pdf)")
+    q.add_argument("--crossover", default=None, help="also write the fitted crossover table here (CSV)")
+    q.set_defaults(func=_plot)
+
+
+def _scaling(args) -> int:
+    dev = setup(args)
+    if dev.type != "cpu":
+        raise ValueError("bppsa scaling measures CPU threads; run it with --device cpu")
+    top = args.max_threads or default_threads()
+    if top < 1:
+        raise ValueError(f"--max-threads must be >= 1 (got {top})")
+    rows = scaling.run(args.seq_lens, args.batches, list(range(1, top + 1)), args.hidden, rule_from_args(args),
+                       args.seed, DTYPES[args.dtype])
+    df = pd.DataFrame(rows)
+    for k, v in dict(profile=args.profile, device=args.device_slug, dtype=args.dtype,
+                     flush_denormal=args.flush_denormal).items():
+        df[k] = v
+    io.write_csv(args.out, df)
+    print(scaling.medians(df).to_string(index=False), file=sys.stderr)
+    return 0
+
+
+def _plot(args) -> int:
+    from ..plots.scaling import plot
+
+    df = pd.concat([pd.read_csv(p) for p in args.csv], ignore_index=True)
+    cross = plot(df, args.out)
+    if args.crossover:
+        io.write_csv(args.crossover, cross)
+    print(cross.to_string(index=False), file=sys.stderr)
+    return 0

@@ -1,0 +1,74 @@
+"""Scaling figure: backward time and speedup against worker threads, beside the paper's shapes."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from matplotlib import ticker
+import pandas as pd
+
+from ..bench.scaling import BPPSA, crossovers, medians
+from ..bench.speed import AUTOGRAD, SEQUENTIAL
+from ..io import atomic_path
+from .common import plt
+
+STYLE = {AUTOGRAD: dict(color="C0", marker="s", ls="--", label="autograd (eager)"),
+         SEQUENTIAL: dict(color="C2", marker="^", ls=":", label="compiled sequential"),
+         BPPSA: dict(color="C1", marker="o", ls="-", label="BPPSA (cpu fast path)")}
+
+
+def plot(df: pd.DataFrame, out) -> pd.DataFrame:
+    """Render one column per (T, B): time (top) and speedup over 1 thread (bottom); returns the crossovers."""
+    med = medians(df)
+    cross = crossovers(med)
+    keys = sorted(med.groupby(["seq_len", "batch"]).groups)
+    fig, axes = plt.subplots(2, len(keys), figsize=(4.2 * len(keys), 7), squeeze=False)
+    for col, (T, B) in enumerate(keys):
+        g = med[(med.seq_len == T) & (med.batch == B)]
+        top, bot = axes[0, col], axes[1, col]
+        pmax = int(g["threads"].max())
+        for method, style in STYLE.items():
+            m = g[g.method == method].sort_values("threads")
+            if m.empty:
+                continue
+            p, t = m["threads"].to_numpy(), m["median_s"].to_numpy()
+            top.errorbar(p, t, yerr=[t - m["ci_low"], m["ci_high"] - t], capsize=3, **style)
+            bot.plot(p, t[0] / t, **style)
+        bp = g[g.method == BPPSA].sort_values("threads")
+        c = cross[(cross.seq_len == T) & (cross.batch == B) & (cross.rival == SEQUENTIAL)]
+        if not bp.empty:
+            # the paper's shapes through BPPSA's / the rivals' 1-thread points: Θ(n/p + log p) and Θ(n)
+            ps = np.arange(1, max(pmax, 2) * 4 + 1)
+            shape = (T / ps + np.log2(ps)) / T
+            bot.plot(ps, 1 / shape, color="C1", alpha=0.35, lw=3, label="Θ(n/p + log p) (paper's scan)")
+            bot.plot(ps, np.ones_like(ps), color="C0", alpha=0.35, lw=3, label="Θ(n) (back-propagation)")
+            if not c.empty:
+                a, b, p_star = float(c.fit_a_s.iloc[0]), float(c.fit_b_s.iloc[0]), float(c.crossover_workers.iloc[0])
+                reach = int(min(max(p_star if math.isfinite(p_star) else pmax * 8, pmax) * 1.5, 4096))
+                pe = np.unique(np.geomspace(1, max(reach, 2), 60).round())
+                top.plot(pe, a / pe + b, color="C1", ls=(0, (1, 2)), label="BPPSA fit a/p + b (extrapolation)")
+                top.axhline(float(c.rival_best_s.iloc[0]), color="C2", alpha=0.4)
+                if math.isfinite(p_star):
+                    tag = "extrapolated" if bool(c.extrapolated.iloc[0]) else "measured"
+                    top.axvline(p_star, color="k", ls="--", lw=0.8)
+                    top.annotate(f"overtakes compiled\nsequential at p≈{p_star:.0f}\n({tag})", (p_star, a / p_star + b),
+                                 textcoords="offset points", xytext=(-10, 25), ha="right", fontsize=8)
+                else:
+                    top.text(0.02, 0.02, "never overtakes compiled sequential\n(fit: a/p + b, extrapolation)",
+                             transform=top.transAxes, fontsize=8)
+        top.set(xscale="log", yscale="log", title=f"T = {T}, B = {B}", xlabel="worker threads p",
+                ylabel="backward (s), median ± 95% CI")
+        bot.set(xscale="log", xlabel="worker threads p", ylabel="speedup over p = 1")
+        for ax in (top, bot):
+            ax.grid(True, which="both", alpha=0.3)
+            ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    axes[0, 0].legend(fontsize=7)
+    axes[1, 0].legend(fontsize=7)
+    dev = ", ".join(sorted(map(str, df["device"].unique()))) if "device" in df else "?"
+    fig.suptitle(f"Backward vs workers on {dev} (measured up to p = {int(med.threads.max())}; dotted: extrapolated)")
+    fig.tight_layout()
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    return cross
