@@ -15,7 +15,9 @@ def test_rnn_workflow_end_to_end(tmp_path):
     cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     cfg.update(profile="tiny", bench={"warmup": 1, "iters": 2}, bitstream={"samples": 48, "seed": 0})
     cfg["rnn"].update(seq_lens=[5, 9], batch_at_seq_len=4, batches=[2, 4], seq_len_at_batch=9,
-                      curves={"seq_len": 9, "batch": 4, "epochs": 2}, speed={"seq_len": 9, "batches": [2]})
+                      curves={"seq_len": 9, "batch": 4, "epochs": 2}, speed={"seq_len": 9, "batches": [2], "min_iters": 2, "max_seconds": 0.5},
+                      roofline={"seq_len": 9, "batches": [2], "min_iters": 2, "max_seconds": 0.5},
+                      scaling={"seq_lens": [9], "batches": [2], "min_iters": 2, "max_seconds": 0.5})
     conf = tmp_path / "tiny.yaml"
     conf.write_text(yaml.safe_dump(cfg))
     targets = ["results/fig_7.png"] + [f"results/fig_8_{p}.png" for p in "abcdef"]

@@ -77,14 +77,14 @@ rule speed_rnn:
     threads: workflow.cores
     params:
         args=runtime_args(),
+        rule=lambda wc: protocol_args(RNN["speed"]),
         L_m=L_m_arg(RNN["L_m"]),
     log:
         "logs/speed_rnn.log",
     shell:
         "bppsa speed --device cpu --seq-len {RNN[speed][seq_len]} --batches {RNN[speed][batches]} "
-        "--hidden {RNN[hidden]} --layouts {RNN[layouts]} --L-m {params.L_m} "
-        "--repeats {config[bench][iters]} --warmup {config[bench][warmup]} --threads {threads} "
-        "--profile {PROFILE} --out {output} 2> {log}"
+        "--hidden {RNN[hidden]} --layouts {RNN[layouts]} --L-m {params.L_m} {params.rule} "
+        "--threads {threads} --profile {PROFILE} --out {output} 2> {log}"
 
 
 RNN_BENCH = [RNN_DIR + f"/bench_T{T}_B{B}_{v}.csv" for T, B in RNN_GRID for v in RNN_VARIANTS]
@@ -92,3 +92,60 @@ RNN_CURVES = [RNN_DIR + f"/curve_{v}.csv" for v in RNN_VARIANTS[:2]]
 TARGETS.extend(RNN_BENCH + RNN_CURVES)
 if RNN["speed"]["batches"] and config["device"] in ("auto", "cpu") and DEVICE == "cpu":
     TARGETS.append(RNN_DIR + "/speed.csv")
+
+
+# CPU roofline of the scan and the scaling of the backward with worker threads (1 .. all cores).
+
+
+def protocol_args(section):
+    """Stop-rule flags of a timing command: warm-up from bench:, the caps from the experiment's section."""
+    warmup = config["bench"].get("warmup", 3)
+    return f"--warmup {warmup} --min-iters {section['min_iters']} --max-seconds {section['max_seconds']}"
+
+
+rule roofline_rnn:
+    output:
+        RNN_DIR + "/roofline.csv",
+    threads: workflow.cores
+    params:
+        rule=lambda wc: protocol_args(RNN["roofline"]),
+        L_m=L_m_arg(RNN["L_m"]),
+    log:
+        "logs/roofline_rnn.log",
+    shell:
+        "bppsa roofline --device cpu --seq-len {RNN[roofline][seq_len]} --batches {RNN[roofline][batches]} "
+        "--hidden {RNN[hidden]} --L-m {params.L_m} --dtype {config[dtype]} {params.rule} --threads {threads} "
+        "--profile {PROFILE} --out {output} 2> {log}"
+
+
+rule scaling_rnn:
+    output:
+        RNN_DIR + "/scaling.csv",
+    threads: workflow.cores
+    params:
+        rule=lambda wc: protocol_args(RNN["scaling"]),
+    log:
+        "logs/scaling_rnn.log",
+    shell:
+        "bppsa scaling --device cpu --seq-lens {RNN[scaling][seq_lens]} --batches {RNN[scaling][batches]} "
+        "--hidden {RNN[hidden]} --dtype {config[dtype]} {params.rule} --max-threads {threads} "
+        "--profile {PROFILE} --out {output} 2> {log}"
+
+
+rule figure_scaling:
+    input:
+        RNN_DIR + "/scaling.csv",
+    output:
+        fig=f"results/{DEVICE}/fig_scaling.png",
+        crossover=RNN_DIR + "/scaling_crossover.csv",
+    log:
+        "logs/figure_scaling.log",
+    shell:
+        "bppsa plot-scaling {input} --out {output.fig} --crossover {output.crossover} 2> {log}"
+
+
+if config["device"] in ("auto", "cpu") and DEVICE == "cpu":
+    if RNN["roofline"]["batches"]:
+        TARGETS.append(RNN_DIR + "/roofline.csv")
+    if RNN["scaling"]["seq_lens"] and RNN["scaling"]["batches"]:
+        TARGETS.extend([f"results/{DEVICE}/fig_scaling.png", RNN_DIR + "/scaling_crossover.csv"])

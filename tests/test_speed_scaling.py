@@ -1,0 +1,177 @@
+"""The CPU speed benchmark, roofline and worker scaling: summaries, counts, fits, commands, rules."""
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from bppsa import scan
+from bppsa.bench import roofline, scaling, speed
+from bppsa.bench.protocol import StopRule
+from bppsa.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = StopRule(warmup=0, min_iters=3, max_iters=3, min_seconds=0.0, max_seconds=60.0)
+
+
+def _rows(batch, group, method, secs, phase="backward", noisy=False):
+    return [{"batch": batch, "group": group, "method": method, "iter": i, "phase": phase, "seconds": s,
+             "noisy": noisy} for i, s in enumerate(secs)]
+
+
+def test_summary_pairs_iterations_and_reports_intervals():
+    n = 12
+    auto = [4.0 + 0.01 * i for i in range(n)]
+    bp = [a / 2 for a in auto]                                   # exactly 2x, iteration by iteration
+    seq = [0.5 * a for a in auto]
+    df = pd.DataFrame(_rows(16, "backward", "autograd", auto) + _rows(16, "backward", "sequential", seq, noisy=True)
+                      + _rows(16, "backward", "bppsa-cpu-fused", [b / 2 for b in bp], "jacobian")
+                      + _rows(16, "backward", "bppsa-cpu-fused", [b / 2 for b in bp])
+                      + _rows(16, "backward", "autograd", [9.9] * n, "forward")  # never counted
+                      + _rows(16, "scan", "scan-linear-compiled", [3.0] * n, "total")
+                      + _rows(16, "scan", "scan-cpu", [1.0] * n, "total"))
+    s = speed.summary(df).set_index("ratio")
+    assert list(s.columns[:6]) == ["batch", "median", "ci_low", "ci_high", "n", "noisy"]
+    r = s.loc["autograd / bppsa-cpu-fused"]
+    assert r["median"] == pytest.approx(2.0) and r["ci_low"] == pytest.approx(2.0) and r["ci_high"] == pytest.approx(2.0)
+    assert r["n"] == n and not r["noisy"]
+    assert s.loc["sequential / bppsa-cpu-fused", "median"] == pytest.approx(1.0)
+    assert bool(s.loc["sequential / bppsa-cpu-fused", "noisy"])  # a noisy side marks the ratio
+    assert s.loc["scan-linear-compiled / scan-cpu", "median"] == pytest.approx(3.0)
+
+
+def test_summary_is_still_importable_as_ratios_for_the_report():
+    from bppsa.commands.speed import ratios
+
+    assert ratios is speed.summary
+
+
+@pytest.mark.parametrize("n,B,H,L_m", [(1, 1, 3, None), (9, 2, 4, None), (1000, 16, 20, None), (77, 3, 5, 2),
+                                       (50, 2, 3, 0)])
+def test_scan_cost_counts_the_products_the_scan_makes(n, B, H, L_m, monkeypatch):
+    """Count the FLOP of every matmul the torch scan actually issues and compare."""
+    flop = [0]
+    real = torch.matmul
+
+    def counting(a, b, *args, **kw):
+        out = real(a, b, *args, **kw)
+        flop[0] += 2 * out.numel() * a.shape[-1]
+        return out
+
+    monkeypatch.setattr(torch, "matmul", counting)
+    scan.blelloch_scan(torch.randn(B, H), torch.randn(n, B, H, H), L_m)
+    assert roofline.scan_cost(n, B, H, L_m)["flop"] == flop[0]
+
+
+def test_scan_cost_bytes_scale_with_itemsize_and_linear_is_cheaper():
+    c4, c8 = roofline.scan_cost(999, 16, 20, None, 4), roofline.scan_cost(999, 16, 20, None, 8)
+    assert c8["bytes"] == 2 * c4["bytes"] and c8["flop"] == c4["flop"]
+    lin = roofline.scan_cost(999, 16, 20, 0)
+    assert lin["flop"] == 998 * 2 * 20 * 20 * 16 and lin["flop"] * 10 < c4["flop"]
+
+
+def test_roofline_rows_against_both_bounds():
+    rows = roofline.roofline_rows({"scan-cpu": [0.02] * 7, "scan-linear-compiled": [0.01] * 7}, 1000, 16, 20, None,
+                                  torch.float32, peak=100e9, bandwidth=10e9)
+    r = {x["method"]: x for x in rows}
+    c = roofline.scan_cost(1000, 16, 20)
+    assert r["scan-cpu"]["bound_s"] == pytest.approx(max(c["flop"] / 100e9, c["bytes"] / 10e9))
+    assert r["scan-cpu"]["x_bound"] == pytest.approx(0.02 / r["scan-cpu"]["bound_s"])
+    assert r["scan-linear-compiled"]["L_m"] == 0 and r["scan-linear-compiled"]["flop"] < c["flop"]
+
+
+def test_fit_and_crossover():
+    p = np.array([1, 2, 4])
+    a, b = scaling.fit(p, 8.0 / p + 1.0)
+    assert (a, b) == (pytest.approx(8.0), pytest.approx(1.0))
+    assert scaling.crossover(a, b, 3.0) == pytest.approx(4.0)    # 8/4 + 1 = 3
+    assert scaling.crossover(a, b, 0.5) == math.inf               # below the serial part: never
+    assert scaling.crossover(a, b, 20.0) == 1.0
+    a, b = scaling.fit([1, 2], [1.0, 2.0])                        # slower with more threads: no scaling
+    assert a == 0 and b > 0
+    assert scaling.fit([1], [5.0]) == (5.0, 0.0)
+
+
+def test_crossovers_prefer_measurement_and_label_extrapolation():
+    med = pd.DataFrame([
+        dict(seq_len=1000, batch=1, method="bppsa-cpu-fused", threads=1, median_s=4.0),
+        dict(seq_len=1000, batch=1, method="bppsa-cpu-fused", threads=2, median_s=2.5),
+        dict(seq_len=1000, batch=1, method="sequential", threads=1, median_s=1.5),
+        dict(seq_len=1000, batch=1, method="sequential", threads=2, median_s=1.6),
+        dict(seq_len=1000, batch=1, method="autograd", threads=1, median_s=3.0),
+        dict(seq_len=1000, batch=1, method="autograd", threads=2, median_s=3.1)])
+    c = scaling.crossovers(med).set_index("rival")
+    # fit through (1, 4) and (2, 2.5): a = 3, b = 1; 3/p + 1 = 1.5 at p = 6
+    assert c.loc["sequential", "crossover_workers"] == pytest.approx(6.0) and c.loc["sequential", "extrapolated"]
+    assert c.loc["autograd", "crossover_workers"] == 2 and not c.loc["autograd", "extrapolated"]
+
+
+def test_speed_run_tiny_end_to_end():
+    rows = speed.run(9, [2], hidden=4, rule=TINY, backends=("cpu", "torch"))
+    df = pd.DataFrame(rows)
+    assert set(df["method"]) == {"autograd", "sequential", "bppsa-cpu-fused", "bppsa-torch-fused", "scan-cpu",
+                                 "scan-torch", "scan-linear-compiled", "scan-linear-torch"}
+    assert (df.groupby("method")["iter"].nunique() == 3).all()
+    s = speed.summary(df)
+    assert {"autograd / bppsa-cpu-fused", "sequential / bppsa-cpu-fused", "scan-linear-compiled / scan-cpu"} <= set(s.ratio)
+    assert (s["median"] > 0).all() and (s["ci_low"] <= s["median"]).all() and (s["median"] <= s["ci_high"]).all()
+
+
+def test_scan_methods_refuse_a_wrong_scan(monkeypatch):
+    from bppsa.kernels import cpu
+
+    monkeypatch.setattr(cpu.CpuBackend, "scan", lambda self, g, J, L_m=None: scan.blelloch_scan(g, J, L_m) * 1.01)
+    torch.manual_seed(0)
+    from bppsa.models.rnn import RNNClassifier
+
+    x, y = speed.bitstream_batch(9, 2, 0, torch.float32)
+    with pytest.raises(RuntimeError, match="scan-cpu disagrees"):
+        speed.scan_methods(RNNClassifier(hidden=4), x, y, ("cpu",))
+
+
+def test_commands_write_csvs_and_figure(tmp_path):
+    rule = ["--warmup", "0", "--min-iters", "2", "--max-iters", "2", "--min-seconds", "0"]
+    sp, rf, sc = tmp_path / "speed.csv", tmp_path / "roofline.csv", tmp_path / "scaling.csv"
+    assert main(["speed", "--device", "cpu", "--seq-len", "9", "--batches", "2", "--hidden", "4", *rule, "--out", str(sp)]) == 0
+    assert main(["roofline", "--device", "cpu", "--seq-len", "9", "--batches", "2", "--hidden", "4", "--gemm-n", "64",
+                 "--copy-mib", "1", *rule, "--out", str(rf)]) == 0
+    roof = pd.read_csv(rf)
+    assert set(roof["method"]) == {"scan-cpu", "scan-torch", "scan-linear-compiled"}
+    assert (roof["peak_gflops"] > 0).all() and (roof["copy_gbs"] > 0).all() and (roof["x_bound"] > 0).all()
+    assert main(["scaling", "--device", "cpu", "--seq-lens", "9", "--batches", "2", "--hidden", "4",
+                 "--max-threads", "2", *rule, "--out", str(sc)]) == 0
+    df = pd.read_csv(sc)
+    assert set(df["threads"]) == {1, 2}
+    fig, cross = tmp_path / "fig.png", tmp_path / "cross.csv"
+    assert main(["plot-scaling", str(sc), "--out", str(fig), "--crossover", str(cross)]) == 0
+    assert fig.read_bytes()[:4] == b"\x89PNG" and fig.stat().st_size > 10_000
+    assert set(pd.read_csv(cross)["rival"]) == {"sequential", "autograd"}
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_speed_refuses_a_gpu_device(capsys):
+    assert main(["speed", "--device", "cuda", "--out", "x.csv"]) == 2
+
+
+def test_schema_names_a_bad_scaling_key(tmp_path):
+    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    cfg["rnn"]["scaling"]["max_seconds"] = 0
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    r = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile", str(path),
+                        "--directory", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "max_seconds" in r.stdout + r.stderr
+
+
+def test_default_workflow_lists_roofline_and_scaling(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "2", "--directory", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    for target in ("rnn/roofline.csv", "rnn/scaling.csv", "fig_scaling.png", "rnn/speed.csv"):
+        assert target in out
