@@ -134,3 +134,20 @@ def test_scan_rejects_bad_operands():
         cpu.blelloch_scan(g[:, :2], J)
     with pytest.raises(ValueError, match="one dtype"):
         cpu.blelloch_scan(g.float(), J)
+
+
+def test_worker_threads_follow_the_subnormal_mode():
+    """Subnormal products are ~100x slower unless flushed; the workers must flush when the caller does."""
+    try:
+        for flag in (True, False, True):
+            torch.set_flush_denormal(flag)
+            assert cpu._executor(2).submit(cpu._flushing).result() is flag is cpu._flushing()
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def test_numpy_blas_is_made_single_threaded():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    cpu.blelloch_scan(*_chain(9, 2, 3, 0))
+    libs = [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas" and "numpy" in i["filepath"]]
+    assert libs and all(i["num_threads"] == 1 for i in libs)

@@ -14,12 +14,13 @@ sequential backward over the same chain, against which BPPSA's speedups should b
 also runs the short sequential middle of a heterogeneous scan (``L_m`` below the tree's depth).
 
 Threads: ``torch.get_num_threads()`` (set by ``--threads``) governs both.  Worker threads are
-created by the calling thread and inherit its floating-point environment, so ``torch.set_flush_denormal``
-made before the first scan applies to them as well.  numba is optional at run time: where it cannot
+started in the calling thread's subnormal mode (``torch.set_flush_denormal``, on by default in the
+commands: the long Jacobian products underflow) and re-started if it changes.  numba is optional at run time: where it cannot
 be imported, :func:`unavailable_reason` says why and the sequential parts run as numpy loops.
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -56,7 +57,7 @@ def unavailable_reason() -> str | None:
 
 # -- threads ----------------------------------------------------------------------------------------
 _pool: ThreadPoolExecutor | None = None
-_pool_size = 0
+_pool_key: tuple | None = None
 _pool_lock = threading.Lock()
 
 
@@ -64,18 +65,44 @@ def _threads() -> int:
     return max(1, torch.get_num_threads())
 
 
+def _flushing() -> bool:
+    """Whether this thread flushes subnormals (``torch.set_flush_denormal``): a subnormal input reads as 0."""
+    return float(np.float32(1e-39) * np.float32(1.0)) == 0.0
+
+
 def _executor(p: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
+    """The pool of p - 1 workers, in the calling thread's subnormal mode (re-made when either changes)."""
+    global _pool, _pool_key
+    key = (p, _flushing())
     with _pool_lock:
-        if _pool is None or _pool_size != p:
+        if _pool is None or _pool_key != key:
             if _pool is not None:
                 _pool.shutdown(wait=True)
-            _pool, _pool_size = ThreadPoolExecutor(max_workers=p - 1, thread_name_prefix="bppsa-cpu"), p
+            _pool = ThreadPoolExecutor(max_workers=p - 1, thread_name_prefix="bppsa-cpu",
+                                       initializer=torch.set_flush_denormal, initargs=(key[1],))
+            _pool_key = key
         return _pool
+
+
+@functools.lru_cache(maxsize=None)
+def _numpy_blas_single_threaded() -> bool:
+    """Make numpy's own OpenBLAS single-threaded (once): this module's pool is the parallelism, and
+    OpenBLAS's threads on top of it oversubscribe the cores -- and they were started before
+    ``torch.set_flush_denormal``, so they would run the chain's subnormal products at the slow rate."""
+    try:
+        from threadpoolctl import ThreadpoolController
+
+        libs = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas" and "numpy" in c.filepath]
+        for c in libs:
+            c.set_num_threads(1)
+        return bool(libs)
+    except Exception:  # noqa: BLE001 - without threadpoolctl the scan is still right, only slower
+        return False
 
 
 def _parallel(fn, n: int, flop_per_item: float) -> None:
     """Run ``fn(a, b)`` over [0, n) in contiguous chunks, one per thread (the caller takes the first)."""
+    _numpy_blas_single_threaded()
     p = min(_threads(), max(1, int(n * flop_per_item // MIN_CHUNK_FLOP)), n)
     if p <= 1:
         if n:
