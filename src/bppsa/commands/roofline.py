@@ -10,8 +10,8 @@ from .. import io
 from ..bench import roofline, speed
 from ..bench.protocol import interleave
 from ..models.rnn import RNNClassifier
-from .common import DTYPES, add_runtime_args, optional_int, setup
-from .speed import add_rule_args, rule_from_args
+from .common import DTYPES, add_runtime_args, optional_int
+from .speed import add_rule_args, cpu_setup, labelled, rule_from_args
 
 
 def register(sub) -> None:
@@ -30,9 +30,7 @@ def register(sub) -> None:
 
 
 def _roofline(args) -> int:
-    dev = setup(args)
-    if dev.type != "cpu":
-        raise ValueError("bppsa roofline measures the CPU; run it with --device cpu")
+    cpu_setup(args)
     dtype = DTYPES[args.dtype]
     peak = roofline.peak_gemm_flops(dtype, args.gemm_n)
     bw = roofline.copy_bandwidth(args.copy_mib)
@@ -48,10 +46,7 @@ def _roofline(args) -> int:
         for r in roofline.roofline_rows(secs, args.seq_len, B, args.hidden, args.L_m, dtype, peak, bw):
             r["noisy"] = m.noisy[r["method"]]
             rows.append(r)
-    df = pd.DataFrame(rows)
-    for k, v in dict(profile=args.profile, device=args.device_slug, dtype=args.dtype,
-                     threads=torch.get_num_threads()).items():
-        df[k] = v
+    df = labelled(pd.DataFrame(rows), args)
     io.write_csv(args.out, df)
     print(df[["method", "batch", "scan_s", "bound_s", "bound", "x_bound", "achieved_gflops"]].to_string(index=False),
           file=sys.stderr)

@@ -4,13 +4,12 @@ from __future__ import annotations
 import sys
 
 import pandas as pd
-import torch
 
 from .. import io
 from ..bench import scaling
 from ..kernels.cpu import default_threads
-from .common import DTYPES, add_runtime_args, setup
-from .speed import add_rule_args, rule_from_args
+from .common import DTYPES, add_runtime_args
+from .speed import add_rule_args, cpu_setup, labelled, rule_from_args
 
 
 def register(sub) -> None:
@@ -32,18 +31,13 @@ def register(sub) -> None:
 
 
 def _scaling(args) -> int:
-    dev = setup(args)
-    if dev.type != "cpu":
-        raise ValueError("bppsa scaling measures CPU threads; run it with --device cpu")
+    cpu_setup(args)
     top = args.max_threads or default_threads()
     if top < 1:
         raise ValueError(f"--max-threads must be >= 1 (got {top})")
     rows = scaling.run(args.seq_lens, args.batches, list(range(1, top + 1)), args.hidden, rule_from_args(args),
                        args.seed, DTYPES[args.dtype])
-    df = pd.DataFrame(rows)
-    for k, v in dict(profile=args.profile, device=args.device_slug, dtype=args.dtype,
-                     flush_denormal=args.flush_denormal).items():
-        df[k] = v
+    df = labelled(pd.DataFrame(rows), args)
     io.write_csv(args.out, df)
     print(scaling.medians(df).to_string(index=False), file=sys.stderr)
     return 0

@@ -33,6 +33,22 @@ def rule_from_args(args) -> StopRule:
                     rel_ci=args.rel_ci)
 
 
+def cpu_setup(args) -> None:
+    """``setup`` for the commands that measure the CPU itself; any other device is an error."""
+    if setup(args).type != "cpu":
+        raise ValueError(f"bppsa {args.command} measures the CPU; run it with --device cpu")
+
+
+def labelled(df: pd.DataFrame, args, **extra) -> pd.DataFrame:
+    """Record how a timing CSV was made: profile, device, dtype, threads, subnormal mode (a column the
+    measurement already has, e.g. the scaling's per-row threads, is kept)."""
+    for k, v in dict(profile=args.profile, device=args.device_slug, dtype=args.dtype,
+                     threads=torch.get_num_threads(), flush_denormal=args.flush_denormal, **extra).items():
+        if k not in df:
+            df[k] = v
+    return df
+
+
 def register(sub) -> None:
     p = sub.add_parser("speed", help="RNN backward and scan-alone speed ratios (CSV)")
     p.add_argument("--seq-len", type=int, default=1000)
@@ -50,15 +66,10 @@ def register(sub) -> None:
 
 
 def _speed(args) -> int:
-    dev = setup(args)
-    if dev.type != "cpu":
-        raise ValueError("bppsa speed measures the CPU; run it with --device cpu")
+    cpu_setup(args)
     rows = speed.run(args.seq_len, args.batches, args.hidden, args.layouts, args.L_ms, args.backends,
                      rule_from_args(args), args.seed, DTYPES[args.dtype])
-    df = pd.DataFrame(rows)
-    for k, v in dict(profile=args.profile, device=args.device_slug, dtype=args.dtype,
-                     threads=torch.get_num_threads(), flush_denormal=args.flush_denormal).items():
-        df[k] = v
+    df = labelled(pd.DataFrame(rows), args)
     io.write_csv(args.out, df)
     print(speed.summary(df).to_string(index=False), file=sys.stderr)
     return 0
