@@ -59,6 +59,7 @@ def plot(df: pd.DataFrame, out) -> pd.DataFrame:
         top.set(xscale="log", yscale="log", title=f"T = {T}, B = {B}", xlabel="worker threads p",
                 ylabel="backward (s), median ± 95% CI")
         bot.set(xscale="log", xlabel="worker threads p", ylabel="speedup over p = 1")
+        bot.set_xticks([2 ** k for k in range(int(math.log2(max(pmax, 2) * 4)) + 1)])
         for ax in (top, bot):
             ax.grid(True, which="both", alpha=0.3)
             ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
