@@ -120,7 +120,7 @@ if numba is not None:
     # Not numba's own parallel=True: its OpenMP workers spin after each region and fight torch's for
     # the same cores; the GIL-free kernels are run on this module's thread pool instead, one batch
     # slice [b0, b1) per thread.
-    _jit = njit(cache=True, nogil=True)
+    _jit = njit(cache=True, nogil=True, fastmath=True)  # fastmath: vectorised dot-product reductions
 
     @_jit
     def _linear_nb(A, first, Q, b0, b1):  # pragma: no cover - compiled
