@@ -10,8 +10,8 @@ from .. import io
 from ..bench import roofline, speed
 from ..bench.protocol import interleave
 from ..models.rnn import RNNClassifier
-from .common import DTYPES, add_runtime_args, optional_int
-from .speed import add_rule_args, cpu_setup, labelled, rule_from_args
+from .common import DTYPES, optional_int
+from .speed import add_timing_args, cpu_setup, labelled, rule_from_args
 
 
 def register(sub) -> None:
@@ -23,10 +23,7 @@ def register(sub) -> None:
     p.add_argument("--backends", nargs="+", default=["cpu", "torch"], choices=["cpu", "torch"])
     p.add_argument("--gemm-n", type=int, default=2048, help="size of the GEMM that measures the compute roof")
     p.add_argument("--copy-mib", type=int, default=256, help="size of the copy that measures the memory roof")
-    add_rule_args(p)
-    p.add_argument("--out", required=True)
-    add_runtime_args(p)
-    p.set_defaults(func=_roofline)
+    add_timing_args(p, _roofline)
 
 
 def _roofline(args) -> int:

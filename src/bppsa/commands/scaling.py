@@ -8,8 +8,8 @@ import pandas as pd
 from .. import io
 from ..bench import scaling
 from ..kernels.cpu import default_threads
-from .common import DTYPES, add_runtime_args
-from .speed import add_rule_args, cpu_setup, labelled, rule_from_args
+from .common import DTYPES
+from .speed import add_timing_args, cpu_setup, labelled, rule_from_args
 
 
 def register(sub) -> None:
@@ -18,10 +18,7 @@ def register(sub) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--hidden", type=int, default=20)
     p.add_argument("--max-threads", type=int, default=0, help="time 1 .. this many threads (0: every core)")
-    add_rule_args(p)
-    p.add_argument("--out", required=True)
-    add_runtime_args(p)
-    p.set_defaults(func=_scaling)
+    add_timing_args(p, _scaling)
 
     q = sub.add_parser("plot-scaling", help="figure and extrapolated crossover from scaling CSVs")
     q.add_argument("csv", nargs="+")

@@ -27,6 +27,14 @@ def add_rule_args(p) -> None:
     p.add_argument("--rel-ci", type=float, default=d.rel_ci, help="stop once every median's CI is within +-this")
 
 
+def add_timing_args(p, func) -> None:
+    """What every CPU timing command takes after its own flags: the stop rule, --out, the runtime flags."""
+    add_rule_args(p)
+    p.add_argument("--out", required=True)
+    add_runtime_args(p)
+    p.set_defaults(func=func)
+
+
 def rule_from_args(args) -> StopRule:
     return StopRule(warmup=args.warmup, min_iters=args.min_iters, max_iters=args.max_iters,
                     min_seconds=args.min_seconds, max_seconds=max(args.max_seconds, args.min_seconds),
@@ -59,10 +67,7 @@ def register(sub) -> None:
                    help="scan variants to time (none = full Blelloch)")
     p.add_argument("--backends", nargs="+", default=["cpu", "torch"], choices=[b for b in BACKENDS if b != "cupy"],
                    help="BPPSA backends to time (cpu: the fast path; torch: its reference twin)")
-    add_rule_args(p)
-    p.add_argument("--out", required=True)
-    add_runtime_args(p)
-    p.set_defaults(func=_speed)
+    add_timing_args(p, _speed)
 
 
 def _speed(args) -> int:
