@@ -89,11 +89,11 @@ def get_backend(name: str = "auto", device: torch.device | None = None):
                 warnings.warn(f"backend 'auto' uses torch: {why}", RuntimeWarning, stacklevel=2)
     if name == "torch":
         return TorchBackend()
-    if device is not None and not on_cuda:
-        raise RuntimeError("backend 'cupy' runs on CUDA tensors only; use --device cuda")
-    ok, why = cupy_probe(device)
+    ok, why = cupy_probe(device if on_cuda else None)
     if not ok:
         raise RuntimeError(f"backend 'cupy' is unusable: {why}")
+    if device is not None and not on_cuda:
+        raise RuntimeError("backend 'cupy' runs on CUDA tensors only; use --device cuda")
     if device is not None and torch.device(device).index is not None:
         # CuPy launches on the current device, so make the requested one current
         torch.cuda.set_device(device)
