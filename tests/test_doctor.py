@@ -72,3 +72,29 @@ def test_fixes():
                                                              "cupy": {"ok": False, "reason": "NVRTC error"}}))
     assert any("CuPy backend fails: NVRTC error" in f for f in fixes)
     assert any("CUDA 12.9 but torch for CUDA 13.0" in f for f in fixes)
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_gpu_reference_script_uses_the_install_python():
+    import re
+
+    text = (ROOT / "scripts" / "gpu_reference.sh").read_text()
+    body = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    # every tool through "$PY" -m (python3 by default), never whatever `python`/`snakemake`/`bppsa` is on PATH
+    assert re.search(r'^PY=\$\{PYTHON:-python3\}$', text, re.M)
+    bare = [ln for ln in body if re.match(r"(python|snakemake|bppsa|pytest)\b", ln)]
+    assert not bare, bare
+    assert body.index(next(ln for ln in body if "bppsa doctor" in ln and ln.startswith('"$PY"'))) < \
+        body.index(next(ln for ln in body if "pytest -m gpu" in ln))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks that it stops where no GPU works")
+def test_gpu_reference_script_stops_at_the_doctor(tmp_path):
+    env = {**__import__("os").environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_reference.sh")], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "bppsa doctor found no backend that works on the GPU" in proc.stderr
+    assert "1/5" not in proc.stdout  # nothing after the doctor ran
