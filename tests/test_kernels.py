@@ -358,7 +358,17 @@ def _subnormal_case(dtype, T=4, B=2, H=5, seed=3):
     return h, W
 
 
-def test_emulated_fill_keeps_subnormals(emu):
+@pytest.fixture
+def keep_denormals():
+    """CPU torch keeps subnormals here (the CLI's default flushes them, process-wide, in earlier tests)."""
+    tiny = torch.tensor([1e-39], dtype=torch.float32)
+    flushing = bool((tiny * 1.0 == 0).item())
+    torch.set_flush_denormal(False)
+    yield
+    torch.set_flush_denormal(flushing)
+
+
+def test_emulated_fill_keeps_subnormals(emu, keep_denormals):
     h, W = _subnormal_case(torch.float32)
     ref = rnn_jacobians_t(h, W, "fused")
     assert (ref != 0).any() and (ref.abs() < torch.finfo(torch.float32).tiny).all()  # the case is what it says
@@ -613,7 +623,7 @@ def test_rnn_training_step_cupy_vs_autograd(T, B, dtype, layout):
 
 
 @pytest.mark.gpu
-def test_cupy_fill_keeps_subnormals():
+def test_cupy_fill_keeps_subnormals(keep_denormals):
     be = _cupy_or_skip()
     h, W = _subnormal_case(torch.float32)
     h, W = h.cuda(), W.cuda()
