@@ -9,7 +9,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -121,6 +120,7 @@ def test_overrides():
 
 
 def test_pyproject_gpu_extras_match_the_plan():
+    tomllib = pytest.importorskip("tomllib", reason="Python < 3.11 has no tomllib")
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["cuda12"] == ip.GPU_PACKAGES[12]
     assert extras["cuda13"] == ip.GPU_PACKAGES[13]
