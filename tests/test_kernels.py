@@ -502,7 +502,8 @@ def test_per_thread_default_stream_is_refused(monkeypatch):
 
 
 def test_per_thread_default_stream_switch_without_cupy(monkeypatch):
-    monkeypatch.setitem(sys.modules, "cupy_backends", None)  # as on a machine without CuPy's internals
+    for mod in ("cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.stream"):
+        monkeypatch.setitem(sys.modules, mod, None)  # as on a machine without CuPy's internals
     monkeypatch.setenv("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "1")
     assert kernels._cupy_per_thread_default_stream()
     monkeypatch.setenv("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "0")
