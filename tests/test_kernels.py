@@ -2,7 +2,8 @@
 
 Three layers, so that as much as possible is checked on a machine without a GPU:
 
-* every ``.cu`` file compiles with ``nvcc`` for the oldest and the newest architecture we target;
+* every ``.cu`` file compiles with ``nvcc`` for the oldest and the newest architecture we target
+  (and with NVRTC and CuPy's own options: ``tests/test_nvrtc.py``);
 * the launch plan (:func:`bppsa.kernels.scan_plan`) reproduces the tree of :func:`bppsa.scan.levels`,
   and the *actual kernel sources*, compiled as host C++ with a thin shim (blocks run one after the
   other, the threads of a block as real threads meeting at a ``std::barrier``), reproduce
@@ -12,13 +13,16 @@ Three layers, so that as much as possible is checked on a machine without a GPU:
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import functools
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,6 +30,7 @@ import torch
 
 from bppsa import kernels
 from bppsa.jacobians.recurrent import rnn_jacobians_t
+from bppsa.precision import ieee_fp32
 from bppsa.scan import blelloch_scan, levels
 
 KERNEL_NAMES = {
@@ -345,6 +350,34 @@ def test_emulated_grid_stride_fill(emu, monkeypatch):
     np.testing.assert_array_equal(out.value(), rnn_jacobians_t(h, W, "paper").numpy())
 
 
+def _subnormal_case(dtype, T=4, B=2, H=5, seed=3):
+    """h and W_hh whose fused products are subnormal in fp32: what a flush-to-zero fill gets wrong."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.tanh(torch.randn(T, B, H, generator=gen, dtype=dtype))
+    W = torch.randn(H, H, generator=gen, dtype=dtype) * 1e-39  # 1e-39 < 1.18e-38: subnormal in fp32
+    return h, W
+
+
+@pytest.fixture
+def keep_denormals():
+    """CPU torch keeps subnormals here (the CLI's default flushes them, process-wide, in earlier tests)."""
+    tiny = torch.tensor([1e-39], dtype=torch.float32)
+    flushing = bool((tiny * 1.0 == 0).item())
+    torch.set_flush_denormal(False)
+    yield
+    torch.set_flush_denormal(flushing)
+
+
+def test_emulated_fill_keeps_subnormals(emu, keep_denormals):
+    h, W = _subnormal_case(torch.float32)
+    ref = rnn_jacobians_t(h, W, "fused")
+    assert (ref != 0).any() and (ref.abs() < torch.finfo(torch.float32).tiny).all()  # the case is what it says
+    launch = kernels.rnn_jacobians_launch(*h.shape, "fused")
+    out = _Buf(np.full(ref.shape, np.nan, dtype=np.float32))
+    _emu_launch(emu, launch, np.float32, [_Buf(h.numpy()), _Buf(W.numpy()), out])
+    np.testing.assert_array_equal(out.value(), ref.numpy())
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. without CuPy / CUDA
 # ---------------------------------------------------------------------------------------------
@@ -373,6 +406,108 @@ def test_scan_bytes_counts_the_schedule():
     up = (4 + 2 + 2) + 12 + (4 + 2 + 2)
     down = (2 + 2) + (2 + 2) + (4 + 2 + 4)
     assert scan_bytes(3, 1, 2, 8, None) == 8 * (up + down)
+
+
+def test_ieee_fp32_turns_tf32_off_and_restores():
+    b = torch.backends
+    before = (b.cudnn.rnn.fp32_precision, b.cudnn.conv.fp32_precision, b.cuda.matmul.fp32_precision)
+    with ieee_fp32():
+        assert (b.cudnn.rnn.fp32_precision, b.cudnn.conv.fp32_precision, b.cuda.matmul.fp32_precision) == ("ieee",) * 3
+    assert (b.cudnn.rnn.fp32_precision, b.cudnn.conv.fp32_precision, b.cuda.matmul.fp32_precision) == before
+    assert b.cudnn.allow_tf32 in (True, False)  # the legacy reader still works: no mix of APIs left behind
+
+
+@pytest.fixture
+def fresh_probe():
+    from bppsa import backends
+
+    for cache in (backends._probe_cuda, kernels._module, kernels._kernel):
+        cache.cache_clear()
+    yield backends
+    for cache in (backends._probe_cuda, kernels._module, kernels._kernel):
+        cache.cache_clear()
+
+
+def _fake_cupy(compile_error: Exception | None):
+    class RawModule:
+        def __init__(self, code, options):
+            assert "bppsa" in code and tuple(options) == kernels.NVRTC_OPTIONS
+            if compile_error is not None:
+                raise compile_error
+
+        def get_function(self, name):
+            return name
+
+    cuda = SimpleNamespace(Device=lambda index: contextlib.nullcontext())
+    return SimpleNamespace(__version__="14.2.0", RawModule=RawModule, cuda=cuda)
+
+
+def test_auto_falls_back_to_torch_with_the_reason(fresh_probe, monkeypatch):
+    """CuPy imports but NVRTC cannot compile: auto must not pick it, and must say why."""
+    backends = fresh_probe
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fake = _fake_cupy(RuntimeError("nvrtc: error: failed to open libnvrtc-builtins.so.13.0"))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    ok, why = backends.cupy_probe("cuda:0")
+    assert not ok and "could not compile and load" in why and "libnvrtc-builtins" in why
+    with pytest.warns(RuntimeWarning, match="backend 'auto' uses torch: .*libnvrtc-builtins"):
+        assert backends.get_backend("auto", torch.device("cuda")).name == "torch"
+    with pytest.raises(RuntimeError, match="backend 'cupy' is unusable: .*libnvrtc-builtins"):
+        backends.get_backend("cupy", torch.device("cuda"))
+
+
+def test_auto_picks_cupy_once_a_kernel_compiles(fresh_probe, monkeypatch):
+    backends = fresh_probe
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(None))
+    assert backends.cupy_probe() == (True, "CuPy 14.2.0 compiled and loaded the kernels on cuda:0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backends.get_backend("auto", torch.device("cuda")).name == "cupy"
+        assert backends.get_backend("auto", torch.device("cpu")).name == "torch"  # CPU: no probe, no warning
+
+
+def test_probe_without_cuda_says_why():
+    from bppsa.backends import cupy_probe
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    ok, why = cupy_probe()
+    assert not ok and "torch sees no CUDA GPU" in why
+
+
+def _torch_stream(handle, index=0):
+    return SimpleNamespace(cuda_stream=handle, device=torch.device("cuda", index))
+
+
+def test_stream_from_external_with_fallback(monkeypatch):
+    made = []
+    monkeypatch.setattr(kernels, "_cupy_per_thread_default_stream", lambda: False)
+    new = SimpleNamespace(cuda=SimpleNamespace(Stream=SimpleNamespace(from_external=lambda s: made.append(("from_external", s)) or "S")))
+    ts = _torch_stream(0x7F00)
+    assert kernels._cupy_stream(new, ts) == "S" and made == [("from_external", ts)]
+    old = SimpleNamespace(cuda=SimpleNamespace(Stream=SimpleNamespace(),  # CuPy < 14: no from_external
+                                               ExternalStream=lambda ptr, dev: made.append(("External", ptr, dev)) or "E"))
+    assert kernels._cupy_stream(old, _torch_stream(0x7F00, 1)) == "E" and made[-1] == ("External", 0x7F00, 1)
+
+
+def test_per_thread_default_stream_is_refused(monkeypatch):
+    cp = SimpleNamespace(cuda=SimpleNamespace(Stream=SimpleNamespace(from_external=lambda s: "S")))
+    monkeypatch.setattr(kernels, "_cupy_per_thread_default_stream", lambda: True)
+    with pytest.raises(RuntimeError, match="per-thread default stream.*CUPY_CUDA_PER_THREAD_DEFAULT_STREAM"):
+        kernels._cupy_stream(cp, _torch_stream(0))
+    assert kernels._cupy_stream(cp, _torch_stream(0x7F00)) == "S"  # a real torch stream is unambiguous
+
+
+def test_per_thread_default_stream_switch_without_cupy(monkeypatch):
+    for mod in ("cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.stream"):
+        monkeypatch.setitem(sys.modules, mod, None)  # as on a machine without CuPy's internals
+    monkeypatch.setenv("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "1")
+    assert kernels._cupy_per_thread_default_stream()
+    monkeypatch.setenv("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "0")
+    assert not kernels._cupy_per_thread_default_stream()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,7 +613,7 @@ def test_rnn_training_step_cupy_vs_autograd(T, B, dtype, layout):
     y = torch.randint(0, 10, (B,), device="cuda")
     ref_model, bp_model = copy.deepcopy(model), copy.deepcopy(model)
     # TF32 off: with it, cuDNN's fp32 RNN on Ampere and later is itself only ~1e-3 accurate.
-    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+    with ieee_fp32():
         ref_loss = ref_model.baseline_step(x, y)
         loss = bp_model.bppsa_step(x, y, be, layout)
     tol = 1e-10 if dtype == torch.float64 else 1e-4
@@ -486,3 +621,23 @@ def test_rnn_training_step_cupy_vs_autograd(T, B, dtype, layout):
     for (name, p_ref), (_, p) in zip(ref_model.named_parameters(), bp_model.named_parameters()):
         assert p.grad is not None, name
         assert _rel_err(p.grad, p_ref.grad) <= tol, (name, _rel_err(p.grad, p_ref.grad))
+
+
+@pytest.mark.gpu
+def test_cupy_fill_keeps_subnormals(keep_denormals):
+    be = _cupy_or_skip()
+    h, W = _subnormal_case(torch.float32)
+    h, W = h.cuda(), W.cuda()
+    ref = rnn_jacobians_t(h, W, "fused")
+    assert (ref != 0).any()  # torch's twin keeps them; CuPy's -ftz=true must not flush ours
+    assert torch.equal(be.rnn_jacobians_t(h, W, "fused"), ref)
+
+
+@pytest.mark.gpu
+def test_cupy_rejects_a_tensor_on_another_device():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    be = _cupy_or_skip()
+    g = torch.zeros(1, 4, device="cuda:1")
+    with torch.cuda.device(0), pytest.raises(ValueError, match="current CUDA device is cuda:0"):
+        be.scan(g, torch.zeros(2, 1, 4, 4, device="cuda:1"))

@@ -10,6 +10,7 @@ the same step's scan consumes.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -38,14 +39,38 @@ class TorchBackend:
         return _rec.rnn_jacobians_t(h, W_hh, layout, out=self.workspace.get(("jacobians", layout), shape, h))
 
 
-def cupy_available() -> bool:
+_PROBE_KERNEL = ("rnn_jacobians.cu", "bppsa_rnn_jacobians_fused_f32")
+
+
+def cupy_probe(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """Whether the CuPy backend can run on ``device`` (default: the current CUDA device), and why not.
+
+    Importing CuPy is not enough: it imports where the kernels cannot compile (no NVRTC) or load
+    (driver too old for the cubin).  So this compiles and fetches one kernel, once per device."""
     if not torch.cuda.is_available():
-        return False
+        return False, "torch sees no CUDA GPU" + ("" if torch.version.cuda else f" (torch {torch.__version__} is a CPU build)")
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    if dev.type != "cuda":
+        return False, f"the CuPy backend runs on CUDA devices only, not {dev}"
+    return _probe_cuda(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_cuda(index: int) -> tuple[bool, str]:
+    from . import kernels
+
     try:
-        import cupy  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not usable"
-        return False
-    return True
+        cp = kernels._import_cupy()
+    except RuntimeError as exc:
+        return False, str(exc)
+    try:
+        with cp.cuda.Device(index):
+            kernels._kernel(*_PROBE_KERNEL)
+    except Exception as exc:  # noqa: BLE001 - NVRTC, driver and loader errors all mean "unusable"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return False, (f"CuPy {cp.__version__} could not compile and load the kernels on cuda:{index}: "
+                       f"{type(exc).__name__}: {first}")
+    return True, f"CuPy {cp.__version__} compiled and loaded the kernels on cuda:{index}"
 
 
 def _cpu_backend(device):
@@ -61,20 +86,31 @@ def _cpu_backend(device):
 
 
 def get_backend(name: str = "auto", device: torch.device | None = None):
-    """Resolve a backend name. 'auto' is cupy on a CUDA device with CuPy installed, else torch."""
+    """Resolve a backend name. 'auto' is cupy on a CUDA device where the kernels compile and load
+    (:func:`cupy_probe`), else torch, with a warning that says why when a CUDA device was asked for."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend '{name}' (choose from {', '.join(BACKENDS)})")
     on_cuda = device is not None and torch.device(device).type == "cuda"
     if name == "auto":
-        name = "cupy" if on_cuda and cupy_available() else "torch"
+        name = "torch"
+        if on_cuda:
+            ok, why = cupy_probe(device)
+            if ok:
+                name = "cupy"
+            else:
+                warnings.warn(f"backend 'auto' uses torch: {why}", RuntimeWarning, stacklevel=2)
     if name == "torch":
         return TorchBackend()
     if name == "cpu":
         return _cpu_backend(device)
-    if not cupy_available():
-        raise RuntimeError("backend 'cupy' needs a CUDA GPU and CuPy (pip install cupy-cuda12x)")
+    ok, why = cupy_probe(device if on_cuda else None)
+    if not ok:
+        raise RuntimeError(f"backend 'cupy' is unusable: {why}")
     if device is not None and not on_cuda:
         raise RuntimeError("backend 'cupy' runs on CUDA tensors only; use --device cuda")
+    if device is not None and torch.device(device).index is not None:
+        # CuPy launches on the current device, so make the requested one current
+        torch.cuda.set_device(device)
     from .kernels import CupyBackend
 
     return CupyBackend()

@@ -7,6 +7,7 @@ import torch
 
 from .backends import get_backend
 from .models import build
+from .precision import ieee_fp32
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -42,15 +43,9 @@ def verify(model: str = "rnn", seq_len: int = 17, batch: int = 5, hidden: int = 
         x = torch.randn(seq_len, batch, input_size, generator=g)
     x = x.to(device=dev, dtype=DTYPES[dtype])
     y = torch.randint(0, classes, (batch,), generator=g).to(dev)
-    # TF32 would make the cuDNN/cuBLAS reference itself only ~1e-3 accurate on Ampere and later
-    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-        tf32 = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
-            loss_ref = ref.baseline_step(x, y)
-            loss_got = got.bppsa_step(x, y, be, layout, L_m)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = tf32
+    with ieee_fp32():  # TF32 would make the cuDNN/cuBLAS reference itself only ~1e-3 accurate
+        loss_ref = ref.baseline_step(x, y)
+        loss_got = got.bppsa_step(x, y, be, layout, L_m)
     errs = grad_errors(ref, got)
     max_rel = max(errs.values())
     return {

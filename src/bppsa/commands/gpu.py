@@ -109,7 +109,7 @@ def bench_membound(args) -> int:
     g = torch.randn(B, H, device=dev, dtype=dtype, generator=gen)
     J = TorchBackend().rnn_jacobians_t(h, W, args.layout).contiguous()
     n = J.shape[0]
-    itemsize = J.element_size()
+    itemsize = J.dtype.itemsize
     bw = copy_bandwidth_GBps(dev)
     moved = scan_bytes(n, B, H, itemsize, args.L_m)
     fill = jacobian_fill_bytes(T, B, H, itemsize, args.layout)

@@ -12,13 +12,21 @@ so the torch path and the CUDA path share one definition of the tree, and the sc
 checked (and the kernels emulated) on a machine without a GPU.
 
 Tensors cross from torch to CuPy through DLPack (no copies) and every kernel is launched on
-torch's current stream, so torch's ordering and CUDA-event timing see the kernels like any other
-torch op.  CuPy is imported lazily: importing this module never needs it.
+torch's current stream (``cupy.cuda.Stream.from_external``, CuPy >= 14; ``ExternalStream`` before),
+so torch's ordering and CUDA-event timing see the kernels like any other torch op.  CuPy is
+imported lazily: importing this module never needs it.
+
+CuPy compiles every RawModule with ``-ftz=true`` appended after our options
+(:data:`CUPY_APPENDED_OPTIONS`).  The Jacobian fill therefore uses explicitly non-flushing fp32
+instructions, so it matches torch bit for bit on subnormal values too; the scan kernels keep
+CuPy's flush-to-zero (an absolute error below 1.2e-38 per operation, far inside their fp32
+tolerance against the torch scan).
 """
 from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +40,10 @@ __all__ = ["CupyBackend", "Launch", "scan_plan", "rnn_jacobians_launch", "block_
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCES = ("blelloch.cu", "rnn_jacobians.cu")
 NVRTC_OPTIONS = ("-std=c++17",)
+# What CuPy (14.x, NVRTC backend, no jitify) adds to every RawModule compile, in its order:
+# after our options '-ftz=true', then '-arch=sm_XX' (the device's), then this.  The NVRTC tests
+# compile with exactly these, so what CI checks is what a GPU run compiles.
+CUPY_APPENDED_OPTIONS = ("-ftz=true", "-arch=sm_{arch}", "--device-as-default-execution-space")
 MAX_THREADS = 256       # enough to stage a 64x64 operand in 16 coalesced sweeps
 FILL_THREADS = 256
 FILL_MAX_BLOCKS = 1 << 16  # the fill kernels are grid-stride; more blocks only add scheduling
@@ -93,11 +105,16 @@ def rnn_jacobians_launch(T: int, B: int, H: int, layout: str) -> Launch:
     return Launch(f"bppsa_rnn_jacobians_{layout}", grid, FILL_THREADS, 0, (T, B, H))
 
 
+def cupy_install_hint() -> str:
+    major = (torch.version.cuda or "13").split(".")[0]
+    return f"pip install cupy-cuda{major}x (the CuPy of torch's CUDA {major}), or bash scripts/install.sh"
+
+
 def _import_cupy():
     try:
         import cupy
     except Exception as exc:  # noqa: BLE001 - any import failure means the backend is unusable
-        raise RuntimeError("backend 'cupy' needs CuPy (pip install cupy-cuda12x)") from exc
+        raise RuntimeError(f"backend 'cupy' needs CuPy ({cupy_install_hint()}): {exc}") from exc
     return cupy
 
 
@@ -122,7 +139,7 @@ def _launch(source: str, launch: Launch, dtype: torch.dtype, device: torch.devic
         raise ValueError(f"{launch.kernel}: {launch.grid} blocks exceed the CUDA grid limit (2^31 - 1)")
     name = f"{launch.kernel}_{_SUFFIX[dtype]}"
     fn = _kernel(source, name)
-    smem = launch.smem_elems * torch.empty((), dtype=dtype).element_size()
+    smem = launch.smem_elems * dtype.itemsize
     key = (name, device.index)
     if smem > STATIC_SMEM_LIMIT and _opted_in.get(key, 0) < smem:
         fn.max_dynamic_shared_size_bytes = smem  # per function and device: set once, grow if needed
@@ -133,8 +150,7 @@ def _launch(source: str, launch: Launch, dtype: torch.dtype, device: torch.devic
 
 def max_hidden(dtype: torch.dtype, smem_optin: int) -> int:
     """Largest H whose matrix-matrix block (two H x H operands) fits in ``smem_optin`` bytes."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return math.isqrt(smem_optin // (2 * itemsize))
+    return math.isqrt(smem_optin // (2 * dtype.itemsize))
 
 
 def _smem_optin(device: torch.device) -> int:
@@ -157,7 +173,37 @@ def _check_cuda(dtype: torch.dtype, *tensors: torch.Tensor) -> torch.device:
     for t in tensors:
         if t.device != dev or t.dtype != dtype:
             raise ValueError(f"expected {dtype} tensors on {dev}, got {t.dtype} on {t.device}")
+    current = torch.cuda.current_device()
+    if dev.index != current:
+        # torch's stream handle carries no device, and CuPy launches on the current device
+        raise ValueError(f"backend 'cupy': the tensors are on {dev} but the current CUDA device is cuda:{current}; "
+                         f"call torch.cuda.set_device({dev.index}) (or use `with torch.cuda.device({dev.index})`) first")
     return dev
+
+
+_CUDA_STREAM_PER_THREAD = 2  # cudaStreamPerThread
+
+
+def _cupy_per_thread_default_stream() -> bool:
+    try:
+        from cupy_backends.cuda import stream as _s  # what CuPy itself resolves "stream 0" to
+
+        return _s.get_default_stream_ptr() == _CUDA_STREAM_PER_THREAD
+    except Exception:  # noqa: BLE001 - older/newer CuPy: the switch it reads at import
+        return os.environ.get("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "0") == "1"
+
+
+def _cupy_stream(cp, torch_stream):
+    """A CuPy stream that *is* torch's ``torch_stream``."""
+    if torch_stream.cuda_stream == 0 and _cupy_per_thread_default_stream():
+        raise RuntimeError(
+            "backend 'cupy': CuPy uses the per-thread default stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1), so "
+            "torch's default stream (handle 0) would mean another stream to CuPy and the kernels would not be ordered "
+            "after torch's work; unset CUPY_CUDA_PER_THREAD_DEFAULT_STREAM or run under `with torch.cuda.stream(s)`")
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is not None:  # CuPy >= 14: the CUDA stream protocol (torch.cuda.Stream.__cuda_stream__)
+        return from_external(torch_stream)
+    return cp.cuda.ExternalStream(torch_stream.cuda_stream, torch_stream.device.index)
 
 
 class _OnTorchStream:
@@ -166,7 +212,7 @@ class _OnTorchStream:
     def __init__(self, device: torch.device):
         cp = _import_cupy()
         self._dev = cp.cuda.Device(device.index)
-        self._stream = cp.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
+        self._stream = _cupy_stream(cp, torch.cuda.current_stream(device))
 
     def __enter__(self):
         self._dev.__enter__()
@@ -204,7 +250,7 @@ class CupyBackend:
         dev = _check_cuda(g.dtype, g, J)
         L, launches = scan_plan(n + 1, B, H, L_m)
         optin = _smem_optin(dev)
-        need = max(launch.smem_elems for launch in launches) * g.element_size()
+        need = max(launch.smem_elems for launch in launches) * g.dtype.itemsize
         if need > optin:
             raise ValueError(
                 f"backend 'cupy' scans hidden sizes up to H={max_hidden(g.dtype, optin)} for {g.dtype} on this GPU "

@@ -5,12 +5,29 @@
 // One thread per output element, grid-stride.  The explicitly rounded multiply and subtract stop
 // the compiler from contracting 1 - h*h into an FMA, so the result is bit-identical to the torch
 // twin, which rounds h*h, 1 - h*h and the final product separately.
+//
+// CuPy appends -ftz=true to every compile, which turns fp32 arithmetic into its flush-to-zero
+// form; torch's twin keeps subnormals.  The fp32 operations are therefore written as PTX
+// instructions without .ftz, which that flag does not change (tests/test_nvrtc.py checks the PTX).
 
 typedef long long idx_t;
 
+#ifdef __CUDA_ARCH__
+__device__ inline float rn_mul(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ inline float rn_sub(float a, float b) {
+  float r;
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+#else  // host compilation (the CPU emulation in tests/test_kernels.py)
 __device__ inline float rn_mul(float a, float b) { return __fmul_rn(a, b); }
-__device__ inline double rn_mul(double a, double b) { return __dmul_rn(a, b); }
 __device__ inline float rn_sub(float a, float b) { return __fsub_rn(a, b); }
+#endif
+__device__ inline double rn_mul(double a, double b) { return __dmul_rn(a, b); }
 __device__ inline double rn_sub(double a, double b) { return __dsub_rn(a, b); }
 
 template <typename T>

@@ -1,0 +1,194 @@
+"""The kernels as a GPU run compiles them, checked without a GPU: NVRTC from the nvidia-cuda-nvrtc
+wheel (the `test` extra) with CuPy's effective options, for sm_90, sm_80 and sm_75.
+
+* no warnings, no register spills, no stack frame;
+* the fp32 Jacobian fill has no flush-to-zero instruction, although CuPy appends -ftz=true;
+* every kernel's PTX parameter list matches what the launchers pass (count and 64-bit width).
+
+In CI (CI=true) a missing NVRTC fails these tests instead of skipping them.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from bppsa import kernels
+from bppsa.kernels import nvrtc
+
+ARCHS = (90, 80, 75)
+KERNELS = {
+    "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
+    "rnn_jacobians.cu": [f"bppsa_rnn_jacobians_{k}_{s}" for k in ("paper", "fused") for s in ("f32", "f64")],
+}
+
+
+@pytest.fixture(scope="module")
+def nv():
+    try:
+        return nvrtc.version()
+    except (nvrtc.NvrtcUnavailable, OSError) as exc:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI must compile the kernels with NVRTC, but: {exc}")
+        pytest.skip(f"NVRTC unavailable: {exc}")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(source: str, arch: int):
+    return nvrtc.compile_kernel(source, arch, "-Xptxas=-v")
+
+
+def _diagnostics(log: str) -> list[str]:
+    """Log lines that are not ptxas's resource report: warnings, remarks, errors."""
+    return [ln for ln in log.splitlines() if ln.strip() and not ln.startswith("ptxas")]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("source", kernels.SOURCES)
+def test_compiles_clean_with_cupys_options(nv, source, arch):
+    r = _compiled(source, arch)
+    assert not _diagnostics(r.log), r.log
+    report = nvrtc.ptxas_report(r.log)
+    assert sorted(report) == sorted(KERNELS[source])
+    for name, stats in report.items():
+        assert stats["registers"] > 0, (name, stats)
+        assert stats["stack"] == 0 and stats["spill_stores"] == 0 and stats["spill_loads"] == 0, (name, arch, stats)
+        assert name.encode() in r.cubin  # extern "C": the unmangled names CuPy's get_function looks up
+
+
+def _entry_bodies(ptx: bytes) -> dict[str, str]:
+    text = ptx.decode()
+    starts = [(m.group(1), m.start()) for m in re.finditer(r"\.visible\s+\.entry\s+(\w+)", text)]
+    return {name: text[a: (starts[i + 1][1] if i + 1 < len(starts) else len(text))] for i, (name, a) in enumerate(starts)}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_fill_keeps_subnormals_under_cupys_ftz(nv, arch):
+    bodies = _entry_bodies(_compiled("rnn_jacobians.cu", arch).ptx)
+    for name in ("bppsa_rnn_jacobians_paper_f32", "bppsa_rnn_jacobians_fused_f32"):
+        body = bodies[name]
+        assert re.search(r"\bmul\.rn\.f32", body) and re.search(r"\bsub\.rn\.f32", body), name
+        assert ".ftz" not in body, f"{name} flushes subnormals: {[l for l in body.splitlines() if '.ftz' in l]}"
+
+
+def test_cupys_ftz_does_flush_plain_fp32_arithmetic(nv):
+    # the control: the same options turn a plain __fmul_rn into its flushing form, so the check above can fail
+    src = 'extern "C" __global__ void k(float* o, const float* a) { o[0] = __fmul_rn(a[0], a[1]); }'
+    r = nvrtc.compile_source(src, nvrtc.cupy_options(90))
+    assert b"mul.rn.ftz.f32" in r.ptx
+
+
+def test_the_compile_checks_can_fail(nv):
+    src = r'''
+__device__ __noinline__ float pick(const float* a, int i) { return a[i]; }
+extern "C" __global__ void k(float* o, int i) {
+  int unused;
+  float a[64];  // passed by address to a call: it must live in a stack frame
+  for (int j = 0; j < 64; ++j) a[j] = o[j] * j;
+  o[0] = pick(a, i);
+}'''
+    r = nvrtc.compile_source(src, nvrtc.cupy_options(90) + ("-Xptxas=-v",))
+    assert any("warning" in ln for ln in _diagnostics(r.log))
+    assert nvrtc.ptxas_report(r.log)["k"]["stack"] > 0
+    assert nvrtc.ptx_entries(r.ptx)["k"] == ["u64", "u32"]
+    with pytest.raises(nvrtc.CompileError, match="k.cu"):
+        nvrtc.compile_source("this is not CUDA", nvrtc.cupy_options(90), "k.cu")
+
+
+# -- what the launchers pass -----------------------------------------------------------------------
+class _Pointer:
+    """Stands for the CuPy array a launcher passes: a 64-bit device pointer."""
+
+    nbytes = 8
+
+
+def _recorded_launches(monkeypatch) -> list[tuple[str, tuple, int]]:
+    """Run CupyBackend's scan and fill on CPU tensors with the CUDA calls replaced by a recorder."""
+    calls = []
+
+    class Fn:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            calls.append((self.name, args, shared_mem))
+
+    monkeypatch.setattr(kernels, "_import_cupy", lambda: SimpleNamespace(__version__="recorder"))
+    monkeypatch.setattr(kernels, "_kernel", lambda source, name: Fn(name))
+    monkeypatch.setattr(kernels, "_OnTorchStream", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(kernels, "_as_cupy", lambda t: _Pointer())
+    monkeypatch.setattr(kernels, "_check_cuda", lambda dtype, *ts: torch.device("cuda", 0))
+    monkeypatch.setattr(kernels, "_smem_optin", lambda dev: 227 * 1024)
+    monkeypatch.setattr(kernels, "_opted_in", {})
+    be = kernels.CupyBackend()
+    for dtype in (torch.float32, torch.float64):
+        g, J = torch.zeros(2, 5, dtype=dtype), torch.zeros(20, 2, 5, 5, dtype=dtype)
+        be.scan(g, J)
+        be.scan(g, J, 1)  # with the middle scan
+        for layout in ("paper", "fused"):
+            be.rnn_jacobians_t(torch.zeros(3, 2, 5, dtype=dtype), torch.zeros(5, 5, dtype=dtype), layout)
+    return calls
+
+
+def _width(arg) -> int:
+    if isinstance(arg, _Pointer):
+        return arg.nbytes
+    assert isinstance(arg, np.int64), f"launch argument {arg!r} is a {type(arg).__name__}, not an explicit np.int64"
+    return arg.itemsize
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ptx_parameters_match_the_launchers(nv, arch, monkeypatch):
+    entries = {}
+    for source in kernels.SOURCES:
+        entries.update(nvrtc.ptx_entries(_compiled(source, arch).ptx))
+    calls = _recorded_launches(monkeypatch)
+    assert {name for name, _, _ in calls} == set(entries), "every kernel launched, and only those"
+    for name, args, smem in calls:
+        params = entries[name]
+        assert len(args) == len(params), (name, len(args), params)
+        assert [_width(a) for a in args] == [int(p[1:]) // 8 for p in params], (name, params)
+    # dynamic shared memory in bytes of the launch's dtype (dtype.itemsize, not a fixed size)
+    scans = [(n, s) for n, _, s in calls if "sweep" in n or "middle" in n]
+    assert {s % 8 for n, s in scans if n.endswith("f64")} == {0} and any(s % 8 for n, s in scans if n.endswith("f32"))
+
+
+def test_options_mirror_what_cupy_passes():
+    """Where CuPy is installed (GPU machines): our copy of its appended options is what it really
+    appends.  Its compiler is called with the device lookup replaced, so no GPU is needed."""
+    compiler = pytest.importorskip("cupy.cuda.compiler", reason="CuPy not installed")
+    needed = ("_NVRTCProgram", "_compile_module_with_cache", "_get_arch_for_options_for_nvrtc")
+    if not all(hasattr(compiler, n) for n in needed):
+        pytest.skip(f"this CuPy's compiler internals differ ({needed})")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    orig = compiler._NVRTCProgram.compile
+
+    def spy(self, options=(), log_stream=None):
+        out = orig(self, options, log_stream)
+        if "bppsa" in self.src:
+            seen.append(tuple(options))
+            raise Stop
+        return out
+
+    patched = contextlib.ExitStack()
+    mp = patched.enter_context(pytest.MonkeyPatch.context())
+    mp.setattr(compiler._NVRTCProgram, "compile", spy)
+    mp.setattr(compiler, "_get_arch_for_options_for_nvrtc", lambda arch=None: (f"-arch=sm_{arch}", "cubin"))
+    mp.setenv("CUPY_CACHE_IN_MEMORY", "1")
+    with patched:
+        try:
+            compiler._compile_module_with_cache((kernels.KERNEL_DIR / "rnn_jacobians.cu").read_text(),
+                                                kernels.NVRTC_OPTIONS, arch="90", backend="nvrtc")
+        except Stop:
+            pass
+    assert seen == [nvrtc.cupy_options(90)]
