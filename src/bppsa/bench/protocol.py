@@ -64,9 +64,9 @@ class StopRule:
             raise ValueError("; ".join(problems))
 
     @classmethod
-    def from_config(cls, bench: Mapping | None) -> "StopRule":
-        """Build from the config's ``bench:`` section; unknown keys are an error naming them."""
-        bench = dict(bench or {})
+    def from_config(cls, bench: Mapping | None, ignore: Iterable[str] = ()) -> "StopRule":
+        """Build from the config's ``bench:`` section; unknown keys (not in ``ignore``) are an error."""
+        bench = {k: v for k, v in dict(bench or {}).items() if k not in set(ignore)}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(bench) - known)
         if unknown:
@@ -75,6 +75,23 @@ class StopRule:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def cli_args(self) -> str:
+        """The command-line flags ``add_stop_rule_args`` reads, e.g. for a Snakemake rule's shell."""
+        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.as_dict().items())
+
+    @classmethod
+    def from_args(cls, args) -> "StopRule":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def add_stop_rule_args(p) -> None:
+    """argparse flags for every StopRule field (defaults: the dataclass's)."""
+    d = StopRule()
+    for f in fields(StopRule):
+        default = getattr(d, f.name)
+        p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=type(default), default=default,
+                       help=f"timing protocol: {f.name} (default {default}; config bench.{f.name})")
 
 
 def min_n_for_ci(conf: float = 0.95) -> int:
