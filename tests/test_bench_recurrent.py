@@ -131,3 +131,30 @@ def test_latency_has_medians_intervals_and_the_paper_statistics():
     r = lat[(lat["variant"] == "baseline") & (lat["mode"] == "full") & (lat["phase"] == "iteration")].iloc[0]
     assert (r["median"], r["ci_low"], r["ci_high"]) == pytest.approx((10.5e-3, 6e-3, 15e-3))
     assert r["mean"] == pytest.approx(10.5e-3) and r["n"] == 20 and r["q1"] < r["median"] < r["q3"]
+
+
+def _sp(points, noisy=()):
+    return pd.DataFrame([dict(model="rnn", variant="bppsa-fused", reference="baseline", seq_len=T, batch=B,
+                              phase="backward", speedup=s, ci_low=s * 0.9, ci_high=s * 1.1, noisy=(T, B) in noisy,
+                              resolved=True) for (T, B), s in points.items()])
+
+
+def test_compare_runs_accepts_agreement_or_a_flag_and_nothing_else():
+    quiet = _sp({(10, 16): 1.0, (100, 16): 2.0, (1000, 16): 4.0})
+    loaded = _sp({(10, 16): 1.2, (100, 16): 0.5, (1000, 16): 0.4}, noisy={(100, 16)})
+    m = speedups.compare_runs(quiet, loaded).set_index("seq_len")
+    assert m.loc[10, "agree"] and m.loc[10, "ok"]            # within 25 %
+    assert not m.loc[100, "agree"] and m.loc[100, "ok"]      # off, but flagged noisy
+    assert not m.loc[1000, "ok"]                             # off and unflagged
+
+
+def test_isolated_points_along_a_sweep():
+    sp = _sp({(10, 16): 1.0, (30, 16): 0.1, (100, 16): 1.2, (300, 16): 2.0})
+    iso = speedups.isolated_points(sp)
+    assert list(iso["seq_len"]) == [30]
+    assert speedups.isolated_points(_sp({(10, 16): 1.0, (30, 16): 0.1, (100, 16): 1.2}, noisy={(30, 16)})).empty
+
+
+def test_an_interval_missing_for_lack_of_samples_counts_as_noisy():
+    sp = speedups.speedups(_bench(4e-3 * np.ones(4), 1e-3 * np.ones(4), 1e-3 * np.ones(4), 0.5e-3 * np.ones(4)))
+    assert sp["noisy"].all() and sp["ci_low"].isna().all()

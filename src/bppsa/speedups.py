@@ -128,7 +128,10 @@ def nobp_speedup(ref_full, ref_nobp, var_full, var_nobp, conf: float = 0.95, thr
 
 
 def _wide(med, lo, hi, threshold) -> bool:
-    return not (med > 0) or max(med - lo, hi - med) / med > threshold
+    """Whether an interval is wider than +-threshold of its median (or missing: too few samples)."""
+    if not (med > 0 and np.isfinite(lo) and np.isfinite(hi)):
+        return True
+    return max(med - lo, hi - med) / med > threshold
 
 
 def _normalise(bench: pd.DataFrame) -> pd.DataFrame:
@@ -141,3 +144,40 @@ def _normalise(bench: pd.DataFrame) -> pd.DataFrame:
         raise ValueError(f"bench CSV lacks column(s) {', '.join(missing)}: written by an older `bppsa bench`? "
                          "Re-run the bench rules.")
     return bench.assign(data=bench["data"].fillna(""))
+
+
+# -- checks of a run: quiet against loaded, and isolated points along a sweep ---------------------------
+RUN_KEYS = ["model", "variant", "reference", "seq_len", "batch", "phase"]
+
+
+def compare_runs(quiet: pd.DataFrame, loaded: pd.DataFrame, tolerance: float = 0.25) -> pd.DataFrame:
+    """Side by side, per speedup: does the loaded run agree with the quiet one within ``tolerance``,
+    or flag itself (noisy / not resolved)?  ``ok`` is False where neither holds or a speedup is negative."""
+    m = quiet.merge(loaded, on=RUN_KEYS, how="outer", suffixes=("_quiet", "_loaded"))
+    rel = (m["speedup_loaded"] / m["speedup_quiet"] - 1).abs()
+    m["rel_diff"] = rel
+    m["agree"] = rel <= tolerance
+    flagged = m["noisy_loaded"].fillna(True).astype(bool) | ~m["resolved_loaded"].fillna(False).astype(bool)
+    negative = (m["speedup_quiet"] < 0) | (m["speedup_loaded"] < 0)
+    m["ok"] = (m["agree"] | flagged) & ~negative
+    return m
+
+
+def isolated_points(sp: pd.DataFrame, factor: float = 2.0) -> pd.DataFrame:
+    """Points of a sweep more than ``factor`` x away from both neighbours and not flagged noisy.
+
+    Sweeps: T at each fixed B and B at each fixed T, per (model, variant, reference, phase).
+    """
+    out = []
+    d = sp[sp["resolved"]]
+    for axis, other in (("seq_len", "batch"), ("batch", "seq_len")):
+        for _, g in d.groupby(["model", "variant", "reference", "phase", other]):
+            g = g.sort_values(axis)
+            if len(g) < 3:
+                continue
+            s = g["speedup"].to_numpy()
+            for i in range(1, len(g) - 1):
+                far = all(max(s[i] / s[j], s[j] / s[i]) > factor for j in (i - 1, i + 1))
+                if far and not bool(g["noisy"].iloc[i]):
+                    out.append(g.iloc[i])
+    return pd.DataFrame(out)

@@ -62,6 +62,13 @@ def register(sub) -> None:
     p.add_argument("--latency-out", required=True, help="latency.csv")
     p.set_defaults(func=_speedups)
 
+    p = sub.add_parser("compare-speedups", help="two runs' speedups.csv side by side (e.g. quiet vs loaded); "
+                                                "exit 1 where a loaded speedup neither agrees nor flags itself")
+    p.add_argument("quiet", nargs="+", help="speedups.csv of the reference run (one per model)")
+    p.add_argument("--loaded", nargs="+", required=True, help="speedups.csv of the other run, same models")
+    p.add_argument("--tolerance", type=float, default=0.25)
+    p.set_defaults(func=_compare)
+
     p = sub.add_parser("train", help="train both ways; per-epoch loss, accuracy and wall-clock (CSV)")
     _model_args(p, data_required=True)
     p.add_argument("--batch", type=int, required=True)
@@ -163,6 +170,37 @@ def _speedups(args) -> int:
         print(flagged[["variant", "seq_len", "batch", "phase", "speedup", "ci_low", "ci_high"]].to_string(),
               file=sys.stderr)
     return 0
+
+
+def _compare(args) -> int:
+    from .. import speedups
+
+    def read(paths):
+        return pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
+
+    quiet, loaded = read(args.quiet), read(args.loaded)
+    m = speedups.compare_runs(quiet, loaded, args.tolerance)
+
+    def cell(med, lo, hi, noisy, resolved):
+        if not resolved or not np.isfinite(med):
+            return "not resolved"
+        return f"{med:7.3g} [{lo:.3g}, {hi:.3g}]" + (" noisy" if noisy else "")
+
+    m["quiet"] = [cell(*r) for r in zip(m.speedup_quiet, m.ci_low_quiet, m.ci_high_quiet, m.noisy_quiet.fillna(True),
+                                        m.resolved_quiet.fillna(False))]
+    m["loaded"] = [cell(*r) for r in zip(m.speedup_loaded, m.ci_low_loaded, m.ci_high_loaded,
+                                         m.noisy_loaded.fillna(True), m.resolved_loaded.fillna(False))]
+    m["verdict"] = np.where(m["ok"], np.where(m["agree"], "agrees", "flagged"), "FAIL")
+    cols = ["model", "variant", "reference", "seq_len", "batch", "phase", "quiet", "loaded", "rel_diff", "verdict"]
+    with pd.option_context("display.width", 250, "display.max_rows", None, "display.max_colwidth", 40):
+        print(m[cols].sort_values(cols[:6]).to_string(index=False, float_format=lambda v: f"{v:.1%}"))
+    iso = speedups.isolated_points(quiet)
+    print(f"\n{int(m['agree'].sum())} agree within {args.tolerance:.0%}, {int((m['ok'] & ~m['agree']).sum())} "
+          f"flagged in the loaded run, {int((~m['ok']).sum())} FAIL; {len(iso)} unflagged point(s) of the quiet run "
+          f"more than 2x away from both neighbours")
+    if len(iso):
+        print(iso[["model", "variant", "seq_len", "batch", "phase", "speedup"]].to_string(index=False))
+    return 0 if m["ok"].all() and iso.empty else 1
 
 
 def _train(args) -> int:
