@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pandas as pd
 import pytest
 import torch

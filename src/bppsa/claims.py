@@ -122,6 +122,14 @@ def _load(folder: Path, rel: str) -> pd.DataFrame | None:
     return df if len(df) else None
 
 
+def _each(results: Path, rel: str):
+    """(device label, table) for every device folder holding ``rel``."""
+    for label, folder in device_dirs(results):
+        df = _load(folder, rel)
+        if df is not None:
+            yield label, df
+
+
 def _best(sp: pd.DataFrame, phase: str) -> pd.Series | None:
     d = sp[(sp["phase"] == phase) & (sp["reference"] == "baseline") & sp["resolved"]]
     if d.empty:
@@ -289,10 +297,7 @@ def table1_claims(results: Path) -> list[Claim]:
     from .bench.protocol import median_ci
 
     out = []
-    for label, folder in device_dirs(results):
-        t = _load(folder, "jacobians/table1_timings.csv")
-        if t is None:
-            continue
+    for label, t in _each(results, "jacobians/table1_timings.csv"):
         for op, sparsity in paper.TABLE1_SPARSITY.items():
             r = t[t["operator"] == op]
             if r.empty:
@@ -327,36 +332,33 @@ def table1_claims(results: Path) -> list[Claim]:
 def vgg_claims(results: Path) -> list[Claim]:
     """VGG-11 keeps its accuracy after pruning; each scan step's FLOP is comparable to a BP operator (Fig 10)."""
     out = []
-    for label, folder in device_dirs(results):
-        acc = _load(folder, "vgg11/accuracy.csv")
-        if acc is not None:
-            re = acc[acc["stage"] == "retrained"]
-            if len(re):
-                r = re.iloc[0]
-                data = str(r.get("data", ""))
-                standin = "cifar" not in data.lower() or "stand-in" in data.lower()
-                pv = paper.VGG11_PRUNED_TOP1
-                measured = f"{100 * r['top1']:.1f} % ({100 * r['pruned_fraction']:.1f} % pruned; data: {data})"
-                if standin:
-                    out.append(Claim("VGG-11 top-1 after pruning and retraining", f"{100 * pv.value:.1f} %",
-                                     "CIFAR-10, 97 % pruned", measured, label, "not measurable here",
-                                     "a stand-in dataset and a scaled-down network: accuracies are not comparable"))
-                else:
-                    gap = pv.value - r["top1"]
-                    verdict = "holds" if gap <= 0.01 else ("partly" if gap <= 0.05 else "not reproduced")
-                    out.append(Claim("VGG-11 top-1 after pruning and retraining", f"{100 * pv.value:.1f} %",
-                                     "CIFAR-10, 97 % pruned", measured, label, verdict,
-                                     f"{100 * gap:+.1f} points below the paper's"))
-        fl = _load(folder, "vgg11/flops_summary.csv")
-        if fl is not None:
-            for net, g in fl.groupby("network"):
-                ratio = float((g["bppsa_max_step_flop"] / g["baseline_max_step_flop"]).mean())
-                verdict = "holds" if ratio <= 2 else ("partly" if ratio <= 10 else "not reproduced")
-                out.append(Claim(f"FLOP of each scan step comparable to a BP operator ({net} VGG-11, Fig 10)",
-                                 "≈ 1× (largest step vs largest BP operator)", "static analysis",
-                                 f"largest scan step / largest BP operator = {ratio:.3g}× (mean over "
-                                 f"{len(g)} samples)", label, verdict,
-                                 "≤ 2× holds, ≤ 10× partly; the sparsity, and so the FLOP, depend on the trained "
-                                 "and pruned weights (here: the profile's own training, not the paper's CIFAR-10 "
-                                 "weights)"))
+    for label, acc in _each(results, "vgg11/accuracy.csv"):
+        re = acc[acc["stage"] == "retrained"]
+        if len(re):
+            r = re.iloc[0]
+            data = str(r.get("data", ""))
+            standin = "cifar" not in data.lower() or "stand-in" in data.lower()
+            pv = paper.VGG11_PRUNED_TOP1
+            measured = f"{100 * r['top1']:.1f} % ({100 * r['pruned_fraction']:.1f} % pruned; data: {data})"
+            if standin:
+                out.append(Claim("VGG-11 top-1 after pruning and retraining", f"{100 * pv.value:.1f} %",
+                                 "CIFAR-10, 97 % pruned", measured, label, "not measurable here",
+                                 "a stand-in dataset and a scaled-down network: accuracies are not comparable"))
+            else:
+                gap = pv.value - r["top1"]
+                verdict = "holds" if gap <= 0.01 else ("partly" if gap <= 0.05 else "not reproduced")
+                out.append(Claim("VGG-11 top-1 after pruning and retraining", f"{100 * pv.value:.1f} %",
+                                 "CIFAR-10, 97 % pruned", measured, label, verdict,
+                                 f"{100 * gap:+.1f} points below the paper's"))
+    for label, fl in _each(results, "vgg11/flops_summary.csv"):
+        for net, g in fl.groupby("network"):
+            ratio = float((g["bppsa_max_step_flop"] / g["baseline_max_step_flop"]).mean())
+            verdict = "holds" if ratio <= 2 else ("partly" if ratio <= 10 else "not reproduced")
+            out.append(Claim(f"FLOP of each scan step comparable to a BP operator ({net} VGG-11, Fig 10)",
+                             "≈ 1× (largest step vs largest BP operator)", "static analysis",
+                             f"largest scan step / largest BP operator = {ratio:.3g}× (mean over "
+                             f"{len(g)} samples)", label, verdict,
+                             "≤ 2× holds, ≤ 10× partly; the sparsity, and so the FLOP, depend on the trained "
+                             "and pruned weights (here: the profile's own training, not the paper's CIFAR-10 "
+                             "weights)"))
     return out

@@ -8,7 +8,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-import pandas as pd  # noqa: E402
 
 from ..io import atomic_path  # noqa: E402
 
