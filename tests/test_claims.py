@@ -75,3 +75,11 @@ def test_register_adds_rows_and_bad_verdicts_are_rejected(tmp_path):
         claims.SOURCES.pop()
     with pytest.raises(ValueError, match="verdict 'maybe'"):
         claims.Claim("x", "1", "d", "1", "cpu", "maybe", "r")
+
+
+def test_the_headline_maximum_ignores_noisy_points_when_others_exist(tmp_path):
+    gpu = "nvidia-h100"
+    _write(tmp_path, gpu, "rnn", _speedups(gpu, "rnn", {(10, 16): 2.0, (100, 16): 500.0, (1000, 16): 30.0},
+                                           noisy={(100, 16)}))
+    best = [c for c in claims.collect(tmp_path) if c.claim == "max backward speedup (RNN)"][0]
+    assert best.measured.startswith("30×") and "flagged noisy" not in best.reason
