@@ -93,6 +93,8 @@ def _alnum(text: str) -> str:
 def fmt_ci(med: float, lo: float, hi: float, unit: str = "×") -> str:
     if not np.isfinite(med):
         return "not resolved"
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return f"{med:.3g}{unit} (no interval: too few rounds)"
     return f"{med:.3g}{unit} [{lo:.3g}, {hi:.3g}]"
 
 
@@ -137,8 +139,8 @@ def _best(sp: pd.DataFrame, phase: str) -> pd.Series | None:
     if d.empty:
         return None
     quiet = d[~d["noisy"].astype(bool)]
-    d = quiet if len(quiet) else d
-    return d.loc[d["speedup"].idxmax()]
+    d = quiet if len(quiet) else d[np.isfinite(d["ci_low"]) & np.isfinite(d["ci_high"])]
+    return d.loc[d["speedup"].idxmax()] if len(d) else None
 
 
 def _where(r: pd.Series, model: str) -> str:
@@ -163,6 +165,8 @@ def speedup_claims(results: Path) -> list[Claim]:
             for phase, text, pv in specs:
                 r = _best(sp, phase)
                 if r is None:
+                    out.append(Claim(text, f"{pv.value:g}×", pv.device, "—", label, "not measurable here",
+                                     "no configuration was measured with an interval (too few rounds)"))
                     continue
                 verdict, reason = magnitude_verdict(r["speedup"], r["ci_low"], r["ci_high"], pv.value, label,
                                                     pv.device, bool(r["noisy"]))
