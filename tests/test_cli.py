@@ -44,16 +44,20 @@ def test_bench_and_train_write_tidy_csvs(tmp_path):
     data = tmp_path / "T37.npz"
     assert main(["make-bitstream", "--seq-len", "37", "--samples", "64", "--out", str(data)]) == 0
     bench = tmp_path / "bench.csv"
-    assert main(["bench", "--data", str(data), "--batch", "8", "--warmup", "1", "--iters", "2", "--backend", "torch",
-                 "--layout", "paper", "--out", str(bench)]) == 0
+    assert main(["bench", "--data", str(data), "--batch", "8", "--warmup", "1", "--min-iters", "2", "--max-iters", "2",
+                 "--min-seconds", "0", "--backend", "torch", "--variants", "baseline", "bppsa-paper",
+                 "--packed-baseline", "on", "--out", str(bench)]) == 0
     df = pd.read_csv(bench)
     assert set(df["method"]) == {"baseline", "bppsa"} and set(df["mode"]) == {"full", "nobp"}
+    assert set(df["variant"]) == {"baseline", "baseline-packed", "bppsa-paper"}
+    assert set(df["backend"]) == {"autograd", "autograd-packed", "torch"}
+    assert set(df["stopped_by"]) == {"cap"} and set(df["rounds"]) == {2} and set(df["reference"]) == {"baseline"}
     full = df[df["mode"] == "full"]
     assert set(full[full["method"] == "bppsa"]["phase"]) == {"forward", "jacobian", "backward", "optimizer"}
     assert set(full[full["method"] == "baseline"]["phase"]) == {"forward", "backward", "optimizer"}
     assert set(df[df["mode"] == "nobp"]["phase"]) <= {"forward", "jacobian"}
     assert (df["seconds"] > 0).all() and set(df["seq_len"]) == {37} and set(df["batch"]) == {8}
-    assert df.groupby(["method", "mode", "phase"]).size().eq(2).all()  # one row per timed iteration
+    assert df.groupby(["variant", "mode", "phase"]).size().eq(2).all()  # one row per timed iteration
 
     curves = {}
     for method in ("baseline", "bppsa"):

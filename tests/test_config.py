@@ -23,7 +23,10 @@ def _dry_run(tmp_path, mutate):
     (lambda c: c.__setitem__("backend", "tpu"), "backend"),
     (lambda c: c["rnn"].__setitem__("lenghts", [3]), "lenghts"),
     (lambda c: c.__setitem__("dtpye", "float32"), "dtpye"),
-    (lambda c: c["bench"].__setitem__("iters", 0), "iters"),
+    (lambda c: c["bench"].__setitem__("min_iters", 0), "min_iters"),
+    (lambda c: c["bench"].__setitem__("iters", 10), "iters"),
+    # passes the schema, caught by the protocol's own check before any job
+    (lambda c: c["bench"].update(min_iters=50, max_iters=20), "bench.max_iters"),
 ])
 def test_schema_rejects_and_names_the_key(tmp_path, mutate, key):
     r = _dry_run(tmp_path, mutate)
@@ -40,8 +43,9 @@ def test_both_profiles_validate_and_list_the_paper_grid(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout + r.stderr
     for T in (10, 30, 100, 300, 1000, 3000, 10000, 30000):
-        assert f"bench_T{T}_B16_baseline.csv" in out
+        assert f"bench_T{T}_B16.csv" in out
     for B in (2, 4, 8, 16, 32, 64, 128, 256):
-        assert f"bench_T1000_B{B}_bppsa-paper.csv" in out
-        assert f"bench_T1000_B{B}_bppsa-fused.csv" in out
+        assert f"bench_T1000_B{B}.csv" in out
+    assert "--variants baseline bppsa-paper bppsa-fused" in out or "bppsa-paper" in out
+    assert "speedups.csv" in out and "claims.md" in out
     assert "fig_8_b.png" in out and "fig_7.png" in out

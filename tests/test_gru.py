@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -142,19 +141,29 @@ def test_gpu_backends_match_autograd(backend):
 
 
 # -- Fig 9 / Fig 13 from tidy CSV rows ---------------------------------------------------------------
-def _bench_rows(device, seq_len, batch, base, bppsa, iters=3):
+def _bench_rows(device, seq_len, batch, base, bppsa, iters=7):
+    """Rows as `bppsa bench` writes them: every variant of one configuration, paired by round."""
     rows = []
-    for method, phases in (("baseline", base), ("bppsa", bppsa)):
-        for i in range(iters):
-            for ph, sec in phases.items():
-                rows.append(dict(iter=i, phase=ph, seconds=sec * (1 + 0.01 * i), method=method, mode="full",
-                                 backend="torch" if method == "bppsa" else "autograd",
-                                 layout="fused" if method == "bppsa" else "", profile="test", device=device,
-                                 model="gru", seq_len=seq_len, batch=batch, data="synthetic IRMAS stand-in"))
-            rows.append(dict(iter=i, phase="forward", seconds=phases["forward"], method=method, mode="nobp",
-                             backend="x", layout="fused" if method == "bppsa" else "", profile="test",
-                             device=device, model="gru", seq_len=seq_len, batch=batch, data="synthetic IRMAS stand-in"))
+    for variant, phases in (("baseline", base), ("bppsa-fused", bppsa)):
+        for mode in ("full", "nobp"):
+            for i in range(iters):
+                for ph, sec in phases.items():
+                    if mode == "nobp" and ph not in ("forward", "jacobian"):
+                        continue
+                    rows.append(dict(variant=variant, mode=mode, iter=i, phase=ph, seconds=sec * (1 + 0.01 * i),
+                                     method=variant.split("-")[0], layout=variant[6:] if "-" in variant else "",
+                                     backend="torch" if "-" in variant else "autograd", noisy=False,
+                                     profile="test", device=device, model="gru", seq_len=seq_len, batch=batch,
+                                     data="synthetic IRMAS stand-in", reference="baseline", conf=0.95,
+                                     noisy_threshold=0.1, stopped_by="stable", rounds=iters))
     return rows
+
+
+def _summaries(folder, bench):
+    from bppsa import speedups
+
+    speedups.speedups(bench).to_csv(folder / "speedups.csv", index=False)
+    speedups.latency(bench).to_csv(folder / "latency.csv", index=False)
 
 
 def test_fig_9_breakdown_arithmetic_and_figures(tmp_path):
@@ -165,8 +174,7 @@ def test_fig_9_breakdown_arithmetic_and_figures(tmp_path):
     for dev in ("cpu", "some-gpu"):
         d = tmp_path / "results" / dev / "gru"
         d.mkdir(parents=True)
-        pd.DataFrame(_bench_rows(dev, 259, 16, base, bp) + _bench_rows(dev, 1034, 64, base, bp)).to_csv(
-            d / "bench_x.csv", index=False)
+        _summaries(d, pd.DataFrame(_bench_rows(dev, 259, 16, base, bp) + _bench_rows(dev, 1034, 64, base, bp)))
         curves = [dict(epoch=e, wall_clock_s=e * 1.5, loss=2.4 - 0.1 * e, accuracy=0.1 * e, steps=10, profile="test",
                        method=m, layout="fused" if m == "bppsa" else "", seq_len=T, batch=16, lr=3e-3, samples=220,
                        data="synthetic IRMAS stand-in") for e in (1, 2, 3) for m in ("baseline", "bppsa")
@@ -174,14 +182,16 @@ def test_fig_9_breakdown_arithmetic_and_figures(tmp_path):
         pd.DataFrame(curves).to_csv(d / "curve_x.csv", index=False)
     from bppsa.results import load_all
 
-    b = breakdown(load_all(tmp_path / "results", "gru", "bench_*.csv"))
+    b = breakdown(load_all(tmp_path / "results", "gru", "latency.csv"), load_all(tmp_path / "results", "gru", "speedups.csv"))
     assert len(b) == 4 and set(b["set"]) == {"S", "L"}
     row = b.iloc[0]
-    mean = np.mean([1.0, 1.01, 1.02])
-    assert row["base_FP"] == pytest.approx(1.0 * mean)
-    assert row["base_BP"] == pytest.approx(3.0 * mean)  # backward + optimizer
-    assert row["FO"] == pytest.approx(0.4 * mean)
+    med = 1.03  # the median of the 7 rounds' factors 1.00 ... 1.06
+    assert row["base_FP"] == pytest.approx(1.0 * med)
+    assert row["base_BP"] == pytest.approx(3.0 * med)  # backward + optimizer
+    assert row["FO"] == pytest.approx(0.4 * med)
+    # paired per-round ratios: the common factor cancels exactly
     assert row["bp_speedup"] == pytest.approx(3.0 / 1.2)
+    assert row["bp_speedup_low"] == pytest.approx(3.0 / 1.2) == row["bp_speedup_high"]
     assert row["overall_speedup"] == pytest.approx(4.0 / 2.4)
     outs = plot_all(tmp_path / "results", tmp_path / "figs")
     for p in outs:

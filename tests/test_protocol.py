@@ -44,7 +44,9 @@ def test_ratio_ci_pairs_and_rejects_unpaired():
         ratio_ci(base, fast[:-1])
 
 
-def test_rel_halfwidth_is_infinite_below_the_minimum_sample():
+def test_too_small_samples_have_no_interval():
+    m, lo, hi = median_ci([3.0, 1.0, 2.0])
+    assert m == 2.0 and math.isnan(lo) and math.isnan(hi)
     assert rel_halfwidth([1.0] * 5) == math.inf
     assert rel_halfwidth([1.0] * 6) == 0.0
 

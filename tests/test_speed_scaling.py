@@ -45,12 +45,6 @@ def test_summary_pairs_iterations_and_reports_intervals():
     assert s.loc["scan-linear-compiled / scan-cpu", "median"] == pytest.approx(3.0)
 
 
-def test_summary_is_still_importable_as_ratios_for_the_report():
-    from bppsa.commands.speed import ratios
-
-    assert ratios is speed.summary
-
-
 @pytest.mark.parametrize("n,B,H,L_m", [(1, 1, 3, None), (9, 2, 4, None), (1000, 16, 20, None), (77, 3, 5, 2),
                                        (50, 2, 3, 0)])
 def test_scan_cost_counts_the_products_the_scan_makes(n, B, H, L_m, monkeypatch):

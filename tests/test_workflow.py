@@ -1,4 +1,5 @@
-"""The RNN part of the DAG end to end on a tiny configuration: data -> verify -> bench -> figures."""
+"""The RNN part of the DAG end to end on a tiny configuration: data -> verify -> bench -> speedups -> figures
+-> report and claims."""
 import subprocess
 import sys
 from pathlib import Path
@@ -13,25 +14,36 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_rnn_workflow_end_to_end(tmp_path):
     cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
-    cfg.update(profile="tiny", bench={"warmup": 1, "iters": 2}, bitstream={"samples": 48, "seed": 0})
+    cfg.update(profile="tiny", bitstream={"samples": 48, "seed": 0})
+    cfg["bench"].update(warmup=1, min_iters=6, min_seconds=0.0, max_iters=8, max_seconds=2.0)
     cfg["rnn"].update(seq_lens=[5, 9], batch_at_seq_len=4, batches=[2, 4], seq_len_at_batch=9,
                       curves={"seq_len": 9, "batch": 4, "epochs": 2}, speed={"seq_len": 9, "batches": [2], "min_iters": 2, "max_seconds": 0.5},
                       roofline={"seq_len": 9, "batches": [2], "min_iters": 2, "max_seconds": 0.5},
                       scaling={"seq_lens": [9], "batches": [2], "min_iters": 2, "max_seconds": 0.5})
     conf = tmp_path / "tiny.yaml"
     conf.write_text(yaml.safe_dump(cfg))
-    targets = ["results/fig_7.png"] + [f"results/fig_8_{p}.png" for p in "abcdef"]
+    targets = ["results/fig_7.png"] + [f"results/fig_8_{p}.png" for p in "abcdef"] + ["results/cpu/rnn/speedups.csv"]
     r = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", str(conf),
                         "--directory", str(tmp_path), *targets],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    for t in targets:
+    for t in targets[:-1]:
         png = tmp_path / t
         assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     rnn = tmp_path / "results" / "cpu" / "rnn"
     bench = pd.concat(pd.read_csv(p) for p in rnn.glob("bench_*.csv"))
     assert set(bench["seq_len"]) == {5, 9} and set(bench["batch"]) == {2, 4}
     assert set(bench["profile"]) == {"tiny"}
+    assert set(bench["variant"]) == {"baseline", "bppsa-fused", "bppsa-paper"}
+    # every variant of a configuration was timed in the same rounds
+    rounds = bench.groupby(["seq_len", "batch", "variant", "mode"])["iter"].nunique().groupby(["seq_len", "batch"]).nunique()
+    assert (rounds == 1).all()
+    sp = pd.read_csv(rnn / "speedups.csv")
+    assert len(sp) == 3 * 2 * 4  # 3 (T, B) configurations x 2 BPPSA layouts x 4 phases
+    assert set(sp["phase"]) == {"backward", "backward-excl-FO", "iteration", "backward-nobp"}
+    ok = sp[sp["resolved"]]
+    assert (ok["ci_low"] <= ok["speedup"]).all() and (ok["speedup"] <= ok["ci_high"]).all() and (ok["speedup"] > 0).all()
+    assert sp[~sp["resolved"]]["speedup"].isna().all()
     # every BPPSA configuration that was timed was verified first, and the check passed
     for (T, B, layout), _ in bench[bench["method"] == "bppsa"].groupby(["seq_len", "batch", "layout"]):
         assert (rnn / f"verify_T{T}_B{B}_{layout}.json").exists()
@@ -41,6 +53,15 @@ def test_rnn_workflow_end_to_end(tmp_path):
     from bppsa.report import build
 
     report = build(tmp_path / "results")
-    assert "## RNN (Fig 8)" in report and "largest backward speedup" in report
+    assert "## RNN (Fig 8)" in report and "largest backward speedup" in report and "backward-nobp" in report
     assert "| cpu | rnn | float32 | torch | fused |" in report  # the verify results, per group
     assert "No GRU benchmarks." in report
+
+    from bppsa.claims import collect, render
+
+    claims = collect(tmp_path / "results")
+    text = render(claims)
+    assert "max backward speedup (RNN)" in text and "rises with T" in text and "falls with B" in text
+    # measured on a CPU: the GPU magnitudes are shown but not judged
+    assert {c.verdict for c in claims if c.claim.startswith("max ")} == {"not measurable here"}
+    assert any("T=1000, B=16 is not in this profile's grid" in c.reason for c in claims)

@@ -11,11 +11,17 @@ def L_m_arg(value):
     return "none" if value is None else str(value)
 
 
-def variant_args(variant, L_m=None):
-    """`bppsa bench` flags of a variant: 'baseline' or 'bppsa-<layout>'."""
-    if variant == "baseline":
-        return "--methods baseline"
-    return f"--methods bppsa --layout {variant.split('-', 1)[1]} --backend {config['backend']} --L-m {L_m_arg(L_m)}"
+from bppsa.bench.protocol import StopRule as _StopRule  # noqa: E402
+
+# Checked at parse time, so a bad bench: value stops the run before any job starts.
+STOP_RULE = _StopRule.from_config(config["bench"], ignore=["packed_baseline"])
+
+
+def bench_args():
+    """`bppsa bench` flags of the shared timing protocol (config bench:)."""
+    packed = config["bench"]["packed_baseline"]
+    packed = {True: "on", False: "off"}.get(packed, packed)  # YAML 1.1 reads a bare on/off as a boolean
+    return f"{STOP_RULE.cli_args()} --packed-baseline {packed}"
 
 
 rule environment:

@@ -6,7 +6,7 @@ RNN_FIGURES = ["results/fig_7.png"] + [f"results/fig_8_{p}.png" for p in "abcdef
 
 rule figures_rnn:
     input:
-        RNN_BENCH + RNN_CURVES,
+        RNN_SUMMARY + RNN_CURVES,
     output:
         RNN_FIGURES,
     log:

@@ -61,25 +61,38 @@ rule verify_gru:
 
 
 rule bench_gru:
+    # every variant of one (set, B), interleaved round by round in one process (README: Timing protocol)
     input:
         data="data/irmas/mfcc_{set}.npz",
-        verified=lambda wc: [] if wc.variant == "baseline" else GRU_DIR + f"/verify_{wc.set}_B{wc.B}.json",
+        verified=GRU_DIR + "/verify_{set}_B{B}.json",
     output:
-        GRU_DIR + "/bench_{set}_B{B}_{variant}.csv",
+        GRU_DIR + "/bench_{set}_B{B}.csv",
     wildcard_constraints:
         set="s|m|l",
         B=r"\d+",
-        variant="baseline|bppsa-fused",
     threads: workflow.cores  # timings never share the machine with another job
     params:
         args=runtime_args(),
-        variant=lambda wc: variant_args(wc.variant),
+        protocol=bench_args(),
+        variants=" ".join(GRU_VARIANTS),
     log:
-        "logs/bench_gru/{set}_B{B}_{variant}.log",
+        "logs/bench_gru/{set}_B{B}.log",
     shell:
-        "bppsa bench --model gru --data {input.data} --batch {wildcards.B} --hidden {GRU[hidden]} {params.variant} "
-        "--lr {GRU[lr]} --warmup {config[bench][warmup]} --iters {config[bench][iters]} --threads {threads} "
-        "{params.args} --out {output} 2> {log}"
+        "bppsa bench --model gru --data {input.data} --batch {wildcards.B} --hidden {GRU[hidden]} "
+        "--variants {params.variants} --backend {config[backend]} --lr {GRU[lr]} {params.protocol} "
+        "--threads {threads} {params.args} --out {output} 2> {log}"
+
+
+rule speedups_gru:
+    input:
+        lambda wc: GRU_BENCH,
+    output:
+        speedups=GRU_DIR + "/speedups.csv",
+        latency=GRU_DIR + "/latency.csv",
+    log:
+        "logs/speedups_gru.log",
+    shell:
+        "bppsa speedups {input} --out {output.speedups} --latency-out {output.latency} 2> {log}"
 
 
 rule train_gru:
@@ -102,14 +115,15 @@ rule train_gru:
         "--epochs {GRU[curves][epochs]} --lr {GRU[lr]} --threads {threads} {params.args} --out {output} 2> {log}"
 
 
-GRU_BENCH = [GRU_DIR + f"/bench_{s}_B{B}_{v}.csv" for s in GRU["sets"] for B in GRU["batches"] for v in GRU_VARIANTS]
+GRU_BENCH = [GRU_DIR + f"/bench_{s}_B{B}.csv" for s in GRU["sets"] for B in GRU["batches"]]
+GRU_SUMMARY = [GRU_DIR + "/speedups.csv", GRU_DIR + "/latency.csv"]
 GRU_CURVES = [GRU_DIR + f"/curve_{s}_{v}.csv" for s in GRU["curves"]["sets"] for v in GRU_VARIANTS]
 GRU_FIGURES = ["results/fig_9.png", "results/fig_13.png"]
 
 
 rule figures_gru:
     input:
-        GRU_BENCH + GRU_CURVES,
+        GRU_SUMMARY + GRU_CURVES,
     output:
         GRU_FIGURES + ["results/fig_9_data.csv"],
     log:
@@ -118,4 +132,4 @@ rule figures_gru:
         "bppsa plot-gru --results results --out-dir results 2> {log}"
 
 
-TARGETS.extend(GRU_BENCH + GRU_CURVES + GRU_FIGURES)
+TARGETS.extend(GRU_SUMMARY + GRU_CURVES + GRU_FIGURES)

@@ -1,17 +1,19 @@
-# results/report.md: every measured number on one page, rendered last.
+# results/report.md: every measured number on one page; results/claims.md: the paper's claims checked. Rendered last.
 
 REPORT = "results/report.md"
+CLAIMS = "results/claims.md"
 
 
 rule report:
     input:
-        lambda wildcards: [t for t in TARGETS if t != REPORT],
+        lambda wildcards: [t for t in TARGETS if t not in (REPORT, CLAIMS)],
     output:
-        REPORT,
+        report=REPORT,
+        claims=CLAIMS,
     log:
         "logs/report.log",
     shell:
-        "bppsa report --results results --out {output} 2> {log}"
+        "bppsa report --results results --out {output.report} --claims-out {output.claims} 2> {log}"
 
 
-TARGETS.append(REPORT)
+TARGETS.extend([REPORT, CLAIMS])

@@ -29,25 +29,39 @@ rule verify_rnn:
 
 
 rule bench_rnn:
+    # every variant of one (T, B), interleaved round by round in one process (README: Timing protocol)
     input:
         data="data/bitstream/T{T}.npz",
-        verified=lambda wc: [] if wc.variant == "baseline" else RNN_DIR + f"/verify_T{wc.T}_B{wc.B}_{wc.variant.split('-', 1)[1]}.json",
+        verified=expand(RNN_DIR + "/verify_T{{T}}_B{{B}}_{layout}.json", layout=RNN["layouts"]),
     output:
-        RNN_DIR + "/bench_T{T}_B{B}_{variant}.csv",
+        RNN_DIR + "/bench_T{T}_B{B}.csv",
     wildcard_constraints:
         T=r"\d+",
         B=r"\d+",
-        variant="baseline|bppsa-paper|bppsa-fused",
     threads: workflow.cores  # timings never share the machine with another job
     params:
         args=runtime_args(),
-        variant=lambda wc: variant_args(wc.variant, RNN["L_m"]),
+        protocol=bench_args(),
+        variants=" ".join(RNN_VARIANTS),
+        L_m=L_m_arg(RNN["L_m"]),
     log:
-        "logs/bench_rnn/T{T}_B{B}_{variant}.log",
+        "logs/bench_rnn/T{T}_B{B}.log",
     shell:
         "bppsa bench --model rnn --data {input.data} --batch {wildcards.B} --hidden {RNN[hidden]} "
-        "{params.variant} --lr {RNN[lr]} --warmup {config[bench][warmup]} --iters {config[bench][iters]} "
-        "--threads {threads} {params.args} --out {output} 2> {log}"
+        "--variants {params.variants} --backend {config[backend]} --L-m {params.L_m} --lr {RNN[lr]} "
+        "{params.protocol} --threads {threads} {params.args} --out {output} 2> {log}"
+
+
+rule speedups_rnn:
+    input:
+        lambda wc: RNN_BENCH,
+    output:
+        speedups=RNN_DIR + "/speedups.csv",
+        latency=RNN_DIR + "/latency.csv",
+    log:
+        "logs/speedups_rnn.log",
+    shell:
+        "bppsa speedups {input} --out {output.speedups} --latency-out {output.latency} 2> {log}"
 
 
 rule train_rnn:
@@ -87,9 +101,10 @@ rule speed_rnn:
         "--threads {threads} --profile {PROFILE} --out {output} 2> {log}"
 
 
-RNN_BENCH = [RNN_DIR + f"/bench_T{T}_B{B}_{v}.csv" for T, B in RNN_GRID for v in RNN_VARIANTS]
+RNN_BENCH = [RNN_DIR + f"/bench_T{T}_B{B}.csv" for T, B in RNN_GRID]
+RNN_SUMMARY = [RNN_DIR + "/speedups.csv", RNN_DIR + "/latency.csv"]
 RNN_CURVES = [RNN_DIR + f"/curve_{v}.csv" for v in RNN_VARIANTS[:2]]
-TARGETS.extend(RNN_BENCH + RNN_CURVES)
+TARGETS.extend(RNN_SUMMARY + RNN_CURVES)
 if RNN["speed"]["batches"] and config["device"] in ("auto", "cpu") and DEVICE == "cpu":
     TARGETS.append(RNN_DIR + "/speed.csv")
 

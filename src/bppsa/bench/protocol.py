@@ -64,9 +64,9 @@ class StopRule:
             raise ValueError("; ".join(problems))
 
     @classmethod
-    def from_config(cls, bench: Mapping | None) -> "StopRule":
-        """Build from the config's ``bench:`` section; unknown keys are an error naming them."""
-        bench = dict(bench or {})
+    def from_config(cls, bench: Mapping | None, ignore: Iterable[str] = ()) -> "StopRule":
+        """Build from the config's ``bench:`` section; unknown keys (not in ``ignore``) are an error."""
+        bench = {k: v for k, v in dict(bench or {}).items() if k not in set(ignore)}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(bench) - known)
         if unknown:
@@ -75,6 +75,23 @@ class StopRule:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def cli_args(self) -> str:
+        """The command-line flags ``add_stop_rule_args`` reads, e.g. for a Snakemake rule's shell."""
+        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.as_dict().items())
+
+    @classmethod
+    def from_args(cls, args) -> "StopRule":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def add_stop_rule_args(p) -> None:
+    """argparse flags for every StopRule field (defaults: the dataclass's)."""
+    d = StopRule()
+    for f in fields(StopRule):
+        default = getattr(d, f.name)
+        p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=type(default), default=default,
+                       help=f"timing protocol: {f.name} (default {default}; config bench.{f.name})")
 
 
 def min_n_for_ci(conf: float = 0.95) -> int:
@@ -89,8 +106,8 @@ def _ci_ranks(n: int, conf: float) -> tuple[int, int]:
     """0-based ranks (lo, hi) of the sorted sample bracketing the median with coverage >= conf.
 
     P(x_(j) <= median <= x_(n-1-j)) = 1 - 2 P(Bin(n, 1/2) <= j); the largest j keeping that >= conf.
-    Below ``min_n_for_ci(conf)`` samples no j qualifies: the whole range (j = 0) is returned and its
-    coverage (1 - 2^(1-n)) is below conf, which ``rel_halfwidth`` therefore treats as not yet stable.
+    Below ``min_n_for_ci(conf)`` samples no j qualifies (even the whole range covers only 1 - 2^(1-n));
+    ``median_ci`` then gives NaN bounds and ``rel_halfwidth`` infinity.
     """
     alpha = 1 - conf
     j = int(binom.ppf(alpha / 2, n, 0.5))  # smallest j with cdf(j) >= alpha/2
@@ -101,11 +118,16 @@ def _ci_ranks(n: int, conf: float) -> tuple[int, int]:
 
 
 def median_ci(x: Iterable[float], conf: float = 0.95) -> tuple[float, float, float]:
-    """Median of ``x`` and a distribution-free confidence interval from its order statistics."""
+    """Median of ``x`` and a distribution-free confidence interval from its order statistics.
+
+    The bounds are NaN while the sample is too small for any interval of that coverage (n < 6 at 95 %).
+    """
     a = np.sort(np.asarray(list(x) if not isinstance(x, np.ndarray) else x, dtype=float).ravel())
     a = a[np.isfinite(a)]
     if a.size == 0:
         return math.nan, math.nan, math.nan
+    if a.size < min_n_for_ci(conf):
+        return float(np.median(a)), math.nan, math.nan  # no order statistics reach the coverage yet
     lo, hi = _ci_ranks(a.size, conf)
     return float(np.median(a)), float(a[lo]), float(a[hi])
 

@@ -1,36 +1,67 @@
 """Benchmark and training loops for any RecurrentClassifier (the RNN and the GRU share them).
 
-``method`` is ``baseline`` (autograd; cuDNN's RNN/GRU on GPU) or ``bppsa`` (the scan backward).
-Rows are tidy: one per (iteration, phase).  Phases: forward, jacobian (bppsa only), backward,
-optimizer.  ``mode='nobp'`` skips everything after the forward, for the paper's subtraction.
+A *variant* is what a line of Fig 8 stands for: ``baseline`` (autograd; cuDNN's RNN/GRU on GPU),
+``baseline-packed`` (the same fed as a PackedSequence, which makes cuDNN use the per-step algorithm the
+paper's 2020 baseline had) or ``bppsa-<layout>`` (the scan backward).  Phases: forward, jacobian (BPPSA
+only), backward, optimizer.  Mode ``nobp`` skips everything after the forward, for the paper's
+subtraction.  ``time_interleaved`` times every variant and mode of one configuration in one process,
+round by round, under the shared protocol (``bench.protocol``).
 """
 from __future__ import annotations
 
+import copy
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..jacobians.recurrent import LAYOUTS
 from ..models.recurrent import no_phase
+from .protocol import TOTAL, Measurement, StopRule, interleave
 from .timing import PhaseTimer
 
 METHODS = ("baseline", "bppsa")
+BASELINES = ("baseline", "baseline-packed")
+VARIANTS = BASELINES + tuple(f"bppsa-{layout}" for layout in LAYOUTS)
+NOBP = "nobp"
 
 
-def baseline_backend_name(device: torch.device) -> str:
-    return "cudnn" if torch.device(device).type == "cuda" and torch.backends.cudnn.is_available() else "autograd"
+def parse_variant(v: str) -> tuple[str, str, bool]:
+    """(method, layout, packed) of a variant name; a clear error for anything else."""
+    if v in BASELINES:
+        return "baseline", "", v == "baseline-packed"
+    if v.startswith("bppsa-") and v.split("-", 1)[1] in LAYOUTS:
+        return "bppsa", v.split("-", 1)[1], False
+    raise ValueError(f"unknown variant '{v}' (choose from {', '.join(VARIANTS)})")
+
+
+def baseline_backend_name(device: torch.device, packed: bool = False) -> str:
+    if torch.device(device).type == "cuda" and torch.backends.cudnn.is_available():
+        return "cudnn-per-step" if packed else "cudnn"
+    return "autograd-packed" if packed else "autograd"
+
+
+def backward_seconds(phases: Mapping[str, float]) -> float | None:
+    """The backward as the paper counts it: BPPSA's includes its Jacobian generation."""
+    if "backward" not in phases:
+        return None
+    return phases["backward"] + phases.get("jacobian", 0.0)
+
+
+backward_seconds.__name__ = "backward"
 
 
 def train_step(model, x, y, method: str, backend=None, layout: str = "fused", L_m=None,
-               optimizer=None, timer: PhaseTimer | None = None, backward: bool = True) -> torch.Tensor:
+               optimizer=None, timer: PhaseTimer | None = None, backward: bool = True,
+               packed: bool = False) -> torch.Tensor:
     """One training iteration; phases are timed when a timer is given."""
     phase = timer.phase if timer is not None else no_phase
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     if method == "baseline":
-        loss = model.baseline_step(x, y, phase=phase, backward=backward)
+        loss = model.baseline_step(x, y, phase=phase, backward=backward, packed=packed)
     elif method == "bppsa":
         loss = model.bppsa_step(x, y, backend, layout, L_m, phase=phase, backward=backward)
     else:
@@ -41,23 +72,74 @@ def train_step(model, x, y, method: str, backend=None, layout: str = "fused", L_
     return loss
 
 
-def time_iterations(model, batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]], method: str, *,
-                    device, backend=None, layout="fused", L_m=None, lr=1e-3, warmup=3, iters=10,
-                    mode: str = "full", desc: str = "") -> list[dict]:
-    """Time ``iters`` iterations after ``warmup`` untimed ones; ``batches(i)`` gives batch i."""
-    if mode not in ("full", "nobp"):
-        raise ValueError(f"unknown mode '{mode}'")
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+def time_interleaved(make_model: Callable[[], torch.nn.Module],
+                     batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]], variants: Sequence[str],
+                     rule: StopRule, *, device, backend=None, L_m=None, lr: float = 1e-3, nobp: bool = True,
+                     desc: str = "") -> tuple[list[dict], Measurement]:
+    """Time every variant (and its forward-only twin) of one configuration, interleaved.
+
+    ``make_model()`` must return the same initial weights on every call; each variant trains its
+    own copy with its own optimizer, and round i gives every variant ``batches(i)``.  The stop rule
+    holds the backward and the whole iteration of every full-mode variant, and their paired ratios
+    to the first variant (the reference, normally ``baseline``), to ``rule.rel_ci``.
+    Returns tidy rows (variant, mode, iter, phase, seconds) and the Measurement.
+    """
+    if not variants:
+        raise ValueError("time_interleaved: no variants")
     timer = PhaseTimer(device)
+    methods: dict[str, Callable[[int], dict[str, float]]] = {}
+    full = []
+    for v in variants:
+        method, layout, packed = parse_variant(v)
+        if method == "bppsa" and backend is None:
+            raise ValueError(f"variant {v} needs a BPPSA backend")
+        for mode in ("full", NOBP) if nobp else ("full",):
+            model = make_model()
+            opt = torch.optim.Adam(model.parameters(), lr=lr)
+
+            def run(i, model=model, opt=opt, method=method, layout=layout, packed=packed, mode=mode):
+                x, y = batches(i)
+                timer.sync()
+                train_step(model, x, y, method, backend, layout or "fused", L_m, opt, timer,
+                           backward=(mode == "full"), packed=packed)
+                return timer.collect()
+
+            key = v if mode == "full" else f"{v}@{NOBP}"
+            methods[key] = run
+            if mode == "full":
+                full.append(key)
+    bar = tqdm(desc=desc or "bench", unit="round", leave=False)
+
+    def progress(n, spent):
+        bar.update(1)
+
+    m = interleave(methods, rule, reference=full[0], metric=[backward_seconds, TOTAL], compare=full[1:],
+                   progress=progress)
+    bar.close()
     rows = []
-    for i in tqdm(range(warmup + iters), desc=desc or f"{method} {mode}", leave=False):
-        x, y = batches(i)
-        timer.sync()
-        train_step(model, x, y, method, backend, layout, L_m, optimizer, timer, backward=(mode == "full"))
-        seconds = timer.collect()
-        if i >= warmup:
-            rows += [{"iter": i - warmup, "phase": p, "seconds": s} for p, s in seconds.items()]
-    return rows
+    for r in m.rows:
+        v, _, mode = r["method"].partition("@")
+        rows.append({"variant": v, "mode": mode or "full", "iter": r["iter"], "phase": r["phase"],
+                     "seconds": r["seconds"]})
+    return rows, m
+
+
+def warm_up(model, batch: tuple[torch.Tensor, torch.Tensor], method: str, *, lr: float, steps: int = 2,
+            backend=None, layout: str = "fused", L_m=None, device=None) -> None:
+    """Untimed training steps on a throw-away copy of the model and optimizer.
+
+    The first iterations of a process pay one-time costs (lazy initialisation, allocator growth, kernel
+    selection, code paths JIT-compiled on first use); charged to whichever method's first epoch ran
+    first, they made Fig 13's first baseline epoch 20x its others.  The copy leaves the model's
+    weights, and so both methods' starting point, untouched.
+    """
+    scratch = copy.deepcopy(model)
+    opt = torch.optim.Adam(scratch.parameters(), lr=lr)
+    x, y = batch
+    for _ in range(steps):
+        train_step(scratch, x, y, method, backend, layout, L_m, opt)
+    PhaseTimer(device or x.device).sync()
+    del scratch, opt
 
 
 def train_epochs(model, n_samples: int, batch_size: int, get_batch: Callable[[np.ndarray], tuple],
@@ -68,8 +150,10 @@ def train_epochs(model, n_samples: int, batch_size: int, get_batch: Callable[[np
     ``wall_clock_s`` is the cumulative time spent in training steps (device-synchronised), the
     x-axis of Fig 7 / Fig 13; the loss/accuracy are the means over the epoch's batches.
     """
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     rng = np.random.default_rng(seed)  # the same batch order for both methods
+    warm_up(model, get_batch(np.arange(min(batch_size, n_samples))), method, lr=lr, backend=backend,
+            layout=layout, L_m=L_m, device=device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     timer = PhaseTimer(device)
     wall = 0.0
     for epoch in tqdm(range(1, epochs + 1), desc=desc or f"train {method}"):

@@ -10,7 +10,9 @@ import torch
 
 from .. import io
 from ..backends import BACKENDS, get_backend
-from ..bench.recurrent import METHODS, baseline_backend_name, time_iterations, train_epochs
+from ..bench.protocol import StopRule, add_stop_rule_args
+from ..bench.recurrent import (METHODS, NOBP, VARIANTS, baseline_backend_name, parse_variant, time_interleaved,
+                               train_epochs)
 from ..data.sequences import open_dataset
 from ..jacobians.recurrent import LAYOUTS
 from ..models import MODELS, build
@@ -38,16 +40,34 @@ def register(sub) -> None:
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.set_defaults(func=_verify, dtype="float64")
 
-    p = sub.add_parser("bench", help="time training iterations phase by phase (tidy CSV)")
+    p = sub.add_parser("bench", help="time the baseline and BPPSA variants of one configuration, interleaved "
+                                     "(tidy CSV, one row per variant x mode x iteration x phase)")
     _model_args(p, data_required=True)
     p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--methods", nargs="+", default=["baseline", "bppsa"], choices=METHODS)
+    p.add_argument("--variants", nargs="+", default=["baseline", "bppsa-fused"], choices=VARIANTS,
+                   help="the first is the reference of the speedups (default: baseline bppsa-fused)")
+    p.add_argument("--packed-baseline", choices=["auto", "on", "off"], default="auto",
+                   help="also time baseline-packed (cuDNN's per-step algorithm, the paper's baseline); "
+                        "auto: on a CUDA device only")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
+    add_stop_rule_args(p)
     p.add_argument("--no-nobp", dest="nobp", action="store_false", help="skip the paper's forward-only runs")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_bench)
+
+    p = sub.add_parser("speedups", help="latency.csv and speedups.csv of one model: medians, paired-ratio "
+                                        "speedups and their confidence intervals, from bench CSVs")
+    p.add_argument("bench", nargs="+", help="bench CSVs written by `bppsa bench`")
+    p.add_argument("--out", required=True, help="speedups.csv")
+    p.add_argument("--latency-out", required=True, help="latency.csv")
+    p.set_defaults(func=_speedups)
+
+    p = sub.add_parser("compare-speedups", help="two runs' speedups.csv side by side (e.g. quiet vs loaded); "
+                                                "exit 1 where a loaded speedup neither agrees nor flags itself")
+    p.add_argument("quiet", nargs="+", help="speedups.csv of the reference run (one per model)")
+    p.add_argument("--loaded", nargs="+", required=True, help="speedups.csv of the other run, same models")
+    p.add_argument("--tolerance", type=float, default=0.25)
+    p.set_defaults(func=_compare)
 
     p = sub.add_parser("train", help="train both ways; per-epoch loss, accuracy and wall-clock (CSV)")
     _model_args(p, data_required=True)
@@ -81,7 +101,14 @@ def _model_for(args, ds, dev):
 
 
 def _bench(args) -> int:
+    rule = StopRule.from_args(args)
+    variants = list(dict.fromkeys(args.variants))
+    for v in variants:
+        parse_variant(v)
     dev = setup(args)
+    if args.packed_baseline == "on" or (args.packed_baseline == "auto" and dev.type == "cuda"):
+        variants.insert(1 if variants[0] == "baseline" else 0, "baseline-packed")
+        variants = list(dict.fromkeys(variants))
     ds = open_dataset(args.data, DTYPES[args.dtype], dev)
     if ds.n < args.batch:
         raise ValueError(f"{args.data}: {ds.n} samples, fewer than one batch of {args.batch}")
@@ -91,35 +118,89 @@ def _bench(args) -> int:
         s = (i % starts) * args.batch
         return ds.get_batch(np.arange(s, s + args.batch))
 
-    rows = []
-    for method in args.methods:
-        backend = get_backend(args.backend, dev) if method == "bppsa" else None
-        for mode in (["full", "nobp"] if args.nobp else ["full"]):
-            model = _model_for(args, ds, dev)
-            tag = f"{args.model} {method} {mode} T={ds.seq_len} B={args.batch}"
-            for r in time_iterations(model, batches, method, device=dev, backend=backend, layout=args.layout,
-                                     L_m=args.L_m, lr=args.lr, warmup=args.warmup, iters=args.iters, mode=mode, desc=tag):
-                r.update(method=method, mode=mode,
-                         backend=backend.name if backend else baseline_backend_name(dev),
-                         layout=args.layout if method == "bppsa" else "",
-                         L_m=args.L_m if method == "bppsa" else None)
-                rows.append(r)
+    needs_bppsa = any(parse_variant(v)[0] == "bppsa" for v in variants)
+    backend = get_backend(args.backend, dev) if needs_bppsa else None
+    rows, m = time_interleaved(lambda: _model_for(args, ds, dev), batches, variants, rule, device=dev,
+                               backend=backend, L_m=args.L_m, lr=args.lr, nobp=args.nobp,
+                               desc=f"{args.model} T={ds.seq_len} B={args.batch}")
     df = pd.DataFrame(rows)
+    parsed = {v: parse_variant(v) for v in variants}
+    df["method"] = df["variant"].map(lambda v: parsed[v][0])
+    df["layout"] = df["variant"].map(lambda v: parsed[v][1])
+    df["backend"] = df["variant"].map(lambda v: backend.name if parsed[v][0] == "bppsa"
+                                      else baseline_backend_name(dev, parsed[v][2]))
+    df["L_m"] = df["variant"].map(lambda v: args.L_m if parsed[v][0] == "bppsa" else None)
+    df["noisy"] = [m.noisy[v if mode == "full" else f"{v}@{NOBP}"] for v, mode in zip(df["variant"], df["mode"])]
     meta = dict(profile=args.profile, device=args.device_slug, model=args.model, dtype=args.dtype,
                 seq_len=ds.seq_len, batch=args.batch, hidden=args.hidden, input_size=ds.input_size,
-                data=ds.source, warmup=args.warmup, threads=torch.get_num_threads(),
-                flush_denormal=args.flush_denormal)
+                data=ds.source, threads=torch.get_num_threads(), flush_denormal=args.flush_denormal,
+                reference=variants[0], rounds=m.iters, stopped_by=m.stopped_by, timed_seconds=round(m.seconds, 4),
+                **rule.as_dict())
     for k, v in meta.items():
         df[k] = v
     io.write_csv(args.out, df)
-    _print_summary(df)
+    _print_summary(df, m)
     return 0
 
 
-def _print_summary(df: pd.DataFrame) -> None:
-    full = df[df["mode"] == "full"]
-    per_iter = full.groupby(["method", "phase"])["seconds"].mean().unstack(fill_value=0.0)
+def _print_summary(df: pd.DataFrame, m) -> None:
+    per_iter = df[df["mode"] == "full"].groupby(["variant", "phase"])["seconds"].median().unstack(fill_value=0.0)
     print(per_iter.to_string(float_format=lambda v: f"{v * 1e3:9.3f} ms"), file=sys.stderr)
+    print(f"{m.iters} rounds in {m.seconds:.1f} s, stopped: {m.stopped_by}; noisy: "
+          f"{', '.join(k for k, v in m.noisy.items() if v) or 'none'}", file=sys.stderr)
+
+
+def _speedups(args) -> int:
+    from .. import speedups
+
+    frames = []
+    for path in args.bench:
+        try:
+            frames.append(pd.read_csv(path))
+        except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError) as e:
+            raise ValueError(f"{path}: cannot read the bench CSV ({e})") from e
+    bench = pd.concat(frames, ignore_index=True)
+    sp = speedups.speedups(bench)
+    io.write_csv(args.latency_out, speedups.latency(bench))
+    io.write_csv(args.out, sp)
+    flagged = sp[sp["noisy"] | ~sp["resolved"]]
+    print(f"{len(sp)} speedups, {int(sp['noisy'].sum())} noisy, {int((~sp['resolved']).sum())} not resolved",
+          file=sys.stderr)
+    if len(flagged):
+        print(flagged[["variant", "seq_len", "batch", "phase", "speedup", "ci_low", "ci_high"]].to_string(),
+              file=sys.stderr)
+    return 0
+
+
+def _compare(args) -> int:
+    from .. import speedups
+
+    def read(paths):
+        return pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
+
+    quiet, loaded = read(args.quiet), read(args.loaded)
+    m = speedups.compare_runs(quiet, loaded, args.tolerance)
+
+    def cell(med, lo, hi, noisy, resolved):
+        if not resolved or not np.isfinite(med):
+            return "not resolved"
+        return f"{med:7.3g} [{lo:.3g}, {hi:.3g}]" + (" noisy" if noisy else "")
+
+    m["quiet"] = [cell(*r) for r in zip(m.speedup_quiet, m.ci_low_quiet, m.ci_high_quiet, m.noisy_quiet.fillna(True),
+                                        m.resolved_quiet.fillna(False))]
+    m["loaded"] = [cell(*r) for r in zip(m.speedup_loaded, m.ci_low_loaded, m.ci_high_loaded,
+                                         m.noisy_loaded.fillna(True), m.resolved_loaded.fillna(False))]
+    m["verdict"] = np.where(m["ok"], np.where(m["agree"], "agrees", "flagged"), "FAIL")
+    cols = ["model", "variant", "reference", "seq_len", "batch", "phase", "quiet", "loaded", "rel_diff", "verdict"]
+    with pd.option_context("display.width", 250, "display.max_rows", None, "display.max_colwidth", 40):
+        print(m[cols].sort_values(cols[:6]).to_string(index=False, float_format=lambda v: f"{v:.1%}"))
+    iso = speedups.isolated_points(quiet)
+    print(f"\n{int(m['agree'].sum())} agree within {args.tolerance:.0%}, {int((m['ok'] & ~m['agree']).sum())} "
+          f"flagged in the loaded run, {int((~m['ok']).sum())} FAIL; {len(iso)} unflagged point(s) of the quiet run "
+          f"more than 2x away from both neighbours")
+    if len(iso):
+        print(iso[["model", "variant", "seq_len", "batch", "phase", "speedup"]].to_string(index=False))
+    return 0 if m["ok"].all() and iso.empty else 1
 
 
 def _train(args) -> int:

@@ -12,8 +12,6 @@ from ..bench import speed
 from ..bench.protocol import StopRule
 from .common import DTYPES, add_runtime_args, optional_int, setup
 
-# kept importable from here: report.py and older callers read the ratios through this name
-ratios = speed.summary
 
 
 def add_rule_args(p) -> None:

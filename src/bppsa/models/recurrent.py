@@ -25,8 +25,16 @@ class RecurrentClassifier(nn.Module):
     cell: nn.RNNBase
     head: nn.Linear
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Baseline forward (autograd; cuDNN on GPU): logits from the last hidden state."""
+    def forward(self, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        """Baseline forward (autograd; cuDNN on GPU): logits from the last hidden state.
+
+        ``packed`` feeds the same batch as a PackedSequence (every length T): cuDNN then runs its
+        per-step algorithm, the one the paper's 2020 baseline had, instead of the persistent
+        small-hidden-size kernels current PyTorch picks for dense input.
+        """
+        if packed:
+            lengths = torch.full((x.shape[1],), x.shape[0], dtype=torch.int64)  # on the CPU, as torch requires
+            x = nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=True)
         _, h_n = self.cell(x)
         return self.head(h_n[-1])
 
@@ -41,9 +49,10 @@ class RecurrentClassifier(nn.Module):
         raise NotImplementedError
 
     # -- the two training steps -------------------------------------------------------------------
-    def baseline_step(self, x, y, phase: Phase = no_phase, backward: bool = True) -> torch.Tensor:
+    def baseline_step(self, x, y, phase: Phase = no_phase, backward: bool = True,
+                      packed: bool = False) -> torch.Tensor:
         with phase("forward"):
-            loss = F.cross_entropy(self(x), y)
+            loss = F.cross_entropy(self(x, packed=packed), y)
         if backward:
             with phase("backward"):
                 loss.backward()

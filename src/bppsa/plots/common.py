@@ -8,16 +8,26 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-import pandas as pd  # noqa: E402
-
 from ..io import atomic_path  # noqa: E402
 
-PHASES = ["forward", "jacobian", "backward", "optimizer"]
+VARIANT_STYLE = {"baseline": dict(ls="--", marker="s"), "baseline-packed": dict(ls=":", marker="D"),
+                 "bppsa-fused": dict(ls="-", marker="o"), "bppsa-paper": dict(ls="-.", marker="^")}
+VARIANT_NAME = {"baseline": "baseline (autograd/cuDNN)",
+                "baseline-packed": "baseline, packed (cuDNN per-step, the paper's)",
+                "bppsa-fused": "BPPSA (fused Jacobians)", "bppsa-paper": "BPPSA (paper's two Jacobians per step)"}
+PROTOCOL_NOTE = "median, 95 % CI error bars; hollow = noisy"
 
-VARIANT_STYLE = {"baseline": dict(ls="--", marker="s"), "bppsa-fused": dict(ls="-", marker="o"),
-                 "bppsa-paper": dict(ls="-.", marker="^")}
-VARIANT_NAME = {"baseline": "baseline (autograd/cuDNN)", "bppsa-fused": "BPPSA (fused Jacobians)",
-                "bppsa-paper": "BPPSA (paper's two Jacobians per step)"}
+
+def errorbar(ax, x, med, lo, hi, noisy, *, color, label=None, marker="o", ls="-", scale=1.0, **kw):
+    """Medians with their (asymmetric) intervals; points flagged noisy are drawn hollow."""
+    import numpy as np
+
+    x, med, lo, hi = (np.asarray(v, dtype=float) for v in (x, med, lo, hi))
+    noisy = np.asarray(noisy, dtype=bool)
+    yerr = np.vstack([np.clip(med - lo, 0, None), np.clip(hi - med, 0, None)]) * scale
+    ax.errorbar(x, med * scale, yerr=yerr, color=color, ls=ls, marker=marker, capsize=2, label=label, **kw)
+    if noisy.any():
+        ax.plot(x[noisy], med[noisy] * scale, ls="none", marker=marker, color=color, mfc="white", zorder=5, **kw)
 
 
 def variant(df):
@@ -47,32 +57,3 @@ def save(fig, path: str | Path) -> None:
     with atomic_path(path, suffix=".png") as tmp:
         fig.savefig(tmp, dpi=130)
     plt.close(fig)
-
-
-def per_iteration(bench: pd.DataFrame) -> pd.DataFrame:
-    """One row per (device, method, T, B, mode, iter) with a column per phase and the derived times.
-
-    ``bp`` is the backward time as the paper defines it: the baseline's backward; BPPSA's Jacobian
-    generation plus its scan backward.  ``total`` is the whole iteration.
-    """
-    bench = bench.assign(variant=variant(bench))
-    keys = ["device_label", "profile", "variant", "backend", "seq_len", "batch", "mode", "iter"]
-    wide = bench.pivot_table(index=keys, columns="phase", values="seconds", aggfunc="sum", fill_value=0.0)
-    wide = wide.reindex(columns=PHASES, fill_value=0.0).reset_index()
-    wide["bp"] = wide["jacobian"] + wide["backward"]
-    wide["total"] = wide[PHASES].sum(axis=1)
-    return wide
-
-
-def phase_summary(bench: pd.DataFrame) -> pd.DataFrame:
-    """Mean/std per configuration, the backward speedup and the paper's nobp cross-check."""
-    it = per_iteration(bench)
-    keys = ["device_label", "profile", "variant", "backend", "seq_len", "batch"]
-    full = it[it["mode"] == "full"].groupby(keys).agg(
-        n=("iter", "size"), **{f"{c}_mean": (c, "mean") for c in PHASES + ["bp", "total"]},
-        bp_std=("bp", "std"), total_std=("total", "std")).reset_index()
-    nobp = it[it["mode"] == "nobp"].groupby(keys)["total"].mean().rename("nobp_total_mean").reset_index()
-    s = full.merge(nobp, on=keys, how="left")
-    # the paper's method: backward = full iteration - forward-only iteration
-    s["bp_by_subtraction"] = s["total_mean"] - s["nobp_total_mean"]
-    return s

@@ -11,7 +11,7 @@ from matplotlib.patches import Patch
 from ..data.irmas import MFCC_SETS
 from ..io import write_csv
 from ..results import load_all
-from .common import VARIANT_NAME, VARIANT_STYLE, device_colors, phase_summary, provenance, save, variant
+from .common import PROTOCOL_NOTE, VARIANT_NAME, VARIANT_STYLE, device_colors, errorbar, provenance, save, variant
 
 SET_OF_FRAMES = {s.frames: name.upper() for name, s in MFCC_SETS.items()}
 SET_ORDER = [n.upper() for n in MFCC_SETS]
@@ -24,27 +24,36 @@ def set_name(seq_len: int) -> str:
     return SET_OF_FRAMES.get(int(seq_len), f"T={int(seq_len)}")
 
 
-def breakdown(bench: pd.DataFrame) -> pd.DataFrame:
-    """One row per (device, profile, set, B): FP/FO/BP/BPPSA seconds per iteration and speedups."""
-    s = phase_summary(bench)
+def breakdown(lat: pd.DataFrame, sp: pd.DataFrame) -> pd.DataFrame:
+    """One row per (device, profile, set, B, BPPSA variant): median FP/FO/BP/BPPSA seconds per iteration,
+    the whole iterations' medians and CIs, and the paired-ratio speedups with their CIs.
+
+    FP forward; FO BPPSA's Jacobian generation; BP and BPPSA the backward pass plus the optimizer
+    step, as the paper's "full minus nobp" subtraction counts them.
+    """
+    lat = lat[lat["mode"] == "full"]
     on = ["device_label", "profile", "seq_len", "batch"]
-    base = s[s["variant"] == "baseline"].set_index(on)
+    med = lat.pivot_table(index=on + ["variant"], columns="phase", values="median", aggfunc="first")
+    it = lat[lat["phase"] == "iteration"].set_index(on + ["variant"])
+    spw = sp[sp["phase"].isin(["backward-excl-FO", "iteration"])].set_index(on + ["variant", "reference", "phase"])
     rows = []
-    for _, b in s[s["variant"] != "baseline"].iterrows():
-        key = tuple(b[k] for k in on)
-        if key not in base.index:
+    for key, g in sp[sp["reference"] == "baseline"].groupby(on + ["variant"]):
+        ref_key, var_key = tuple(key[:-1]) + ("baseline",), tuple(key)
+        if ref_key not in med.index or var_key not in med.index:
             continue
-        a = base.loc[key]
-        if isinstance(a, pd.DataFrame):
-            a = a.iloc[0]
-        r = {k: b[k] for k in on}
-        r.update(set=set_name(b["seq_len"]), n=int(min(a["n"], b["n"])),
-                 base_FP=a["forward_mean"], base_BP=a["backward_mean"] + a["optimizer_mean"],
-                 FP=b["forward_mean"], FO=b["jacobian_mean"], BPPSA=b["backward_mean"] + b["optimizer_mean"],
-                 base_total_std=a["total_std"], bppsa_total_std=b["total_std"])
+        a, b = med.loc[ref_key].fillna(0.0), med.loc[var_key].fillna(0.0)
+        r = dict(zip(on + ["variant"], key))
+        r.update(set=set_name(key[2]), n=int(g["n"].min()), base_FP=a["forward"],
+                 base_BP=a["backward_pass"] + a["optimizer"], FP=b["forward"], FO=b["jacobian"],
+                 BPPSA=b["backward_pass"] + b["optimizer"])
+        for who, k in (("base", ref_key), ("bppsa", var_key)):
+            r.update({f"{who}_iter": it.loc[k, "median"], f"{who}_iter_low": it.loc[k, "ci_low"],
+                      f"{who}_iter_high": it.loc[k, "ci_high"], f"{who}_noisy": bool(it.loc[k, "noisy"])})
+        for phase, name in (("backward-excl-FO", "bp_speedup"), ("iteration", "overall_speedup")):
+            row = spw.loc[var_key + ("baseline", phase)]
+            r.update({name: row["speedup"], f"{name}_low": row["ci_low"], f"{name}_high": row["ci_high"],
+                      f"{name}_noisy": bool(row["noisy"])})
         r["norm"] = r["base_FP"] + r["base_BP"]
-        r["bp_speedup"] = r["base_BP"] / r["BPPSA"]
-        r["overall_speedup"] = r["norm"] / (r["FP"] + r["FO"] + r["BPPSA"])
         rows.append(r)
     out = pd.DataFrame(rows)
     if out.empty:
@@ -53,8 +62,8 @@ def breakdown(bench: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values(["device_label", "set_rank", "seq_len", "batch"]).reset_index(drop=True)
 
 
-def fig_9(bench: pd.DataFrame, out: str | Path) -> pd.DataFrame:
-    d = breakdown(bench)
+def fig_9(lat: pd.DataFrame, sp: pd.DataFrame, out: str | Path) -> pd.DataFrame:
+    d = breakdown(lat, sp)
     devices = sorted(d["device_label"].unique(), key=lambda v: ("reference" in v, v))
     fig, axes = plt.subplots(len(devices), 1, figsize=(max(9.0, 0.9 * d.groupby("device_label").size().max() + 2),
                                                        3.8 * len(devices)), squeeze=False)
@@ -65,7 +74,7 @@ def fig_9(bench: pd.DataFrame, out: str | Path) -> pd.DataFrame:
         norm = g["norm"].to_numpy()
         stacks = {"baseline": [("FP", g["base_FP"]), ("BP", g["base_BP"])],
                   "bppsa": [("FP", g["FP"]), ("FO", g["FO"]), ("BPPSA", g["BPPSA"])]}
-        stds = {"baseline": g["base_total_std"], "bppsa": g["bppsa_total_std"]}
+        iters = {"baseline": "base", "bppsa": "bppsa"}
         for j, (method, segs) in enumerate(stacks.items()):
             pos = x + (j - 0.5) * width
             bottom = np.zeros(len(g))
@@ -74,12 +83,18 @@ def fig_9(bench: pd.DataFrame, out: str | Path) -> pd.DataFrame:
                 ax.bar(pos, v, width, bottom=bottom, color=SEGMENTS[name], edgecolor="k", linewidth=0.5,
                        hatch="//" if method == "baseline" else None)
                 bottom += v
-            err = np.nan_to_num(stds[method].to_numpy() / norm)
-            ax.errorbar(pos, bottom, yerr=err, fmt="none", ecolor="k", capsize=2, lw=0.8)
+            w = iters[method]
+            # the whole iteration's median and 95 % CI (the phases' medians need not add up to it exactly)
+            errorbar(ax, pos, g[f"{w}_iter"] / norm, g[f"{w}_iter_low"] / norm, g[f"{w}_iter_high"] / norm,
+                     g[f"{w}_noisy"], color="k", ls="none", marker="_")
             if method == "bppsa":
-                for xi, top, bs, os_ in zip(pos, bottom + err, g["bp_speedup"], g["overall_speedup"]):
-                    ax.annotate(f"bwd {bs:.3g}×\nall {os_:.3g}×", (xi, top), xytext=(0, 2), textcoords="offset points",
-                                ha="center", va="bottom", fontsize=6)
+                tops = np.maximum(bottom, g["bppsa_iter_high"].to_numpy() / norm)
+                for xi, top, (_, r) in zip(pos, tops, g.iterrows()):
+                    ax.annotate(f"bwd {r.bp_speedup:.3g}× [{r.bp_speedup_low:.3g}, {r.bp_speedup_high:.3g}]"
+                                f"{' noisy' if r.bp_speedup_noisy else ''}\nall {r.overall_speedup:.3g}× "
+                                f"[{r.overall_speedup_low:.3g}, {r.overall_speedup_high:.3g}]"
+                                f"{' noisy' if r.overall_speedup_noisy else ''}", (xi, top), xytext=(0, 2),
+                                textcoords="offset points", ha="center", va="bottom", fontsize=5)
         ax.axhline(1.0, color="k", lw=0.6, ls=":")
         ax.set_xticks(x)
         ax.set_xticklabels([f"{s}\nB={b}" for s, b in zip(g["set"], g["batch"])], fontsize=8)
@@ -94,8 +109,10 @@ def fig_9(bench: pd.DataFrame, out: str | Path) -> pd.DataFrame:
     fig.suptitle("GRU runtime breakdown per iteration (Fig 9), normalised by the baseline's FP + BP\n"
                  "FP forward · FO Jacobian overhead · BP baseline backward · BPPSA scan backward "
                  "(BP and BPPSA include the optimizer step)\n"
-                 "labels: BPPSA speedup, bwd = BP / BPPSA (excluding FO, like the paper's 13.4×), all = whole iteration\n"
-                 + provenance(bench, f"means of n={int(d['n'].min())} timed iterations per bar"), fontsize=8)
+                 "labels: BPPSA speedup [95 % CI], medians of paired per-round ratios; bwd = BP / BPPSA (excluding FO, "
+                 "like the paper's 13.4×), all = whole iteration\n"
+                 + provenance(lat, f"bars: medians of each phase; black: {PROTOCOL_NOTE}; "
+                                   f"n = {int(d['n'].min())}–{int(d['n'].max())} rounds"), fontsize=8)
     save(fig, out)
     return d
 
@@ -133,12 +150,13 @@ def fig_13(curves: pd.DataFrame, out: str | Path) -> None:
 def plot_all(results: str | Path, out_dir: str | Path) -> list[Path]:
     results, out_dir = Path(results), Path(out_dir)
     outs = [out_dir / "fig_9.png", out_dir / "fig_13.png"]
-    bench = load_all(results, "gru", "bench_*.csv")
-    d = fig_9(bench, outs[0])
+    lat, sp = load_all(results, "gru", "latency.csv"), load_all(results, "gru", "speedups.csv")
+    d = fig_9(lat, sp, outs[0])
     # the numbers behind the bars, for the report (seconds per iteration)
-    d["data"] = ", ".join(sorted(set(map(str, bench["data"])))) if "data" in bench else ""
-    cols = ["device_label", "profile", "data", "set", "seq_len", "batch", "n", "base_FP", "base_BP", "FP", "FO",
-            "BPPSA", "bp_speedup", "overall_speedup"]
+    d["data"] = ", ".join(sorted(set(map(str, lat["data"].fillna(""))))) if "data" in lat else ""
+    cols = ["device_label", "profile", "data", "set", "seq_len", "batch", "variant", "n", "base_FP", "base_BP", "FP",
+            "FO", "BPPSA", "bp_speedup", "bp_speedup_low", "bp_speedup_high", "bp_speedup_noisy", "overall_speedup",
+            "overall_speedup_low", "overall_speedup_high", "overall_speedup_noisy"]
     table = out_dir / "fig_9_data.csv"
     write_csv(table, d[cols])
     fig_13(load_all(results, "gru", "curve_*.csv"), outs[1])

@@ -10,27 +10,24 @@ import pandas as pd
 from matplotlib.patches import Patch
 
 from ..results import load_all
-from .common import PHASES, VARIANT_NAME, VARIANT_STYLE, device_colors, phase_summary, provenance, save, variant
+from .common import (PROTOCOL_NOTE, VARIANT_NAME, VARIANT_STYLE, device_colors, errorbar, provenance, save,
+                     variant)
 
-HATCH = ["//", "", "xx"]  # one per variant: baseline, then the BPPSA layouts
-PHASE_COLOR = {"forward": "#4c72b0", "jacobian": "#dd8452", "backward": "#c44e52", "optimizer": "#8c8c8c"}
+HATCH = {"baseline": "//", "baseline-packed": "\\\\", "bppsa-fused": "", "bppsa-paper": "xx"}
+PHASE_COLOR = {"forward": "#4c72b0", "jacobian": "#dd8452", "backward_pass": "#c44e52", "optimizer": "#8c8c8c"}
 
 
-def speedups(s: pd.DataFrame) -> pd.DataFrame:
-    on = ["device_label", "profile", "seq_len", "batch"]
-    base = s[s["variant"] == "baseline"].set_index(on)
-    out = []
-    for (_, bp) in s[s["variant"] != "baseline"].iterrows():
-        key = tuple(bp[k] for k in on)
-        if key not in base.index:
-            continue
-        b = base.loc[key]
-        out.append({**{k: bp[k] for k in on}, "backend": bp["backend"], "variant": bp["variant"],
-                    "bp_speedup": b["bp_mean"] / bp["bp_mean"],
-                    "bp_speedup_by_subtraction": b["bp_by_subtraction"] / bp["bp_by_subtraction"],
-                    "total_speedup": b["total_mean"] / bp["total_mean"],
-                    "baseline_bp": b["bp_mean"], "bppsa_bp": bp["bp_mean"]})
-    return pd.DataFrame(out)
+BREAKDOWN = ["forward", "jacobian", "backward_pass", "optimizer"]
+PHASE_LABEL = {"forward": "forward", "jacobian": "Jacobian generation", "backward_pass": "backward",
+               "optimizer": "optimizer"}
+
+
+def _variants(df: pd.DataFrame) -> list[str]:
+    return sorted(df["variant"].unique(), key=lambda v: (v.startswith("bppsa"), v))
+
+
+def _n_text(df: pd.DataFrame) -> str:
+    return f"n = {int(df['n'].min())}–{int(df['n'].max())} rounds" if len(df) else "n = 0"
 
 
 def _sweep(s: pd.DataFrame, axis: str, fixed: dict) -> pd.DataFrame:
@@ -74,83 +71,107 @@ def _xaxis(ax, d: pd.DataFrame, axis: str) -> None:
     ax.set_xlabel(XLABEL[axis])
 
 
-def fig_latency(s: pd.DataFrame, axis: str, out: str | Path) -> None:
-    fixed = _fixed_values(s, axis)
-    d = _sweep(s, axis, fixed)
-    colors = device_colors(s["device_label"])
+def fig_latency(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
+    """Fig 8a/d: the backward latency per iteration (BPPSA's includes its Jacobian generation)."""
+    lat = lat[(lat["mode"] == "full") & (lat["phase"] == "backward")]
+    fixed = _fixed_values(lat, axis)
+    d = _sweep(lat, axis, fixed)
+    colors = device_colors(lat["device_label"])
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     for (dev, var), g in d.groupby(["device_label", "variant"]):
         g = g.sort_values(axis)
-        ax.errorbar(_x(g, axis), g["bp_mean"] * 1e3, yerr=g["bp_std"] * 1e3, color=colors[dev],
-                    label=f"{VARIANT_NAME[var]} · {dev}", capsize=2, **VARIANT_STYLE[var])
+        errorbar(ax, _x(g, axis), g["median"], g["ci_low"], g["ci_high"], g["noisy"], color=colors[dev],
+                 label=f"{VARIANT_NAME.get(var, var)} · {dev}", scale=1e3, **VARIANT_STYLE.get(var, {}))
     _xaxis(ax, d, axis)
     ax.set_yscale("log")
     ax.set_ylabel("backward latency per iteration (ms)")
     other = "B" if axis == "seq_len" else "T"
     fixed_txt = ", ".join(f"{other}={v}" for v in sorted(set(fixed.values())))
     ax.set_title(f"Backward latency per iteration vs {'T' if axis == 'seq_len' else '1/B'} ({fixed_txt})\n"
-                 + provenance(d, f"mean ± std of n={int(d['n'].min())} iterations"), fontsize=8)
+                 + provenance(d, f"{PROTOCOL_NOTE}, {_n_text(d)}"), fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     save(fig, out)
 
 
-def fig_speedup(s: pd.DataFrame, axis: str, out: str | Path) -> None:
-    fixed = _fixed_values(s, axis)
-    sp = speedups(_sweep(s, axis, fixed))
-    colors = device_colors(s["device_label"])
-    fig, ax = plt.subplots(figsize=(6.4, 4.6))
-    for (dev, var), g in sp.groupby(["device_label", "variant"]):
-        g = g.sort_values(axis)
-        x = _x(g, axis)
-        tag = f"{var} · {dev}"
-        mk = VARIANT_STYLE[var]["marker"]
-        ax.plot(x, g["bp_speedup"], "-" + mk, color=colors[dev], label=f"backward (phase timers), {tag}")
-        ax.plot(x, g["bp_speedup_by_subtraction"], ":" + mk, color=colors[dev], alpha=0.6, mfc="none",
-                label=f"backward (paper's nobp subtraction), {tag}")
-        ax.plot(x, g["total_speedup"], "--" + mk, color=colors[dev], alpha=0.6, label=f"whole iteration, {tag}")
+SPEEDUP_LINES = {"backward": ("-", "backward (phase timers)"),
+                 "backward-nobp": (":", "backward (paper's nobp subtraction)"),
+                 "iteration": ("--", "whole iteration")}
+
+
+def fig_speedup(sp: pd.DataFrame, axis: str, out: str | Path) -> None:
+    """Fig 8b/e: medians of paired per-round ratios with their CIs; unresolved nobp points left out."""
+    sp = sp[sp["phase"].isin(list(SPEEDUP_LINES))]
+    fixed = _fixed_values(sp, axis)
+    d = _sweep(sp, axis, fixed)
+    colors = device_colors(sp["device_label"])
+    fig, ax = plt.subplots(figsize=(7.2, 5.0))
+    for (dev, var, ref, phase), g in d.groupby(["device_label", "variant", "reference", "phase"]):
+        g = g[g["resolved"]].sort_values(axis)
+        if g.empty:
+            continue
+        ls, what = SPEEDUP_LINES[phase]
+        vs = "" if ref == "baseline" else f" vs {ref}"
+        errorbar(ax, _x(g, axis), g["speedup"], g["ci_low"], g["ci_high"], g["noisy"], color=colors[dev], ls=ls,
+                 marker=VARIANT_STYLE.get(var, {}).get("marker", "o"), alpha=1.0 if phase == "backward" else 0.6,
+                 label=f"{what}, {var}{vs} · {dev}")
     ax.axhline(1.0, color="k", lw=0.8)
-    _xaxis(ax, sp, axis)
+    _xaxis(ax, d, axis)
     ax.set_yscale("log")
     ax.set_ylabel("speedup of BPPSA over the baseline (×)")
-    ax.set_title("BPPSA speedup over the baseline\n" + provenance(_sweep(s, axis, fixed), "ratio of means"), fontsize=8)
+    unresolved = d[~d["resolved"]]
+    note = ""
+    if len(unresolved):
+        pts = sorted({f"{'T' if axis == 'seq_len' else 'B'}={r[axis]}" for _, r in unresolved.iterrows()})
+        note = "\nnobp subtraction not resolved (difference within the noise) at " + ", ".join(pts)
+    ax.set_title("BPPSA speedup over the baseline: median of paired per-round ratios\n"
+                 + provenance(d, f"{PROTOCOL_NOTE}, {_n_text(d)}") + note, fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6)
     save(fig, out)
 
 
-def fig_breakdown(s: pd.DataFrame, axis: str, out: str | Path) -> None:
-    fixed = _fixed_values(s, axis)
-    d = _sweep(s, axis, fixed)
+def fig_breakdown(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
+    """Fig 8c/f: median time of each phase, normalised by the baseline's median iteration."""
+    lat = lat[lat["mode"] == "full"]
+    fixed = _fixed_values(lat, axis)
+    d = _sweep(lat, axis, fixed)
     devices = sorted(d["device_label"].unique(), key=lambda v: ("reference" in v, v))
     fig, axes = plt.subplots(len(devices), 1, figsize=(10, 3.4 * len(devices)), squeeze=False)
     for ax, dev in zip(axes[:, 0], devices):
-        g = d[d["device_label"] == dev]
-        xs = sorted(g[axis].unique(), reverse=(axis == "batch"))
-        norm = {v: g[(g[axis] == v) & (g["variant"] == "baseline")]["total_mean"].mean() for v in xs}
-        variants = ["baseline"] + sorted(v for v in g["variant"].unique() if v != "baseline")
+        g = d[d["device_label"] == dev].set_index(["variant", axis, "phase"]).sort_index()
+        xs = sorted(d[d["device_label"] == dev][axis].unique(), reverse=(axis == "batch"))
+        norm = {v: g.loc[("baseline", v, "iteration"), "median"] for v in xs}
+        variants = _variants(d[d["device_label"] == dev])
         width = 0.8 / len(variants)
         for j, var in enumerate(variants):
+            pos = np.arange(len(xs)) + (j - (len(variants) - 1) / 2) * width
             bottom = np.zeros(len(xs))
-            for phase in PHASES:
-                vals = np.array([g[(g[axis] == v) & (g["variant"] == var)][f"{phase}_mean"].mean() / norm[v]
+            for phase in BREAKDOWN:
+                vals = np.array([g.loc[(var, v, phase), "median"] / norm[v] if (var, v, phase) in g.index else 0.0
                                  for v in xs])
-                vals = np.nan_to_num(vals)
-                ax.bar(np.arange(len(xs)) + (j - (len(variants) - 1) / 2) * width, vals, width, bottom=bottom,
-                       color=PHASE_COLOR[phase], edgecolor="k", linewidth=0.4, hatch=HATCH[j % len(HATCH)])
+                ax.bar(pos, vals, width, bottom=bottom, color=PHASE_COLOR[phase], edgecolor="k", linewidth=0.4,
+                       hatch=HATCH.get(var, ".."))
                 bottom += vals
+            it = [g.loc[(var, v, "iteration")] for v in xs]
+            med = np.array([r["median"] / norm[v] for r, v in zip(it, xs)])
+            lo = np.array([r["ci_low"] / norm[v] for r, v in zip(it, xs)])
+            hi = np.array([r["ci_high"] / norm[v] for r, v in zip(it, xs)])
+            # the whole iteration's median and CI (the phases' medians need not add up to it exactly)
+            errorbar(ax, pos, med, lo, hi, [r["noisy"] for r in it], color="k", ls="none", marker="_")
         ax.set_xticks(np.arange(len(xs)))
         ax.set_xticklabels([str(v) if axis == "seq_len" else f"1/{v}" for v in xs])
         ax.set_xlabel(XLABEL[axis])
         ax.set_ylabel("runtime / baseline runtime")
         ax.set_title(dev, fontsize=9)
-        handles = [Patch(facecolor=PHASE_COLOR[p], edgecolor="k", linewidth=0.4, label=p) for p in PHASES]
-        handles += [Patch(facecolor="white", edgecolor="k", hatch=HATCH[j % len(HATCH)], label=VARIANT_NAME[v])
-                    for j, v in enumerate(variants)]
+        handles = [Patch(facecolor=PHASE_COLOR[p], edgecolor="k", linewidth=0.4, label=PHASE_LABEL[p]) for p in BREAKDOWN]
+        handles += [Patch(facecolor="white", edgecolor="k", hatch=HATCH.get(v, ".."), label=VARIANT_NAME.get(v, v))
+                    for v in variants]
         ax.legend(handles=handles, fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle("Runtime breakdown per iteration, normalised by the baseline\n"
-                 + provenance(d, f"means of n={int(d['n'].min())} iterations"), fontsize=8)
+    fig.suptitle("Runtime breakdown per iteration (median of each phase), normalised by the baseline's median "
+                 "iteration\nblack: the whole iteration's median and 95 % CI (hollow = noisy) · "
+                 + provenance(d, _n_text(d)), fontsize=8)
     save(fig, out)
 
 
@@ -180,12 +201,13 @@ def fig_7(curves: pd.DataFrame, out: str | Path) -> None:
 
 def plot_all(results: str | Path, out_dir: str | Path) -> list[Path]:
     results, out_dir = Path(results), Path(out_dir)
-    s = phase_summary(load_all(results, "rnn", "bench_*.csv"))
+    lat = load_all(results, "rnn", "latency.csv")
+    sp = load_all(results, "rnn", "speedups.csv")
     outs = []
     for axis, (a, b, c) in {"seq_len": ("a", "b", "c"), "batch": ("d", "e", "f")}.items():
-        for letter, fn in zip((a, b, c), (fig_latency, fig_speedup, fig_breakdown)):
+        for letter, fn, df in zip((a, b, c), (fig_latency, fig_speedup, fig_breakdown), (lat, sp, lat)):
             path = out_dir / f"fig_8_{letter}.png"
-            fn(s, axis, path)
+            fn(df, axis, path)
             outs.append(path)
     path = out_dir / "fig_7.png"
     fig_7(load_all(results, "rnn", "curve_*.csv"), path)

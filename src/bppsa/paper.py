@@ -1,0 +1,38 @@
+"""The numbers the paper prints (Wang, Bai & Pekhimenko, MLSys 2020), with where and on what they were measured.
+
+Reference values only: nothing here is measured.  ``bppsa.claims`` sets them beside what this harness
+measured.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PaperValue:
+    value: float
+    device: str
+    where: str
+
+
+GPUS = ("RTX 2070", "RTX 2080Ti")
+PAPER_CPU = "Ryzen Threadripper 1950X"
+
+# Sec 5.1 / Abstract: the RNN on bitstreams
+RNN_MAX_BACKWARD = PaperValue(108.0, "RTX 2080Ti", "Sec 5.1, Fig 8")
+RNN_MAX_OVERALL = PaperValue(2.75, "RTX 2070", "Sec 5.1")
+# Fig 7: T = 1000, B = 16, 80 epochs
+RNN_FIG7_SEQ_LEN, RNN_FIG7_BATCH = 1000, 16
+RNN_FIG7_OVERALL = PaperValue(2.73, "RTX 2070", "Sec 5.1, Fig 7 (T=1000, B=16)")
+RNN_FIG7_BACKWARD = PaperValue(16.0, "RTX 2070", "Sec 5.1, Fig 7 (T=1000, B=16)")
+# Sec 5.2: the GRU on IRMAS; the backward excludes the Jacobian-generation overhead
+GRU_MAX_OVERALL = PaperValue(2.36, "RTX 2070 / RTX 2080Ti", "Sec 5.2, Fig 9")
+GRU_MAX_BACKWARD = PaperValue(13.4, "RTX 2070 / RTX 2080Ti", "Sec 5.2, Fig 9 (excluding the overhead)")
+
+# Table 1 (VGG-11's first conv, ReLU and max-pool on 32x32), 1000 trials on a CPU
+TABLE1_SPARSITY = {"Convolution": 0.99157, "ReLU": 0.99998, "Max-pooling": 0.99994}
+TABLE1_SPEEDUP = {"Convolution": 8.3e3, "ReLU": 1.2e6, "Max-pooling": 1.5e5}
+
+# Sec 4.3: VGG-11 on CIFAR-10, top-1
+VGG11_DENSE_TOP1 = PaperValue(0.901, "RTX 2070 (training)", "Sec 4.3")
+VGG11_PRUNED_TOP1 = PaperValue(0.889, "RTX 2070 (training)", "Sec 4.3 (97 % pruned, retrained)")

@@ -1,0 +1,160 @@
+"""The recurrent benchmark loop: the packed baseline, interleaved timing, the untimed warm-up, speedups.csv."""
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from bppsa import speedups
+from bppsa.backends import get_backend
+from bppsa.bench.protocol import StopRule
+from bppsa.bench.recurrent import parse_variant, time_interleaved, train_epochs, warm_up
+from bppsa.models import build
+
+
+@pytest.mark.parametrize("model, T, F", [("rnn", 17, 1), ("gru", 13, 6)])
+def test_packed_baseline_gives_the_same_gradients(model, T, F):
+    torch.manual_seed(0)
+    a = build(model, F, 8, 5).double()
+    b = build(model, F, 8, 5).double()
+    b.load_state_dict(a.state_dict())
+    x, y = torch.randn(T, 4, F, dtype=torch.float64), torch.randint(0, 5, (4,))
+    la, lb = a.baseline_step(x, y), b.baseline_step(x, y, packed=True)
+    assert torch.allclose(la, lb, rtol=0, atol=1e-12)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert (p.grad - q.grad).abs().max() <= 1e-12 * max(1.0, p.grad.abs().max()), n
+
+
+def test_variant_names():
+    assert parse_variant("baseline-packed") == ("baseline", "", True)
+    assert parse_variant("bppsa-paper") == ("bppsa", "paper", False)
+    with pytest.raises(ValueError, match="unknown variant 'bppsa-diagonal'"):
+        parse_variant("bppsa-diagonal")
+
+
+def _make(seed=0):
+    def make():
+        torch.manual_seed(seed)
+        return build("rnn", 1, 6, 3).double()
+    return make
+
+
+def test_time_interleaved_pairs_every_variant_on_the_same_batches():
+    seen = []
+    x = torch.randn(11, 4, 1, dtype=torch.float64)
+    y = torch.randint(0, 3, (4,))
+
+    def batches(i):
+        seen.append(i)
+        return x * (1 + i), y
+
+    rule = StopRule(warmup=1, min_iters=6, min_seconds=0, max_iters=6, max_seconds=60)
+    rows, m = time_interleaved(_make(), batches, ["baseline", "baseline-packed", "bppsa-fused"], rule,
+                               device="cpu", backend=get_backend("torch", torch.device("cpu")), lr=1e-3)
+    df = pd.DataFrame(rows)
+    assert m.iters == 6 and set(df["iter"]) == set(range(6))
+    assert set(zip(df["variant"], df["mode"])) == {(v, mo) for v in ("baseline", "baseline-packed", "bppsa-fused")
+                                                  for mo in ("full", "nobp")}
+    # 7 rounds (1 warm-up) x 6 methods, each round handing every method batch i
+    assert sorted(seen) == sorted([i for i in range(7) for _ in range(6)])
+    assert set(df[(df["variant"] == "bppsa-fused") & (df["mode"] == "full")]["phase"]) == {
+        "forward", "jacobian", "backward", "optimizer"}
+    assert set(df[df["mode"] == "nobp"]["phase"]) <= {"forward", "jacobian"}
+
+
+def test_warm_up_leaves_the_weights_alone_and_curves_start_equal():
+    model = _make()()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(9, 4, 1, dtype=torch.float64), torch.randint(0, 3, (4,))
+    warm_up(model, (x, y), "bppsa", lr=0.1, backend=get_backend("torch", torch.device("cpu")))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_training_curves_of_both_methods_agree_after_the_warm_up():
+    X, Y = torch.randn(9, 32, 1, dtype=torch.float64), torch.randint(0, 3, (32,))
+
+    def get_batch(idx):
+        idx = torch.as_tensor(np.asarray(idx))
+        return X[:, idx], Y[idx]
+
+    curves = {}
+    for method in ("baseline", "bppsa"):
+        be = get_backend("torch", torch.device("cpu")) if method == "bppsa" else None
+        curves[method] = list(train_epochs(_make()(), 32, 8, get_batch, method, device="cpu", epochs=3, lr=1e-2,
+                                           backend=be))
+    for a, b in zip(curves["baseline"], curves["bppsa"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-9)
+
+
+def _bench(ref_full, ref_nobp, var_full, var_nobp):
+    """A bench CSV of one configuration whose per-round iteration totals are the given arrays."""
+    rows = []
+    for v, mode, x in (("baseline", "full", ref_full), ("baseline", "nobp", ref_nobp),
+                       ("bppsa-fused", "full", var_full), ("bppsa-fused", "nobp", var_nobp)):
+        for i, s in enumerate(x):
+            if mode == "full":
+                rows += [dict(variant=v, mode=mode, iter=i, phase="forward", seconds=s * 0.25),
+                         dict(variant=v, mode=mode, iter=i, phase="backward", seconds=s * 0.75)]
+            else:
+                rows.append(dict(variant=v, mode=mode, iter=i, phase="forward", seconds=s))
+    df = pd.DataFrame(rows)
+    return df.assign(model="rnn", device="cpu", profile="t", data="d", seq_len=10, batch=4, reference="baseline",
+                     conf=0.95, noisy_threshold=0.1, noisy=False, backend="x", stopped_by="stable", rounds=len(ref_full))
+
+
+def test_speedups_are_paired_ratios_and_survive_an_outlier():
+    load = np.ones(20)
+    load[5] = 300.0  # one preempted round slows every method of that round
+    sp = speedups.speedups(_bench(4e-3 * load, 1e-3 * load, 1e-3 * load, 0.5e-3 * load)).set_index("phase")
+    assert sp.loc["backward", "speedup"] == pytest.approx(4.0)
+    assert sp.loc["backward", "ci_low"] == pytest.approx(4.0) == sp.loc["backward", "ci_high"]
+    assert sp.loc["iteration", "speedup"] == pytest.approx(4.0)
+    assert sp.loc["backward-nobp", "speedup"] == pytest.approx(3e-3 / 0.5e-3)
+    assert not sp["noisy"].any() and sp["resolved"].all()
+    # the mean, as the paper's tables use it, is what the outlier would have dragged along
+    assert math.isfinite(sp.loc["backward", "mean_speedup"])
+
+
+def test_nobp_difference_within_the_noise_is_not_resolved():
+    rng = np.random.default_rng(0)
+    full = 1e-3 * rng.lognormal(0, 0.3, 30)
+    nobp = 1e-3 * rng.lognormal(0, 0.3, 30)  # the "backward" is smaller than the noise
+    sp = speedups.speedups(_bench(4e-3 * np.ones(30), 1e-3 * np.ones(30), full, nobp)).set_index("phase")
+    row = sp.loc["backward-nobp"]
+    assert not row["resolved"] and math.isnan(row["speedup"]) and row["noisy"]
+
+
+def test_latency_has_medians_intervals_and_the_paper_statistics():
+    lat = speedups.latency(_bench(np.arange(1, 21) * 1e-3, np.ones(20), np.ones(20), np.ones(20)))
+    r = lat[(lat["variant"] == "baseline") & (lat["mode"] == "full") & (lat["phase"] == "iteration")].iloc[0]
+    assert (r["median"], r["ci_low"], r["ci_high"]) == pytest.approx((10.5e-3, 6e-3, 15e-3))
+    assert r["mean"] == pytest.approx(10.5e-3) and r["n"] == 20 and r["q1"] < r["median"] < r["q3"]
+
+
+def _sp(points, noisy=()):
+    return pd.DataFrame([dict(model="rnn", variant="bppsa-fused", reference="baseline", seq_len=T, batch=B,
+                              phase="backward", speedup=s, ci_low=s * 0.9, ci_high=s * 1.1, noisy=(T, B) in noisy,
+                              resolved=True) for (T, B), s in points.items()])
+
+
+def test_compare_runs_accepts_agreement_or_a_flag_and_nothing_else():
+    quiet = _sp({(10, 16): 1.0, (100, 16): 2.0, (1000, 16): 4.0})
+    loaded = _sp({(10, 16): 1.2, (100, 16): 0.5, (1000, 16): 0.4}, noisy={(100, 16)})
+    m = speedups.compare_runs(quiet, loaded).set_index("seq_len")
+    assert m.loc[10, "agree"] and m.loc[10, "ok"]            # within 25 %
+    assert not m.loc[100, "agree"] and m.loc[100, "ok"]      # off, but flagged noisy
+    assert not m.loc[1000, "ok"]                             # off and unflagged
+
+
+def test_isolated_points_along_a_sweep():
+    sp = _sp({(10, 16): 1.0, (30, 16): 0.1, (100, 16): 1.2, (300, 16): 2.0})
+    iso = speedups.isolated_points(sp)
+    assert list(iso["seq_len"]) == [30]
+    assert speedups.isolated_points(_sp({(10, 16): 1.0, (30, 16): 0.1, (100, 16): 1.2}, noisy={(30, 16)})).empty
+
+
+def test_an_interval_missing_for_lack_of_samples_counts_as_noisy():
+    sp = speedups.speedups(_bench(4e-3 * np.ones(4), 1e-3 * np.ones(4), 1e-3 * np.ones(4), 0.5e-3 * np.ones(4)))
+    assert sp["noisy"].all() and sp["ci_low"].isna().all()

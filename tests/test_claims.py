@@ -1,0 +1,85 @@
+"""results/claims.md: verdicts on synthetic measurements whose answer is known."""
+import pandas as pd
+import pytest
+
+from bppsa import claims
+
+
+def _speedups(device, model, points, phase="backward", noisy=()):
+    rows = []
+    for (T, B), s in points.items():
+        for ph in (phase, "iteration"):
+            v = s if ph == phase else s / 4
+            rows.append(dict(model=model, device=device, profile="default", data="bitstream", seq_len=T, batch=B,
+                             variant="bppsa-fused", reference="baseline", backend="torch",
+                             reference_backend="cudnn", stopped_by="stable", phase=ph, speedup=v, ci_low=v * 0.95,
+                             ci_high=v * 1.05, n=30, noisy=(T, B) in noisy, resolved=True, mean_speedup=v))
+    return pd.DataFrame(rows)
+
+
+def _write(root, device, model, df):
+    d = root / device / model
+    d.mkdir(parents=True, exist_ok=True)
+    df.to_csv(d / "speedups.csv", index=False)
+
+
+def test_magnitude_verdicts():
+    assert claims.magnitude_verdict(100, 95, 105, 108, "nvidia-geforce-rtx-2080ti", "RTX 2080Ti")[0] == "holds"
+    v, reason = claims.magnitude_verdict(10, 9, 11, 108, "nvidia-h100-80gb-hbm3", "RTX 2080Ti")
+    assert v == "partly" and "different GPU" in reason
+    assert claims.magnitude_verdict(1.1, 0.9, 1.3, 108, "nvidia-h100", "RTX 2080Ti")[0] == "not reproduced"
+    v, reason = claims.magnitude_verdict(200, 190, 210, 108, "cpu", "RTX 2080Ti")
+    assert v == "not measurable here" and "cpu" in reason
+
+
+def test_trend_is_tested_statistically():
+    assert claims.trend_verdict(*claims.trend([10, 30, 100, 300, 1000], [1, 2, 3, 5, 8], True), 5)[0] == "holds"
+    # right direction, one inversion: not significant on 4 points
+    assert claims.trend_verdict(*claims.trend([1, 2, 3, 4], [1, 3, 2, 4], True), 4)[0] == "partly"
+    assert claims.trend_verdict(*claims.trend([1, 2, 3, 4, 5], [5, 4, 3, 2, 1], True), 5)[0] == "not reproduced"
+    assert claims.trend_verdict(float("nan"), float("nan"), 2)[0] == "not measurable here"
+    # three perfectly ordered points cannot reach p < 0.05 (exact p = 1/6)
+    assert claims.trend_verdict(*claims.trend([2, 16, 64], [40, 20, 7], False), 3)[0] == "partly"
+
+
+def test_claims_from_a_results_tree(tmp_path):
+    gpu = "nvidia-geforce-rtx-2080ti"
+    T_sweep = {(T, 16): s for T, s in zip((10, 100, 1000, 10000), (1.5, 4.0, 20.0, 110.0))}
+    B_sweep = {(1000, B): s for B, s in zip((2, 4, 8, 16, 64), (40.0, 33.0, 25.0, 20.0, 7.0))}
+    _write(tmp_path, gpu, "rnn", _speedups(gpu, "rnn", {**T_sweep, **B_sweep}))
+    _write(tmp_path, "cpu", "rnn", _speedups("cpu", "rnn", {(10, 16): 0.5, (100, 16): 1.1, (300, 16): 0.9,
+                                                            (1000, 16): 2.0}, noisy={(300, 16)}))
+    rows = claims.collect(tmp_path)
+    by = {(c.claim, c.device): c for c in rows}
+    best = by["max backward speedup (RNN)", gpu]
+    assert best.verdict == "holds" and best.measured.startswith("110×")
+    assert by["backward speedup at T=1000, B=16 (Fig 7)", gpu].verdict == "holds"  # 20 >= 0.75 x 16
+    assert by["max backward speedup (RNN)", "cpu"].verdict == "not measurable here"
+    rises = [c for c in rows if "rises with T" in c.claim and c.device == gpu][0]
+    assert rises.verdict == "holds"
+    falls = [c for c in rows if "falls with B" in c.claim and c.device == gpu][0]
+    assert falls.verdict == "holds"
+    cpu_rise = [c for c in rows if "rises with T" in c.claim and c.device == "cpu"][0]
+    assert "1 noisy point(s) left out" in cpu_rise.reason
+    text = claims.render(rows)
+    assert text.startswith("# The paper's claims, checked") and "| claim | paper value |" in text
+    assert all(c.verdict in claims.VERDICTS for c in rows)
+
+
+def test_register_adds_rows_and_bad_verdicts_are_rejected(tmp_path):
+    extra = claims.Claim("CPU backward speedup", "—", "—", "9× [8, 10]", "cpu", "holds", "measured")
+    claims.register(lambda results: [extra])
+    try:
+        assert extra in claims.collect(tmp_path)
+    finally:
+        claims.SOURCES.pop()
+    with pytest.raises(ValueError, match="verdict 'maybe'"):
+        claims.Claim("x", "1", "d", "1", "cpu", "maybe", "r")
+
+
+def test_the_headline_maximum_ignores_noisy_points_when_others_exist(tmp_path):
+    gpu = "nvidia-h100"
+    _write(tmp_path, gpu, "rnn", _speedups(gpu, "rnn", {(10, 16): 2.0, (100, 16): 500.0, (1000, 16): 30.0},
+                                           noisy={(100, 16)}))
+    best = [c for c in claims.collect(tmp_path) if c.claim == "max backward speedup (RNN)"][0]
+    assert best.measured.startswith("30×") and "flagged noisy" not in best.reason
