@@ -1,4 +1,4 @@
-"""The RNN part of the DAG end to end on a tiny configuration: data -> verify -> bench -> figures."""
+"""The RNN part of the DAG end to end on the `.test` configuration: data -> verify -> bench -> figures."""
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_rnn_workflow_end_to_end(tmp_path):
-    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
-    cfg.update(profile="tiny", bench={"warmup": 1, "iters": 2}, bitstream={"samples": 48, "seed": 0})
-    cfg["rnn"].update(seq_lens=[5, 9], batch_at_seq_len=4, batches=[2, 4], seq_len_at_batch=9,
-                      curves={"seq_len": 9, "batch": 4, "epochs": 2}, speed={"seq_len": 9, "batches": [2]})
-    conf = tmp_path / "tiny.yaml"
-    conf.write_text(yaml.safe_dump(cfg))
+    conf = ROOT / ".test" / "config" / "config.yaml"
+    cfg = yaml.safe_load(conf.read_text())
+    assert cfg["rnn"]["seq_lens"] == [5, 9] and cfg["rnn"]["batches"] == [2, 4]
     targets = ["results/fig_7.png"] + [f"results/fig_8_{p}.png" for p in "abcdef"]
     r = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", str(conf),
                         "--directory", str(tmp_path), *targets],
@@ -29,7 +26,7 @@ def test_rnn_workflow_end_to_end(tmp_path):
     rnn = tmp_path / "results" / "cpu" / "rnn"
     bench = pd.concat(pd.read_csv(p) for p in rnn.glob("bench_*.csv"))
     assert set(bench["seq_len"]) == {5, 9} and set(bench["batch"]) == {2, 4}
-    assert set(bench["profile"]) == {"tiny"}
+    assert set(bench["profile"]) == {"test"}
     # every BPPSA configuration that was timed was verified first, and the check passed
     for (T, B, layout), _ in bench[bench["method"] == "bppsa"].groupby(["seq_len", "batch", "layout"]):
         assert (rnn / f"verify_T{T}_B{B}_{layout}.json").exists()

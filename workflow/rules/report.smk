@@ -8,6 +8,8 @@ rule report:
         lambda wildcards: [t for t in TARGETS if t != REPORT],
     output:
         REPORT,
+    resources:
+        **job_resources("default"),
     log:
         "logs/report.log",
     shell:

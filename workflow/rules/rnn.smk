@@ -17,14 +17,19 @@ rule verify_rnn:
         T=r"\d+",
         B=r"\d+",
         layout="paper|fused",
+    threads: job_threads("verify")
+    resources:
+        **job_resources("verify"),
     params:
         args=runtime_args(),
         L_m=L_m_arg(RNN["L_m"]),
+        hidden=RNN["hidden"],
+        backend=config["backend"],
     log:
         "logs/verify_rnn/T{T}_B{B}_{layout}.log",
     shell:
-        "bppsa verify --model rnn --seq-len {wildcards.T} --batch {wildcards.B} --hidden {RNN[hidden]} "
-        "--layout {wildcards.layout} --backend {config[backend]} --L-m {params.L_m} {params.args} "
+        "bppsa verify --model rnn --seq-len {wildcards.T} --batch {wildcards.B} --hidden {params.hidden} "
+        "--layout {wildcards.layout} --backend {params.backend} --L-m {params.L_m} {params.args} "
         "--out {output} > {log} 2>&1"
 
 
@@ -38,10 +43,13 @@ rule bench_rnn:
         T=r"\d+",
         B=r"\d+",
         variant="baseline|bppsa-paper|bppsa-fused",
-    threads: workflow.cores  # timings never share the machine with another job
+    threads: job_threads("timing")
+    resources:
+        **job_resources("timing"),
     params:
         args=runtime_args(),
         variant=lambda wc: variant_args(wc.variant, RNN["L_m"]),
+        settings=[RNN["hidden"], RNN["lr"], config["bench"]],  # read by the shell: a change reruns the job
     log:
         "logs/bench_rnn/T{T}_B{B}_{variant}.log",
     shell:
@@ -57,27 +65,37 @@ rule train_rnn:
         RNN_DIR + "/curve_{variant}.csv",
     wildcard_constraints:
         variant="baseline|bppsa-paper|bppsa-fused",
-    threads: workflow.cores
+    threads: job_threads("timing")
+    resources:
+        **job_resources("timing"),
     params:
         args=runtime_args(),
         method=lambda wc: wc.variant.split("-")[0],
         layout=lambda wc: wc.variant.split("-", 1)[1] if "-" in wc.variant else "fused",
         L_m=L_m_arg(RNN["L_m"]),
+        backend=config["backend"],
+        batch=RNN["curves"]["batch"],
+        hidden=RNN["hidden"],
+        epochs=RNN["curves"]["epochs"],
+        lr=RNN["lr"],
     log:
         "logs/train_rnn/{variant}.log",
     shell:
         "bppsa train --model rnn --data {input.data} --method {params.method} --layout {params.layout} "
-        "--backend {config[backend]} --L-m {params.L_m} --batch {RNN[curves][batch]} --hidden {RNN[hidden]} "
-        "--epochs {RNN[curves][epochs]} --lr {RNN[lr]} --threads {threads} {params.args} --out {output} 2> {log}"
+        "--backend {params.backend} --L-m {params.L_m} --batch {params.batch} --hidden {params.hidden} "
+        "--epochs {params.epochs} --lr {params.lr} --threads {threads} {params.args} --out {output} 2> {log}"
 
 
 rule speed_rnn:
     output:
         RNN_DIR + "/speed.csv",
-    threads: workflow.cores
+    threads: job_threads("cpu_timing")
+    resources:
+        **job_resources("cpu_timing"),
     params:
         args=runtime_args(),
         L_m=L_m_arg(RNN["L_m"]),
+        settings=[RNN["hidden"], RNN["layouts"], RNN["speed"], config["bench"]],  # read by the shell
     log:
         "logs/speed_rnn.log",
     shell:
