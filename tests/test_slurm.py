@@ -31,6 +31,7 @@ def test_test_config_through_slurm(tmp_path):
            "--configfile", ".test/config/config.yaml", "--directory", str(tmp_path),
            # site settings of this one-node cluster: no accounting database, so no account and squeue
            "--slurm-no-account", "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "5",
+           "--slurm-keep-successful-logs",
            "--config", f"device_slug={SLUG}", "--verbose"]
     t0 = time.time()
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000)
