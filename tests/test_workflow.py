@@ -1,5 +1,5 @@
-"""The RNN part of the DAG end to end on a tiny configuration: data -> verify -> bench -> speedups -> figures
--> report and claims."""
+"""The RNN part of the DAG end to end on the `.test` configuration: data -> verify -> bench -> speedups
+-> figures -> report and claims."""
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_rnn_workflow_end_to_end(tmp_path):
-    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
-    cfg.update(profile="tiny", bitstream={"samples": 48, "seed": 0})
-    cfg["bench"].update(warmup=1, min_iters=6, min_seconds=0.0, max_iters=8, max_seconds=2.0)
-    cfg["rnn"].update(seq_lens=[5, 9], batch_at_seq_len=4, batches=[2, 4], seq_len_at_batch=9,
-                      curves={"seq_len": 9, "batch": 4, "epochs": 2}, speed={"seq_len": 9, "batches": [2], "min_iters": 2, "max_seconds": 0.5},
-                      roofline={"seq_len": 9, "batches": [2], "min_iters": 2, "max_seconds": 0.5},
-                      scaling={"seq_lens": [9], "batches": [2], "min_iters": 2, "max_seconds": 0.5})
-    conf = tmp_path / "tiny.yaml"
-    conf.write_text(yaml.safe_dump(cfg))
+    conf = ROOT / ".test" / "config" / "config.yaml"
+    cfg = yaml.safe_load(conf.read_text())
+    assert cfg["rnn"]["seq_lens"] == [5, 9] and cfg["rnn"]["batches"] == [2, 4]
     targets = ["results/fig_7.png"] + [f"results/fig_8_{p}.png" for p in "abcdef"] + ["results/cpu/rnn/speedups.csv"]
     r = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", str(conf),
                         "--directory", str(tmp_path), *targets],
@@ -33,7 +27,7 @@ def test_rnn_workflow_end_to_end(tmp_path):
     rnn = tmp_path / "results" / "cpu" / "rnn"
     bench = pd.concat(pd.read_csv(p) for p in rnn.glob("bench_*.csv"))
     assert set(bench["seq_len"]) == {5, 9} and set(bench["batch"]) == {2, 4}
-    assert set(bench["profile"]) == {"tiny"}
+    assert set(bench["profile"]) == {"test"}
     assert set(bench["variant"]) == {"baseline", "bppsa-fused", "bppsa-paper"}
     # every variant of a configuration was timed in the same rounds
     rounds = bench.groupby(["seq_len", "batch", "variant", "mode"])["iter"].nunique().groupby(["seq_len", "batch"]).nunique()

@@ -1,10 +1,37 @@
 # Helpers shared by the rule files.
 
+RESOURCES = config.get("resources", {"default": {"threads": 1}})
+# Jobs whose measurements are timings take one unit of this global resource; the default profile
+# (profiles/default) provides one, so locally no two timings ever share the machine. On SLURM the
+# profile gives them exclusive nodes instead.
+TIMING_CLASSES = ("timing", "cpu_timing")
+
+
+def _job(kind):
+    return {**RESOURCES["default"], **RESOURCES.get(kind, {})}
+
+
+def job_threads(kind):
+    return _job(kind).get("threads", 1)
+
+
+def job_resources(kind):
+    """Snakemake resources of a class of job (config `resources`): mem_mb, runtime, gpu, timing."""
+    res = {k: v for k, v in _job(kind).items() if k != "threads"}
+    if config["device"] == "cpu" or not res.get("gpu"):
+        res.pop("gpu", None)  # a CPU run asks the cluster for no GPU
+    if kind in TIMING_CLASSES:
+        res["timing"] = 1
+    return res
+
 
 def runtime_args():
-    """The CLI flags every measuring command gets: device, dtype, profile and seed."""
-    slug = f" --device-slug {config['device_slug']}" if config.get("device_slug") else ""
-    return f"--device {config['device']} --dtype {config['dtype']} --profile {PROFILE} --seed {config['seed']}{slug}"
+    """The CLI flags every measuring command gets: device, folder, dtype, profile and seed.
+
+    --results-dir makes the job check that it sees the hardware the folder was claimed for.
+    """
+    return (f"--device {config['device']} --device-slug {DEVICE} --results-dir results/{DEVICE} "
+            f"--dtype {config['dtype']} --profile {PROFILE} --seed {config['seed']}")
 
 
 def L_m_arg(value):
@@ -27,8 +54,14 @@ def bench_args():
 rule environment:
     output:
         f"results/{DEVICE}/environment.json",
+    threads: job_threads("verify")
+    resources:
+        **job_resources("verify"),
+    params:
+        device=config["device"],
     shell:
-        "bppsa device --device {config[device]} --json > {output}.tmp && mv {output}.tmp {output}"
+        "bppsa device --device {params.device} --device-slug {DEVICE} --results-dir results/{DEVICE} --json "
+        "> {output}.tmp && mv {output}.tmp {output}"
 
 
 TARGETS.append(f"results/{DEVICE}/environment.json")

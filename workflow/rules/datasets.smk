@@ -6,6 +6,9 @@ rule make_bitstream:
         "data/bitstream/T{T}.npz",
     wildcard_constraints:
         T=r"\d+",
+    threads: 1
+    resources:
+        **job_resources("data"),
     params:
         samples=config["bitstream"]["samples"],
         seed=config["bitstream"]["seed"],
@@ -20,7 +23,9 @@ rule bench_bitstream:
     """Budget of the paper's largest set (T = 30,000, 32,000 samples): time, peak memory, size."""
     output:
         f"results/{DEVICE}/datasets/bitstream_T30000.csv",
-    threads: workflow.cores
+    threads: job_threads("cpu_timing")
+    resources:
+        **job_resources("cpu_timing"),
     log:
         "logs/bench_bitstream.log",
     shell:

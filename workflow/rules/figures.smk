@@ -9,6 +9,8 @@ rule figures_rnn:
         RNN_SUMMARY + RNN_CURVES,
     output:
         RNN_FIGURES,
+    resources:
+        **job_resources("default"),
     log:
         "logs/figures_rnn.log",
     shell:

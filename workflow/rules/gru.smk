@@ -9,10 +9,16 @@ GRU_SHAPE = {"s": (259, 38), "m": (517, 24), "l": (1034, 12)}  # Table 3: frames
 GRU_VARIANTS = ["baseline", "bppsa-fused"]  # the GRU has one Jacobian layout
 
 
+localrules:
+    make_irmas,  # it downloads (irmas.source: download); compute nodes are often offline
+
+
 rule make_irmas:
     output:
         "data/irmas/corpus.json",
-    threads: workflow.cores
+    threads: job_threads("data")
+    resources:
+        **job_resources("data"),
     params:
         # in params so that changing the source or the stand-in's size reruns the chain
         source=IRMAS["source"],
@@ -33,7 +39,9 @@ rule mfcc:
         skipped="data/irmas/mfcc_{set}.skipped.txt",
     wildcard_constraints:
         set="s|m|l",
-    threads: workflow.cores
+    threads: job_threads("data")
+    resources:
+        **job_resources("data"),
     params:
         on_bad_file=IRMAS["on_bad_file"],
     log:
@@ -49,15 +57,20 @@ rule verify_gru:
     wildcard_constraints:
         set="s|m|l",
         B=r"\d+",
+    threads: job_threads("verify")
+    resources:
+        **job_resources("verify"),
     params:
         args=runtime_args(),
         T=lambda wc: GRU_SHAPE[wc.set][0],
         F=lambda wc: GRU_SHAPE[wc.set][1],
+        hidden=GRU["hidden"],
+        backend=config["backend"],
     log:
         "logs/verify_gru/{set}_B{B}.log",
     shell:
         "bppsa verify --model gru --seq-len {params.T} --input-size {params.F} --batch {wildcards.B} "
-        "--hidden {GRU[hidden]} --layout fused --backend {config[backend]} {params.args} --out {output} > {log} 2>&1"
+        "--hidden {params.hidden} --layout fused --backend {params.backend} {params.args} --out {output} > {log} 2>&1"
 
 
 rule bench_gru:
@@ -70,11 +83,14 @@ rule bench_gru:
     wildcard_constraints:
         set="s|m|l",
         B=r"\d+",
-    threads: workflow.cores  # timings never share the machine with another job
+    threads: job_threads("timing")
+    resources:
+        **job_resources("timing"),
     params:
         args=runtime_args(),
         protocol=bench_args(),
         variants=" ".join(GRU_VARIANTS),
+        settings=[GRU["hidden"], GRU["lr"]],  # read by the shell: a change reruns the job
     log:
         "logs/bench_gru/{set}_B{B}.log",
     shell:
@@ -89,6 +105,8 @@ rule speedups_gru:
     output:
         speedups=GRU_DIR + "/speedups.csv",
         latency=GRU_DIR + "/latency.csv",
+    resources:
+        **job_resources("default"),
     log:
         "logs/speedups_gru.log",
     shell:
@@ -103,16 +121,23 @@ rule train_gru:
     wildcard_constraints:
         set="s|m|l",
         variant="baseline|bppsa-fused",
-    threads: workflow.cores
+    threads: job_threads("timing")
+    resources:
+        **job_resources("timing"),
     params:
         args=runtime_args(),
         method=lambda wc: wc.variant.split("-")[0],
+        backend=config["backend"],
+        batch=GRU["curves"]["batch"],
+        hidden=GRU["hidden"],
+        epochs=GRU["curves"]["epochs"],
+        lr=GRU["lr"],
     log:
         "logs/train_gru/{set}_{variant}.log",
     shell:
         "bppsa train --model gru --data {input.data} --method {params.method} --layout fused "
-        "--backend {config[backend]} --batch {GRU[curves][batch]} --hidden {GRU[hidden]} "
-        "--epochs {GRU[curves][epochs]} --lr {GRU[lr]} --threads {threads} {params.args} --out {output} 2> {log}"
+        "--backend {params.backend} --batch {params.batch} --hidden {params.hidden} "
+        "--epochs {params.epochs} --lr {params.lr} --threads {threads} {params.args} --out {output} 2> {log}"
 
 
 GRU_BENCH = [GRU_DIR + f"/bench_{s}_B{B}.csv" for s in GRU["sets"] for B in GRU["batches"]]
@@ -126,6 +151,8 @@ rule figures_gru:
         GRU_SUMMARY + GRU_CURVES,
     output:
         GRU_FIGURES + ["results/fig_9_data.csv"],
+    resources:
+        **job_resources("default"),
     log:
         "logs/figures_gru.log",
     shell:

@@ -7,14 +7,20 @@ JAC_DIR = f"results/{DEVICE}/jacobians"
 rule table1_timings:
     output:
         JAC_DIR + "/table1_timings.csv",
-    threads: workflow.cores  # timings never share the machine with another job
+    threads: job_threads("cpu_timing")
+    resources:
+        **job_resources("cpu_timing"),
     params:
         mkldnn="--mkldnn" if JAC["mkldnn"] else "",
+        device=JAC["device"],
+        repeats_analytic=JAC["repeats_analytic"],
+        repeats_autograd=JAC["repeats_autograd"],
+        seed=config["seed"],
     log:
         "logs/jacobians/table1_timings.log",
     shell:
-        "bppsa jacobians-table1 --repeats-analytic {JAC[repeats_analytic]} --repeats-autograd {JAC[repeats_autograd]} "
-        "{params.mkldnn} --device {JAC[device]} --threads {threads} --profile {PROFILE} --seed {config[seed]} "
+        "bppsa jacobians-table1 --repeats-analytic {params.repeats_analytic} --repeats-autograd {params.repeats_autograd} "
+        "{params.mkldnn} --device {params.device} --threads {threads} --profile {PROFILE} --seed {params.seed} "
         "--device-slug {DEVICE} --out {output} > {log} 2>&1"
 
 
@@ -23,6 +29,8 @@ rule table1_text:
         JAC_DIR + "/table1_timings.csv",
     output:
         "results/table_1_last_column.txt",
+    resources:
+        **job_resources("default"),
     log:
         "logs/jacobians/table1_text.log",
     shell:

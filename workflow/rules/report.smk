@@ -10,6 +10,8 @@ rule report:
     output:
         report=REPORT,
         claims=CLAIMS,
+    resources:
+        **job_resources("default"),
     log:
         "logs/report.log",
     shell:

@@ -17,14 +17,19 @@ rule verify_rnn:
         T=r"\d+",
         B=r"\d+",
         layout="paper|fused",
+    threads: job_threads("verify")
+    resources:
+        **job_resources("verify"),
     params:
         args=runtime_args(),
         L_m=L_m_arg(RNN["L_m"]),
+        hidden=RNN["hidden"],
+        backend=config["backend"],
     log:
         "logs/verify_rnn/T{T}_B{B}_{layout}.log",
     shell:
-        "bppsa verify --model rnn --seq-len {wildcards.T} --batch {wildcards.B} --hidden {RNN[hidden]} "
-        "--layout {wildcards.layout} --backend {config[backend]} --L-m {params.L_m} {params.args} "
+        "bppsa verify --model rnn --seq-len {wildcards.T} --batch {wildcards.B} --hidden {params.hidden} "
+        "--layout {wildcards.layout} --backend {params.backend} --L-m {params.L_m} {params.args} "
         "--out {output} > {log} 2>&1"
 
 
@@ -38,12 +43,15 @@ rule bench_rnn:
     wildcard_constraints:
         T=r"\d+",
         B=r"\d+",
-    threads: workflow.cores  # timings never share the machine with another job
+    threads: job_threads("timing")
+    resources:
+        **job_resources("timing"),
     params:
         args=runtime_args(),
         protocol=bench_args(),
         variants=" ".join(RNN_VARIANTS),
         L_m=L_m_arg(RNN["L_m"]),
+        settings=[RNN["hidden"], RNN["lr"]],  # read by the shell: a change reruns the job
     log:
         "logs/bench_rnn/T{T}_B{B}.log",
     shell:
@@ -58,6 +66,8 @@ rule speedups_rnn:
     output:
         speedups=RNN_DIR + "/speedups.csv",
         latency=RNN_DIR + "/latency.csv",
+    resources:
+        **job_resources("default"),
     log:
         "logs/speedups_rnn.log",
     shell:
@@ -71,28 +81,38 @@ rule train_rnn:
         RNN_DIR + "/curve_{variant}.csv",
     wildcard_constraints:
         variant="baseline|bppsa-paper|bppsa-fused",
-    threads: workflow.cores
+    threads: job_threads("timing")
+    resources:
+        **job_resources("timing"),
     params:
         args=runtime_args(),
         method=lambda wc: wc.variant.split("-")[0],
         layout=lambda wc: wc.variant.split("-", 1)[1] if "-" in wc.variant else "fused",
         L_m=L_m_arg(RNN["L_m"]),
+        backend=config["backend"],
+        batch=RNN["curves"]["batch"],
+        hidden=RNN["hidden"],
+        epochs=RNN["curves"]["epochs"],
+        lr=RNN["lr"],
     log:
         "logs/train_rnn/{variant}.log",
     shell:
         "bppsa train --model rnn --data {input.data} --method {params.method} --layout {params.layout} "
-        "--backend {config[backend]} --L-m {params.L_m} --batch {RNN[curves][batch]} --hidden {RNN[hidden]} "
-        "--epochs {RNN[curves][epochs]} --lr {RNN[lr]} --threads {threads} {params.args} --out {output} 2> {log}"
+        "--backend {params.backend} --L-m {params.L_m} --batch {params.batch} --hidden {params.hidden} "
+        "--epochs {params.epochs} --lr {params.lr} --threads {threads} {params.args} --out {output} 2> {log}"
 
 
 rule speed_rnn:
     output:
         RNN_DIR + "/speed.csv",
-    threads: workflow.cores
+    threads: job_threads("cpu_timing")
+    resources:
+        **job_resources("cpu_timing"),
     params:
         args=runtime_args(),
         rule=lambda wc: protocol_args(RNN["speed"]),
         L_m=L_m_arg(RNN["L_m"]),
+        settings=[RNN["hidden"], RNN["layouts"], RNN["speed"], config["bench"]],  # read by the shell
     log:
         "logs/speed_rnn.log",
     shell:
@@ -121,10 +141,13 @@ def protocol_args(section):
 rule roofline_rnn:
     output:
         RNN_DIR + "/roofline.csv",
-    threads: workflow.cores
+    threads: job_threads("cpu_timing")
+    resources:
+        **job_resources("cpu_timing"),
     params:
         rule=lambda wc: protocol_args(RNN["roofline"]),
         L_m=L_m_arg(RNN["L_m"]),
+        settings=[RNN["hidden"], RNN["roofline"], config["dtype"]],  # read by the shell: a change reruns the job
     log:
         "logs/roofline_rnn.log",
     shell:
@@ -136,9 +159,12 @@ rule roofline_rnn:
 rule scaling_rnn:
     output:
         RNN_DIR + "/scaling.csv",
-    threads: workflow.cores
+    threads: job_threads("cpu_timing")
+    resources:
+        **job_resources("cpu_timing"),
     params:
         rule=lambda wc: protocol_args(RNN["scaling"]),
+        settings=[RNN["hidden"], RNN["scaling"], config["dtype"]],  # read by the shell: a change reruns the job
     log:
         "logs/scaling_rnn.log",
     shell:
@@ -153,6 +179,8 @@ rule figure_scaling:
     output:
         fig=f"results/{DEVICE}/fig_scaling.png",
         crossover=RNN_DIR + "/scaling_crossover.csv",
+    resources:
+        **job_resources("default"),
     log:
         "logs/figure_scaling.log",
     shell:

@@ -9,10 +9,13 @@ rule vgg11_train:
     output:
         models=VGG_DIR + "/models.pt",
         acc=VGG_DIR + "/accuracy.csv",
-    threads: workflow.cores
+    threads: job_threads("train")
+    resources:
+        **job_resources("train"),
     params:
         args=runtime_args(),
         augment="" if VGG["augment"] else "--no-augment",
+        settings=[VGG, CIFAR],  # read by the shell: a change reruns the job
     log:
         "logs/vgg11/train.log",
     shell:
@@ -29,12 +32,15 @@ rule vgg11_flops:
     output:
         flops=VGG_DIR + "/flops.csv",
         summary=VGG_DIR + "/flops_summary.csv",
-    threads: workflow.cores
+    threads: job_threads("analysis")
+    resources:
+        **job_resources("analysis"),
     params:
         L_m=L_m_arg(VGG["flops"]["L_m"]),
         zeros="" if VGG["flops"]["drop_zeros"] else "--keep-zeros",
         networks=" ".join(VGG["flops"]["networks"]),
         slug=f"--device-slug {DEVICE}",
+        settings=[VGG["flops"], CIFAR, config["seed"]],  # read by the shell: a change reruns the job
     log:
         "logs/vgg11/flops.log",
     shell:
@@ -49,6 +55,8 @@ rule fig10:
         VGG_DIR + "/flops.csv",
     output:
         "results/fig_10.png",
+    resources:
+        **job_resources("default"),
     log:
         "logs/vgg11/fig10.log",
     shell:

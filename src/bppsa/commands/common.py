@@ -13,6 +13,9 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
     p.add_argument("--device-slug", default=None, help="device label recorded in the CSV (default: detected)")
+    p.add_argument("--results-dir", default=None,
+                   help="the device's results folder (results/<device>): the hardware this job sees must match the "
+                        "hardware recorded there by the first job (hardware.json); the workflow always passes it")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
     p.add_argument("--seed", type=int, default=0)
@@ -28,6 +31,8 @@ def setup(args) -> torch.device:
     if getattr(args, "flush_denormal", False):
         torch.set_flush_denormal(True)
     dev = _device.resolve(args.device)
+    if getattr(args, "results_dir", None):
+        _device.check_claim(args.results_dir, dev)
     if getattr(args, "device_slug", None) is None:
         args.device_slug = _device.slug(dev)
     return dev
