@@ -83,3 +83,28 @@ def test_the_headline_maximum_ignores_noisy_points_when_others_exist(tmp_path):
                                            noisy={(100, 16)}))
     best = [c for c in claims.collect(tmp_path) if c.claim == "max backward speedup (RNN)"][0]
     assert best.measured.startswith("30×") and "flagged noisy" not in best.reason
+
+
+def test_cpu_speed_claims_judge_paired_ratios_against_both_rivals(tmp_path):
+    """BPPSA 3x faster than eager autograd, 2x slower than the compiled sequential backward, measured on
+    two threads: one 'holds', one 'not reproduced'; an extrapolated crossover is never judged."""
+    n = 12
+    rows = []
+    for method, secs in (("autograd", 3.0), ("sequential", 0.5), ("bppsa-cpu-fused", 1.0)):
+        rows += [{"batch": 16, "group": "backward", "method": method, "iter": i, "phase": "backward",
+                  "seconds": secs * (1 + 0.001 * i), "noisy": False, "seq_len": 1000, "threads": 2} for i in range(n)]
+    folder = tmp_path / "cpu" / "rnn"
+    folder.mkdir(parents=True)
+    pd.DataFrame(rows).to_csv(folder / "speed.csv", index=False)
+    pd.DataFrame([{"seq_len": 1000, "batch": 16, "rival": "sequential", "rival_best_s": 0.5, "fit_a_s": 2.0,
+                   "fit_b_s": 0.0, "crossover_workers": 4.0, "max_measured_workers": 2,
+                   "extrapolated": True}]).to_csv(folder / "scaling_crossover.csv", index=False)
+    from bppsa.claims import cpu_speed_claims
+
+    got = {c.claim: c for c in cpu_speed_claims(tmp_path)}
+    auto = got["BPPSA backward faster than eager autograd (CPU, T=1000, B=16)"]
+    seq = got["BPPSA backward faster than the compiled sequential backward (CPU, T=1000, B=16)"]
+    assert auto.verdict == "holds" and auto.measured.startswith("3×")
+    assert seq.verdict == "not reproduced" and seq.measured.startswith("0.5×")
+    cross = got["workers at which BPPSA's backward overtakes the compiled sequential one (T=1000, B=16)"]
+    assert cross.verdict == "not measurable here" and "extrapolated" in cross.measured
