@@ -41,7 +41,7 @@ def table1_text(df) -> str:
             lines.append(
                 f"{op:<12} {EXPRESSION[op]:<22} {r['sparsity_expression'].iloc[0]:>11.5f} {r['sparsity'].iloc[0]:>9.5f} "
                 f"{PAPER_SPARSITY[op]:>8.5f}   {1e3 * np.median(an):>8.3f}±{1e3 * _iqr(an) / 2:<5.3f} "
-                f"{np.median(ag):>7.2f}±{_iqr(ag) / 2:<5.2f} {speed:>8.3g}x {PAPER_SPEEDUP[op]:>7.2g}x  {len(an)}/{len(ag)}"
+                f"{np.median(ag) if len(ag) else float('nan'):>7.2f}±{_iqr(ag) / 2:<5.2f} {speed:>8.3g}x {PAPER_SPEEDUP[op]:>7.2g}x  {len(an)}/{len(ag)}"
             )
     return "\n".join(lines) + "\n"
 
