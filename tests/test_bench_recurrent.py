@@ -153,6 +153,8 @@ def test_isolated_points_along_a_sweep():
     iso = speedups.isolated_points(sp)
     assert list(iso["seq_len"]) == [30]
     assert speedups.isolated_points(_sp({(10, 16): 1.0, (30, 16): 0.1, (100, 16): 1.2}, noisy={(30, 16)})).empty
+    # a steep monotone trend (2.1x and 2.4x steps, as Fig 8e's B sweep on a CPU) is not a spike
+    assert speedups.isolated_points(_sp({(10, 16): 1.36, (30, 16): 0.649, (100, 16): 0.27})).empty
 
 
 def test_an_interval_missing_for_lack_of_samples_counts_as_noisy():

@@ -164,7 +164,9 @@ def compare_runs(quiet: pd.DataFrame, loaded: pd.DataFrame, tolerance: float = 0
 
 
 def isolated_points(sp: pd.DataFrame, factor: float = 2.0) -> pd.DataFrame:
-    """Points of a sweep more than ``factor`` x away from both neighbours and not flagged noisy.
+    """Spikes of a sweep: points more than ``factor`` x above both neighbours, or below both, and not
+    flagged noisy.  A point between its neighbours belongs to the trend, however steep (a speedup that
+    halves with every doubling of B is 2x from both neighbours and no outlier).
 
     Sweeps: T at each fixed B and B at each fixed T, per (model, variant, reference, phase).
     """
@@ -177,7 +179,8 @@ def isolated_points(sp: pd.DataFrame, factor: float = 2.0) -> pd.DataFrame:
                 continue
             s = g["speedup"].to_numpy()
             for i in range(1, len(g) - 1):
-                far = all(max(s[i] / s[j], s[j] / s[i]) > factor for j in (i - 1, i + 1))
+                far = (all(s[i] > factor * s[j] for j in (i - 1, i + 1))
+                       or all(s[j] > factor * s[i] for j in (i - 1, i + 1)))
                 if far and not bool(g["noisy"].iloc[i]):
                     out.append(g.iloc[i])
     return pd.DataFrame(out)
