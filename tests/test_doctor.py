@@ -22,7 +22,8 @@ def test_json_on_a_cpu_machine():
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep["device"] == "cpu" and rep["torch"] == torch.__version__ and rep["cuda_available"] is False
-    assert set(rep["backends"]) == {"torch", "cupy"}
+    assert set(rep["backends"]) == {"torch", "cupy", "cpu"}
+    assert rep["backends"]["cpu"]["ok"] is True  # the CPU fast path, checked like the others
     assert rep["backends"]["torch"]["ok"] is True and "verify rnn float64" in rep["backends"]["torch"]["reason"]
     cupy = rep["backends"]["cupy"]
     assert cupy["ok"] is False and "torch sees no CUDA GPU" in cupy["reason"] and "CuPy" in cupy["reason"]
@@ -50,6 +51,12 @@ def test_a_wrong_scan_fails_the_backend(monkeypatch):
     monkeypatch.setattr(doctor._backends, "get_backend", lambda name, dev: Broken())
     res = doctor.check_backend("torch", torch.device("cpu"))
     assert res["ok"] is False and "differs from the sequential scan" in res["reason"]
+
+
+def test_a_backend_that_falls_back_is_not_reported_as_passing(monkeypatch):
+    monkeypatch.setattr(doctor._backends, "get_backend", lambda name, dev: TorchBackend())
+    res = doctor.check_backend("cpu", torch.device("cpu"))
+    assert res["ok"] is False and "'torch' would run instead" in res["reason"]
 
 
 def _report(**kw):

@@ -117,6 +117,9 @@ def _scan_check(be, dev: torch.device) -> str:
     return "scan vs sequential " + ", ".join(msgs)
 
 
+CHECKED = ("torch", "cupy", "cpu")  # every backend but 'auto'; 'cpu' is the CPU fast path (bppsa.kernels.cpu)
+
+
 def check_backend(name: str, dev: torch.device) -> dict:
     from .verify import verify
 
@@ -130,6 +133,8 @@ def check_backend(name: str, dev: torch.device) -> dict:
             c = cupy_info()
             why += f"; CuPy {c['version']} is installed" if c["installed"] else f"; CuPy is not installed ({c['reason']})"
         return {"ok": False, "reason": why}
+    if be.name != name:  # e.g. the CPU fast path falling back to the torch backend
+        return {"ok": False, "reason": f"backend '{name}' is unavailable here; '{be.name}' would run instead"}
     try:
         parts = [_scan_check(be, dev)]
         for case in VERIFY:
@@ -169,9 +174,9 @@ def diagnose(device: str = "auto") -> dict:
         archs = (cc,)
     rep["nvrtc"] = nvrtc_compile(archs)
     if dev is None:
-        rep["backends"] = {name: {"ok": False, "reason": unusable} for name in ("torch", "cupy")}
+        rep["backends"] = {name: {"ok": False, "reason": unusable} for name in CHECKED}
     else:
-        rep["backends"] = {name: check_backend(name, dev) for name in ("torch", "cupy")}
+        rep["backends"] = {name: check_backend(name, dev) for name in CHECKED}
     rep["fixes"] = fixes(rep)
     rep["ok"] = any(b["ok"] for b in rep["backends"].values())
     return rep
