@@ -5,7 +5,8 @@
 # For tests/test_container.py; needs root (apt-get, podman). Usage:
 #   bash scripts/container-test.sh WORKDIR      # results under WORKDIR; timings in WORKDIR/timings.txt
 # Environment: BASE (default localhost/debian-py:bookworm, made here with mmdebstrap when missing),
-# BPPSA_TORCH_CUDA (default cpu), IMAGE (default localhost/bppsa:test), REBUILD=1 to rebuild.
+# BPPSA_TORCH_CUDA (default cpu), IMAGE (default localhost/bppsa:test), REBUILD=1 to rebuild (an image
+# built from other sources is rebuilt anyway).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -46,9 +47,14 @@ envs=()
 for v in PIP_CERT PIP_FIND_LINKS PIP_DEFAULT_TIMEOUT PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_CONSTRAINT; do
   [[ -n "${!v:-}" ]] && envs+=(--env "$v=${!v}")
 done
-if [[ "${REBUILD:-0}" == 1 ]] || ! podman image exists "$IMAGE"; then
+# The image is reused only if it was built from exactly these sources (a label records their hash):
+# an image of older code would run jobs whose command line no longer matches the rules.
+SOURCE=$(find pyproject.toml README.md scripts src docker -type f -not -path '*/__pycache__/*' -print0 \
+         | sort -z | xargs -0 sha1sum | sha1sum | cut -d' ' -f1)
+built_from=$(podman image inspect --format '{{ index .Labels "bppsa.source" }}' "$IMAGE" 2>/dev/null || true)
+if [[ "${REBUILD:-0}" == 1 || "$built_from" != "$SOURCE-$TORCH_CUDA" ]]; then
   t0=$(date +%s)
-  podman build --runtime runc --network host "${mounts[@]}" "${envs[@]}" \
+  podman build --runtime runc --network host "${mounts[@]}" "${envs[@]}" --label "bppsa.source=$SOURCE-$TORCH_CUDA" \
     --build-arg BASE="$BASE" --build-arg BPPSA_TORCH_CUDA="$TORCH_CUDA" -f docker/Dockerfile -t "$IMAGE" .
   echo "build_s=$(( $(date +%s) - t0 ))" > "$WORK/timings.txt"
 else
