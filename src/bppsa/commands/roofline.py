@@ -8,10 +8,10 @@ import torch
 
 from .. import io
 from ..bench import roofline, speed
-from ..bench.protocol import interleave
+from ..bench.protocol import StopRule, interleave
 from ..models.rnn import RNNClassifier
 from .common import DTYPES, optional_int
-from .speed import add_timing_args, cpu_setup, labelled, rule_from_args
+from .speed import add_timing_args, cpu_setup, labelled
 
 
 def register(sub) -> None:
@@ -38,7 +38,7 @@ def _roofline(args) -> int:
         x, y = speed.bitstream_batch(args.seq_len, B, args.seed, dtype)
         methods = {k: fn for k, (fn, _) in speed.scan_methods(model, x, y, args.backends, args.L_m).items()
                    if not k.startswith("scan-linear-torch")}
-        m = interleave(methods, rule_from_args(args), metric="total")
+        m = interleave(methods, StopRule.from_args(args), metric="total")
         secs = {k: list(m.series(k)) for k in methods}
         for r in roofline.roofline_rows(secs, args.seq_len, B, args.hidden, args.L_m, dtype, peak, bw):
             r["noisy"] = m.noisy[r["method"]]

@@ -7,9 +7,10 @@ import pandas as pd
 
 from .. import io
 from ..bench import scaling
+from ..bench.protocol import StopRule
 from ..kernels.cpu import default_threads
 from .common import DTYPES
-from .speed import add_timing_args, cpu_setup, labelled, rule_from_args
+from .speed import add_timing_args, cpu_setup, labelled
 
 
 def register(sub) -> None:
@@ -32,7 +33,7 @@ def _scaling(args) -> int:
     top = args.max_threads or default_threads()
     if top < 1:
         raise ValueError(f"--max-threads must be >= 1 (got {top})")
-    rows = scaling.run(args.seq_lens, args.batches, list(range(1, top + 1)), args.hidden, rule_from_args(args),
+    rows = scaling.run(args.seq_lens, args.batches, list(range(1, top + 1)), args.hidden, StopRule.from_args(args),
                        args.seed, DTYPES[args.dtype])
     df = labelled(pd.DataFrame(rows), args)
     io.write_csv(args.out, df)

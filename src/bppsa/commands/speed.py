@@ -9,34 +9,17 @@ import torch
 from .. import io
 from ..backends import BACKENDS
 from ..bench import speed
-from ..bench.protocol import StopRule
+from ..bench.protocol import StopRule, add_stop_rule_args
 from .common import DTYPES, add_runtime_args, optional_int, setup
 
 
 
-def add_rule_args(p) -> None:
-    """The protocol's stop rule as flags (defaults: protocol.StopRule's)."""
-    d = StopRule()
-    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed rounds first")
-    p.add_argument("--min-iters", type=int, default=d.min_iters)
-    p.add_argument("--max-iters", type=int, default=d.max_iters, help="cap on timed rounds per configuration")
-    p.add_argument("--min-seconds", type=float, default=d.min_seconds)
-    p.add_argument("--max-seconds", type=float, default=d.max_seconds, help="cap on timed seconds per configuration")
-    p.add_argument("--rel-ci", type=float, default=d.rel_ci, help="stop once every median's CI is within +-this")
-
-
 def add_timing_args(p, func) -> None:
     """What every CPU timing command takes after its own flags: the stop rule, --out, the runtime flags."""
-    add_rule_args(p)
+    add_stop_rule_args(p)
     p.add_argument("--out", required=True)
     add_runtime_args(p)
     p.set_defaults(func=func)
-
-
-def rule_from_args(args) -> StopRule:
-    return StopRule(warmup=args.warmup, min_iters=args.min_iters, max_iters=args.max_iters,
-                    min_seconds=args.min_seconds, max_seconds=max(args.max_seconds, args.min_seconds),
-                    rel_ci=args.rel_ci)
 
 
 def cpu_setup(args) -> None:
@@ -71,7 +54,7 @@ def register(sub) -> None:
 def _speed(args) -> int:
     cpu_setup(args)
     rows = speed.run(args.seq_len, args.batches, args.hidden, args.layouts, args.L_ms, args.backends,
-                     rule_from_args(args), args.seed, DTYPES[args.dtype])
+                     StopRule.from_args(args), args.seed, DTYPES[args.dtype])
     df = labelled(pd.DataFrame(rows), args)
     io.write_csv(args.out, df)
     print(speed.summary(df).to_string(index=False), file=sys.stderr)
