@@ -116,7 +116,8 @@ def plan(m: Machine, env: dict[str, str] | None = None) -> Plan:
                 raise PlanError(
                     f"the installed torch {m.torch} is a CUDA {m.torch_cuda} build, which needs an NVIDIA driver >= "
                     f"{_fmt(MIN_DRIVER[have])}, but this machine's driver is {m.driver.strip()}: upgrade the driver, "
-                    f"or replace torch with a CUDA 12 build (pip uninstall -y torch, then BPPSA_TORCH_CUDA=12 bash scripts/install.sh)")
+                    f"or replace torch with a CUDA 12 build "
+                    f"(pip uninstall -y torch, then BPPSA_TORCH_CUDA=12 bash scripts/install.sh)")
             cuda = have
             notes.append(f"keeping torch {m.torch} (CUDA {m.torch_cuda})")
         elif drv >= MIN_DRIVER[13]:
@@ -125,7 +126,8 @@ def plan(m: Machine, env: dict[str, str] | None = None) -> Plan:
             cuda = 12
             notes.append(f"driver {m.driver.strip()} < {_fmt(MIN_DRIVER[13])}: CUDA 12 build of torch")
         else:
-            raise PlanError(f"NVIDIA driver {m.driver.strip()} is too old for torch {TORCH_VERSION} (its CUDA 12 builds "
+            raise PlanError(f"NVIDIA driver {m.driver.strip()} is too old for torch {TORCH_VERSION} "
+                            f"(its CUDA 12 builds "
                             f"need >= {_fmt(MIN_DRIVER[12])}): upgrade the driver, or install without the GPU "
                             f"(BPPSA_TORCH_CUDA=cpu bash scripts/install.sh)")
     p = Plan(cuda=cuda, notes=notes, need_gpu=cuda is not None and m.forced is None)
@@ -196,7 +198,8 @@ def check(cuda: str, need_gpu: bool) -> str | None:
             why = "torch.cuda.is_available() is False"
         except Exception as exc:  # noqa: BLE001 - its message is the reason
             why = str(exc).strip().splitlines()[0]
-        return (f"nvidia-smi sees a GPU but torch {torch.__version__} (CUDA {torch.version.cuda}) cannot use it: {why}. "
+        return (f"nvidia-smi sees a GPU but torch {torch.__version__} (CUDA {torch.version.cuda}) "
+                f"cannot use it: {why}. "
                 f"Check the driver (nvidia-smi), CUDA_VISIBLE_DEVICES, and that no other torch shadows this one")
     return None
 

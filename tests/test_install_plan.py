@@ -29,7 +29,8 @@ def _plan(**kw):
 
 def test_no_gpu_keeps_todays_cpu_path():
     p = _plan(driver=None, torch=None)
-    assert (p.cuda, p.torch_args, p.gpu_args, p.need_gpu, p.torch_uninstall) == (None, ["torch==2.13.0"], [], False, False)
+    assert (p.cuda, p.torch_args, p.gpu_args, p.need_gpu, p.torch_uninstall) == (
+        None, ["torch==2.13.0"], [], False, False)
     # torch already there (any build): nothing to install, no CuPy
     p = _plan(driver=None, torch="2.13.0+cpu", torch_cuda=None, cupy=["cupy-cuda12x"])
     assert (p.torch_args, p.gpu_args, p.cupy_uninstall, p.torch_uninstall) == ([], [], [], False)

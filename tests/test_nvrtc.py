@@ -39,7 +39,7 @@ def nv():
         pytest.skip(f"NVRTC unavailable: {exc}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(source: str, arch: int):
     return nvrtc.compile_kernel(source, arch, "-Xptxas=-v")
 
@@ -65,7 +65,8 @@ def test_compiles_clean_with_cupys_options(nv, source, arch):
 def _entry_bodies(ptx: bytes) -> dict[str, str]:
     text = ptx.decode()
     starts = [(m.group(1), m.start()) for m in re.finditer(r"\.visible\s+\.entry\s+(\w+)", text)]
-    return {name: text[a: (starts[i + 1][1] if i + 1 < len(starts) else len(text))] for i, (name, a) in enumerate(starts)}
+    ends = [a for _, a in starts[1:]] + [len(text)]
+    return {name: text[a:end] for (name, a), end in zip(starts, ends)}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -74,7 +75,8 @@ def test_fp32_fill_keeps_subnormals_under_cupys_ftz(nv, arch):
     for name in ("bppsa_rnn_jacobians_paper_f32", "bppsa_rnn_jacobians_fused_f32"):
         body = bodies[name]
         assert re.search(r"\bmul\.rn\.f32", body) and re.search(r"\bsub\.rn\.f32", body), name
-        assert ".ftz" not in body, f"{name} flushes subnormals: {[l for l in body.splitlines() if '.ftz' in l]}"
+        flushing = [line for line in body.splitlines() if ".ftz" in line]
+        assert not flushing, f"{name} flushes subnormals: {flushing}"
 
 
 def test_cupys_ftz_does_flush_plain_fp32_arithmetic(nv):
@@ -150,7 +152,7 @@ def test_ptx_parameters_match_the_launchers(nv, arch, monkeypatch):
         entries.update(nvrtc.ptx_entries(_compiled(source, arch).ptx))
     calls = _recorded_launches(monkeypatch)
     assert {name for name, _, _ in calls} == set(entries), "every kernel launched, and only those"
-    for name, args, smem in calls:
+    for name, args, _smem in calls:
         params = entries[name]
         assert len(args) == len(params), (name, len(args), params)
         assert [_width(a) for a in args] == [int(p[1:]) // 8 for p in params], (name, params)

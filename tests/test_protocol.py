@@ -4,8 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from bppsa.bench.protocol import (StopRule, interleave, median_ci, min_n_for_ci, ratio_ci,
-                                  rel_halfwidth)
+from bppsa.bench.protocol import StopRule, interleave, median_ci, min_n_for_ci, ratio_ci, rel_halfwidth
 
 
 def test_median_ci_is_the_textbook_order_statistics():

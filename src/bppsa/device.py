@@ -192,7 +192,8 @@ def describe(device: str | torch.device = "auto") -> dict:
             cuda=torch.version.cuda,
             cudnn=torch.backends.cudnn.version(),
         )
-        info["driver"] = (_nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader") or "unknown").split("\n")[0].strip()
+        driver = _nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader") or "unknown"
+        info["driver"] = driver.split("\n")[0].strip()
         try:
             import cupy
 

@@ -112,7 +112,8 @@ def _scan_check(be, dev: torch.device) -> str:
         got = be.scan(g.to(dev, dtype), J.to(dev, dtype).contiguous()).double().cpu()
         err = float((got - ref).abs().max() / ref.abs().max())
         if not err <= tol:
-            raise AssertionError(f"{dtype} scan of n={n} differs from the sequential scan: rel. err {err:.2e} > {tol:g}")
+            raise AssertionError(f"{dtype} scan of n={n} differs from the sequential scan: "
+                                 f"rel. err {err:.2e} > {tol:g}")
         msgs.append(f"{str(dtype).split('.')[-1]} {err:.1e}")
     return "scan vs sequential " + ", ".join(msgs)
 
@@ -131,7 +132,8 @@ def check_backend(name: str, dev: torch.device) -> dict:
         why = str(exc)
         if name == "cupy":
             c = cupy_info()
-            why += f"; CuPy {c['version']} is installed" if c["installed"] else f"; CuPy is not installed ({c['reason']})"
+            why += (f"; CuPy {c['version']} is installed" if c["installed"]
+                    else f"; CuPy is not installed ({c['reason']})")
         return {"ok": False, "reason": why}
     if be.name != name:  # e.g. the CPU fast path falling back to the torch backend
         return {"ok": False, "reason": f"backend '{name}' is unavailable here; '{be.name}' would run instead"}
@@ -140,7 +142,8 @@ def check_backend(name: str, dev: torch.device) -> dict:
         for case in VERIFY:
             r = verify(backend=name, device=str(dev), **case)
             if not r["ok"]:
-                return {"ok": False, "reason": f"verify {case} failed: max_rel_err {r['max_rel_err']:.2e} > {r['tolerance']:g}"}
+                why = f"verify {case} failed: max_rel_err {r['max_rel_err']:.2e} > {r['tolerance']:g}"
+                return {"ok": False, "reason": why}
             parts.append(f"verify {case['model']} {case['dtype']} {r['max_rel_err']:.1e}")
     except Exception as exc:  # noqa: BLE001
         return {"ok": False, "reason": _first_line(exc)}
@@ -212,15 +215,19 @@ def render(rep: dict) -> str:
     lines = [
         f"device        {rep['device']} ({rep['device_slug'] or 'unusable'})",
         f"driver        {rep['driver'] or 'none (nvidia-smi absent or sees no GPU)'}",
-        f"torch         {rep['torch']}, CUDA build {rep['torch_cuda'] or 'none (CPU)'}, GPU usable: {rep['cuda_available']}",
+        f"torch         {rep['torch']}, CUDA build {rep['torch_cuda'] or 'none (CPU)'}, "
+        f"GPU usable: {rep['cuda_available']}",
         f"cuDNN         {rep['cudnn'] or 'none'}",
     ]
     if "gpu" in rep:
         g = rep["gpu"]
-        lines.append(f"GPU           {g['name']}, sm_{g['compute_capability'].replace('.', '')}, {g['memory_gib']} GiB, "
-                     f"shared memory per block {g['shared_memory_per_block']} B (opt-in {g['shared_memory_per_block_optin']} B)")
+        sm = g["compute_capability"].replace(".", "")
+        lines.append(f"GPU           {g['name']}, sm_{sm}, {g['memory_gib']} GiB, "
+                     f"shared memory per block {g['shared_memory_per_block']} B "
+                     f"(opt-in {g['shared_memory_per_block_optin']} B)")
     if c["installed"]:
-        nv = f"NVRTC {c['nvrtc']} {c.get('nvrtc_library') or ''}".rstrip() if c.get("nvrtc") else f"no NVRTC: {c.get('nvrtc_reason')}"
+        nv = (f"NVRTC {c['nvrtc']} {c.get('nvrtc_library') or ''}".rstrip() if c.get("nvrtc")
+              else f"no NVRTC: {c.get('nvrtc_reason')}")
         lines.append(f"CuPy          {c['version']} (CUDA runtime {c.get('cuda_runtime') or '?'}), {nv}")
     else:
         lines.append(f"CuPy          not installed ({c['reason']})")

@@ -5,8 +5,8 @@ import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 @contextlib.contextmanager
@@ -19,7 +19,8 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None) -> Iterator[
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + (suffix if suffix is not None else path.suffix), dir=path.parent)
+    tail = ".tmp" + (suffix if suffix is not None else path.suffix)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=tail, dir=path.parent)
     os.close(fd)
     umask = os.umask(0)
     os.umask(umask)

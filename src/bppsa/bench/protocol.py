@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 from scipy.stats import binom
@@ -57,14 +57,15 @@ class StopRule:
             if self.max_iters < self.min_iters:
                 problems.append(f"bench.max_iters ({self.max_iters}) is below bench.min_iters ({self.min_iters})")
             if self.max_seconds < self.min_seconds:
-                problems.append(f"bench.max_seconds ({self.max_seconds}) is below bench.min_seconds ({self.min_seconds})")
+                problems.append(f"bench.max_seconds ({self.max_seconds}) is below "
+                                f"bench.min_seconds ({self.min_seconds})")
         if not isinstance(self.conf, (int, float)) or not 0.5 <= self.conf < 1:
             problems.append(f"bench.conf must be in [0.5, 1) (got {self.conf!r})")
         if problems:
             raise ValueError("; ".join(problems))
 
     @classmethod
-    def from_config(cls, bench: Mapping | None, ignore: Iterable[str] = ()) -> "StopRule":
+    def from_config(cls, bench: Mapping | None, ignore: Iterable[str] = ()) -> StopRule:
         """Build from the config's ``bench:`` section; unknown keys (not in ``ignore``) are an error."""
         bench = {k: v for k, v in dict(bench or {}).items() if k not in set(ignore)}
         known = {f.name for f in fields(cls)}
@@ -81,7 +82,7 @@ class StopRule:
         return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.as_dict().items())
 
     @classmethod
-    def from_args(cls, args) -> "StopRule":
+    def from_args(cls, args) -> StopRule:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 

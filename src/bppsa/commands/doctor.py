@@ -15,7 +15,8 @@ def _doctor(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "doctor",
-        help="check this machine: driver, torch/CUDA/cuDNN, CuPy/NVRTC, kernel compilation, a scan and verify per backend",
+        help="check this machine: driver, torch/CUDA/cuDNN, CuPy/NVRTC, kernel compilation, "
+        "a scan and verify per backend",
     )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto, the GPU if torch sees one)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")

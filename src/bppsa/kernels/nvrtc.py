@@ -58,7 +58,7 @@ def find_library() -> tuple[Path, Path | None]:
     raise NvrtcUnavailable(f"no NVRTC wheel installed ({' or '.join(WHEELS)}; pip install -e '.[test]' brings one)")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load():
     lib, builtins = find_library()
     if builtins is not None:
