@@ -1,6 +1,7 @@
 """The CPU fast path (backend 'cpu', bppsa.kernels.cpu) held to its torch reference twin."""
 import json
 import math
+import os
 import subprocess
 import sys
 import warnings
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from bppsa import backends, scan
-from bppsa.jacobians.recurrent import rnn_grad_preact
+from bppsa.jacobians.recurrent import rnn_grad_preact, rnn_jacobians_t
 from bppsa.kernels import cpu
 from bppsa.verify import verify
 
@@ -53,6 +54,40 @@ def test_scan_equals_torch_twin(chunking, n, B, H, L_m, seed):
     assert got.shape == ref.shape == (n, B, H)
     assert _rel(got, ref) <= 1e-12
     assert _rel(got, scan.linear_scan(g, J)) <= 1e-10
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 300), B=st.integers(1, 5), H=st.integers(1, 9),
+       L_m=st.one_of(st.none(), st.integers(0, 10)), dtype=st.sampled_from([torch.float64, torch.float32]),
+       seed=st.integers(0, 2 ** 16))
+def test_factored_rnn_chain_scan_equals_torch_twin(chunking, n, B, H, L_m, dtype, seed):
+    """The RNN's chain kept as W_hh and 1 - h² (level 0 as one GEMM) gives the dense chain's scan."""
+    assume(n & (n + 1))
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.tanh(torch.randn(n, B, H, generator=gen, dtype=dtype))
+    W = torch.randn(H, H, generator=gen, dtype=dtype) / math.sqrt(H)
+    g = torch.randn(B, H, generator=gen, dtype=dtype)
+    chain = cpu.CpuBackend().rnn_jacobians_t(h, W, "fused")
+    assert isinstance(chain, cpu.RnnChain) and chain.shape == (n, B, H, H)
+    dense = rnn_jacobians_t(h, W, "fused")
+    assert torch.equal(chain.dense(), dense)
+    got = cpu.blelloch_scan(g, chain, L_m)
+    assert _rel(got, scan.blelloch_scan(g, dense.clone(), L_m)) <= (1e-12 if dtype == torch.float64 else 1e-5)
+
+
+def test_paper_layout_keeps_the_dense_chain():
+    h, W = torch.rand(7, 2, 3, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
+    assert torch.equal(cpu.CpuBackend().rnn_jacobians_t(h, W, "paper"), rnn_jacobians_t(h, W, "paper"))
+
+
+def test_cli_shortens_the_openmp_spin_unless_set():
+    code = "import os, bppsa.cli; print(os.environ['GOMP_SPINCOUNT'])"
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "10000"
+    env["GOMP_SPINCOUNT"] = "77"
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "77"
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 100, 1000])

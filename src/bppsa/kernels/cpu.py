@@ -1,12 +1,16 @@
 """The CPU fast path of the BPPSA backward, and the compiled sequential backward it must beat.
 
 **The scan** (:func:`blelloch_scan`, reference twin :func:`bppsa.scan.blelloch_scan`): the same tree,
-the same ``L_m`` semantics, the same numbers, but every level's independent products are split into
-one contiguous chunk per thread, and each chunk is one stacked ``numpy.matmul`` (OpenBLAS's small-GEMM
-kernels, GIL released) writing into its slice of the level's output.  Level ``d``'s input array is
-kept as is: its odd entries are the left operands the down-sweep needs (no copy, unlike the torch
-twin).  Why this means and not explicit numba loops, ``torch.matmul`` or a batch-interleaved layout
-is measured in the README's "CPU speed benchmark" section.
+the same ``L_m`` semantics, the same numbers.  Each level's products are stacked ``numpy.matmul``
+calls (OpenBLAS's small-GEMM kernels, GIL released) writing into the level's output; level d's input
+array is kept as is: its odd entries are the left operands the down-sweep needs (no copy, unlike the
+torch twin).  Threads split the batch (each runs the whole tree on its slice: one hand-off per scan)
+or, for a batch smaller than the thread count, each level's products.
+
+**The RNN's chain is never built** (:class:`RnnChain`, what the backend returns for the ``fused``
+layout): its level 0 is one GEMM from ``W_hh`` and ``1 - h²`` (:func:`_chain_scan`), and the levels
+above are the scan of that level's array.  Why these means and not explicit numba loops,
+``torch.bmm`` or a batch-interleaved layout is measured in the README's "CPU speed benchmark" section.
 
 **The sequential rival** (:func:`linear_scan`, :func:`rnn_sequential_grad_preact`): back-propagation
 as a compiled (numba) loop of matrix-vector products, one step after another -- the strongest
@@ -15,8 +19,9 @@ also runs the short sequential middle of a heterogeneous scan (``L_m`` below the
 
 Threads: ``torch.get_num_threads()`` (set by ``--threads``) governs both.  Worker threads are
 started in the calling thread's subnormal mode (``torch.set_flush_denormal``, on by default in the
-commands: the long Jacobian products underflow) and re-started if it changes.  numba is optional at run time: where it cannot
-be imported, :func:`unavailable_reason` says why and the sequential parts run as numpy loops.
+commands: the long Jacobian products underflow) and re-started if it changes.  numba is optional
+at run time: where it cannot be imported, :func:`unavailable_reason` says why and the sequential
+parts run as numpy loops.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import torch
 from .. import scan as _scan
 from ..backends import TorchBackend
 
-__all__ = ["CpuBackend", "blelloch_scan", "linear_scan", "rnn_sequential_grad_preact", "numba_available",
+__all__ = ["CpuBackend", "RnnChain", "blelloch_scan", "linear_scan", "rnn_sequential_grad_preact", "numba_available",
            "unavailable_reason", "MIN_CHUNK_FLOP"]
 
 try:  # a broken numba (e.g. built for another numpy) must not break the package
@@ -84,7 +89,7 @@ def _executor(p: int) -> ThreadPoolExecutor:
         return _pool
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _numpy_blas_single_threaded() -> bool:
     """Make numpy's own OpenBLAS single-threaded (once): this module's pool is the parallelism, and
     OpenBLAS's threads on top of it oversubscribe the cores -- and they were started before
@@ -153,9 +158,11 @@ if numba is not None:
                     gh[j] = s
 
 
-def _linear(A: np.ndarray, first: np.ndarray, Q: np.ndarray) -> None:
+def _linear(A: np.ndarray, first: np.ndarray, Q: np.ndarray, par=None) -> None:
+    """Q[0] = first, Q[k] = A[k-1] Q[k-1]; batch slices spread by ``par`` (default :func:`_parallel`)."""
     if numba is not None:
-        _parallel(lambda a, b: _linear_nb(A, first, Q, a, b), first.shape[0], 2 * Q.shape[0] * first.shape[1] ** 2)
+        par = par or _parallel
+        par(lambda a, b: _linear_nb(A, first, Q, a, b), first.shape[0], 2 * Q.shape[0] * first.shape[1] ** 2)
         return
     Q[0] = first
     for k in range(1, Q.shape[0]):
@@ -168,11 +175,51 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
 
 
+# -- the RNN chain, kept as its two factors ---------------------------------------------------------
+class RnnChain:
+    """The fused-layout chain of a tanh RNN, ``J_k = W_hhᵀ diag(d_k)`` (k = 0 .. T-1, scan order, d_k =
+    1 - h_{T-k}²), kept as its factors ``W_hh`` [H, H] and ``d`` [T, B, H] instead of T·B dense H×H
+    matrices: what :meth:`CpuBackend.rnn_jacobians_t` returns for the ``fused`` layout.
+
+    :func:`blelloch_scan` then never materialises the chain (26 MB at T = 1000, B = 16, fp32): level 0
+    of the up-sweep is one GEMM from ``d`` (see :func:`_up_level0`) and level 0 of the down-sweep one
+    GEMM with ``W_hh``.  :meth:`dense` is the chain :func:`bppsa.jacobians.recurrent.rnn_jacobians_t`
+    builds, for the paths that need it.
+    """
+
+    def __init__(self, W_hh: torch.Tensor, d: torch.Tensor):
+        T, B, H = d.shape
+        if tuple(W_hh.shape) != (H, H) or W_hh.dtype != d.dtype:
+            raise ValueError(f"W_hh must be [{H}, {H}] of d's dtype {d.dtype}, got {tuple(W_hh.shape)} {W_hh.dtype}")
+        self.W_hh, self.d = W_hh.detach().contiguous(), d.contiguous()
+        self.shape = torch.Size((T, B, H, H))
+        self.dtype, self.device = d.dtype, d.device
+
+    @classmethod
+    def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor) -> RnnChain:
+        return cls(W_hh, (1 - h * h).flip(0))
+
+    def dim(self) -> int:
+        return 4
+
+    def dense(self) -> torch.Tensor:
+        return self.W_hh.t() * self.d.unsqueeze(-2)  # as rnn_jacobians_t(h, W_hh, "fused")
+
+
+def _serial(fn, n: int, flop_per_item: float) -> None:
+    if n:
+        fn(0, n)
+
+
 # -- the scan ---------------------------------------------------------------------------------------
 @torch.no_grad()
-def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None,
+def blelloch_scan(g: torch.Tensor, J: torch.Tensor | RnnChain, L_m: int | None = None,
                   workspace: _scan.Workspace | None = None) -> torch.Tensor:
-    """The modified (heterogeneous) Blelloch scan of :func:`bppsa.scan.blelloch_scan`, multi-threaded."""
+    """The modified (heterogeneous) Blelloch scan of :func:`bppsa.scan.blelloch_scan`, multi-threaded.
+
+    ``J`` is the dense chain ``[n, B, H, H]`` or an :class:`RnnChain` (:func:`_chain_scan`).  With a
+    batch of at least one element per thread, each thread runs the whole tree on its own batch slice
+    (one hand-off per scan); otherwise the threads share each level's products (two per level)."""
     if g.dim() != 2 or J.dim() != 4 or J.shape[1:3] != g.shape or J.shape[2] != J.shape[3]:
         raise ValueError(f"expected g [B, H] and J [n, B, H, H], got {tuple(g.shape)} and {tuple(J.shape)}")
     if g.dtype != J.dtype:
@@ -181,41 +228,101 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None,
     depth = _scan.num_levels(n + 1)
     L = depth if L_m is None else max(0, min(int(L_m), depth))
     ws = workspace if workspace is not None else _scan.Workspace()
-    mm_flop, mv_flop = 2 * B * H ** 3, 2 * B * H * H
+    if isinstance(J, RnnChain):
+        if L > 0:
+            return _chain_scan(g, J, L, ws)
+        J = J.dense()  # L_m = 0: the sequential scan walks the dense chain
+    out = g.new_empty((n, B, H))
+    if n == 0:
+        return out
+    A, gn, on = _np(J), _np(g), out.numpy()
+    if L == 0:
+        _linear(A, gn, on)
+        return out
+    p = min(_threads(), B, max(1, int(n * B * 2 * H ** 3 // MIN_CHUNK_FLOP)))
+    if p <= 1:
+        _tree(gn, A, on, L, ws, ("all",), _parallel, g)
+        return out
+    bounds = [B * i // p for i in range(p + 1)]
 
-    spine, A, K = _np(g), _np(J), n + 1
+    def run(i):
+        b0, b1 = bounds[i], bounds[i + 1]
+        _tree(gn[b0:b1], A[:, b0:b1], on[:, b0:b1], L, ws, ("slice", i), _serial, g)
+
+    _numpy_blas_single_threaded()
+    futures = [_executor(_threads()).submit(run, i) for i in range(1, p)]
+    run(0)
+    for f in futures:
+        f.result()
+    return out
+
+
+def _chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Workspace) -> torch.Tensor:
+    """The scan over an :class:`RnnChain` with ``L >= 1`` levels, its level 0 straight from the factors.
+
+    Up: the level's products J_{2j+2} J_{2j+1} = Wᵀ D_a Wᵀ D_b (a = d_{2j+2}, b = d_{2j+1}) need no
+    chain: vec(Wᵀ D_a Wᵀ) = K a with K[(i, l), m] = Wᵀ[i, m] Wᵀ[m, l], so all of them are ONE
+    [pairs·B, H] × [H, H²] GEMM (torch's BLAS on all threads: ~150 GFLOP/s per core here against
+    ~50 for stacked 20×20 products), then a column scaling by b.  The levels above are the scan of
+    that level's array (:func:`blelloch_scan` on ``L - 1`` levels).  Down: a right child's prefix is
+    J_{2j+1} Q_j = Wᵀ (d_{2j+1} ⊙ Q_j), as rows one GEMM with W_hh.
+    """
+    W, d = chain.W_hh, chain.d
+    n, B, H = d.shape
+    pairs, carry = (n - 1) // 2, (n - 1) % 2
+    level = ws.get(("cpu", "chain-level0"), (pairs + carry, B, H, H), d)
+    if pairs:
+        pair_d = d[1:1 + 2 * pairs].view(pairs, 2, B, H)  # [j, 0] = d_{2j+1} (right), [j, 1] = d_{2j+2} (left)
+        left = ws.get(("cpu", "chain-left"), (pairs * B, H), d)
+        left.view(pairs, B, H).copy_(pair_d[:, 1])
+        K = torch.einsum("mi,lm->mil", W, W).reshape(H, H * H)  # K[m, (i, l)] = Wᵀ[i, m] Wᵀ[m, l]
+        torch.mm(left, K, out=level[:pairs].view(pairs * B, H * H))
+        level[:pairs].mul_(pair_d[:, 0].unsqueeze(-2))
+    if carry:
+        level[pairs] = W.t() * d[n - 1].unsqueeze(-2)  # J_{n-1}, the odd one out
+    Q = blelloch_scan((d[0] * g) @ W, level, L - 1, ws)  # the spine after level 0: J_0 g
+
+    out = g.new_empty((n, B, H))
+    out[0] = g
+    kids = out[1:1 + 2 * pairs].view(pairs, 2, B, H)
+    kids[:, 0] = Q[:pairs]  # a left child inherits its parent's prefix
+    kids[:, 1] = (d[1:2 * pairs:2] * Q[:pairs]) @ W
+    if carry:
+        out[n - 1] = Q[pairs]
+    return out
+
+
+def _tree(spine: np.ndarray, A: np.ndarray, out: np.ndarray, L: int, ws: _scan.Workspace, key: tuple, par,
+          like: torch.Tensor) -> None:
+    """The scan of ``spine`` [B, H] over the chain ``A`` [n, B, H, H] with ``L >= 1`` tree levels, into
+    ``out`` [n, B, H]; ``par`` spreads a level's products (:func:`_parallel`) or not (:func:`_serial`);
+    scratch comes from ``ws`` under ``key``."""
+    n, B, H = out.shape
+    buf = lambda name, shape: ws.get(("cpu", name, *key), shape, like).numpy()  # noqa: E731
+    K = n + 1
     saved = []  # per level: (spine vector, the level's block array -- odd entries are the left operands, pairs, carry)
     for d in range(L):
         pairs, carry = (K - 2) // 2, (K - 2) % 2 == 1
-        nxt = ws.get(("cpu-up", d), (pairs + carry, B, H, H), J).numpy()
+        nxt = buf(("up", d), (pairs + carry, B, H, H))
         X, Y = A[2:2 * pairs + 1:2], A[1:2 * pairs:2]  # block pair j: A[2j+2] @ A[2j+1]
 
         def up(a, b, X=X, Y=Y, nxt=nxt):
             np.matmul(X[a:b], Y[a:b], out=nxt[a:b])
 
-        _parallel(up, pairs, mm_flop)
+        par(up, pairs, 2 * B * H ** 3)
         if carry:
             nxt[pairs] = A[K - 2]
         new_spine = np.matmul(A[0], spine[..., None])[..., 0]
         saved.append((spine, A, pairs, carry))
         spine, A, K = new_spine, nxt, (K + 1) // 2
 
-    if L == 0:
-        out = g.new_empty((n, B, H))
-        Q = out.numpy()
-    else:
-        Q = ws.get(("cpu-prefix", L), (K - 1, B, H), g).numpy()
+    Q = buf(("prefix", L), (K - 1, B, H))
     if K > 1:
-        _linear(A, spine, Q)
+        _linear(A, spine, Q, par)
 
     for d in reversed(range(L)):
         spine_d, A_d, pairs, carry = saved[d]
-        shape = (1 + 2 * pairs + carry, B, H)
-        if d == 0:
-            out = g.new_empty(shape)
-            Qn = out.numpy()
-        else:
-            Qn = ws.get(("cpu-prefix", d), shape, g).numpy()
+        Qn = out if d == 0 else buf(("prefix", d), (1 + 2 * pairs + carry, B, H))
         Qn[0] = spine_d
         kids = Qn[1:1 + 2 * pairs].reshape((pairs, 2, B, H))
         Y = A_d[1:2 * pairs:2]
@@ -224,11 +331,10 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None,
             kids[a:b, 0] = Q[a:b]
             np.matmul(Y[a:b], Q[a:b, ..., None], out=kids[a:b, 1, ..., None])
 
-        _parallel(down, pairs, mv_flop)
+        par(down, pairs, 2 * B * H * H)
         if carry:
             Qn[-1] = Q[pairs]
         Q = Qn
-    return out
 
 
 @torch.no_grad()
@@ -257,11 +363,17 @@ def rnn_sequential_grad_preact(h: torch.Tensor, W_hh: torch.Tensor, grad_h_last:
 
 
 class CpuBackend(TorchBackend):
-    """The CPU fast path: the threaded scan; Jacobians are built as by the torch backend."""
+    """The CPU fast path: the threaded scan; the RNN's fused chain stays factored (:class:`RnnChain`),
+    the other Jacobians are built as by the torch backend."""
 
     name = "cpu"
 
-    def scan(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> torch.Tensor:
+    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str):
+        if layout == "fused" and h.device.type == "cpu":
+            return RnnChain.from_states(h, W_hh)
+        return super().rnn_jacobians_t(h, W_hh, layout)
+
+    def scan(self, g: torch.Tensor, J, L_m: int | None = None) -> torch.Tensor:
         return blelloch_scan(g, J, L_m, self.workspace)
 
 

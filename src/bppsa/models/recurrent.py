@@ -82,8 +82,3 @@ class RecurrentClassifier(nn.Module):
                     p.grad = g if p.grad is None else p.grad + g
         return loss.detach()
 
-
-def h_prev(h: torch.Tensor, h0: torch.Tensor | None = None) -> torch.Tensor:
-    """[h_0, h_1, ..., h_{T-1}] from [h_1, ..., h_T] (h_0 = 0 unless given)."""
-    first = torch.zeros_like(h[:1]) if h0 is None else h0.unsqueeze(0)
-    return torch.cat([first, h[:-1]], 0)
