@@ -31,7 +31,7 @@ import torch
 from bppsa import kernels
 from bppsa.jacobians.recurrent import rnn_jacobians_t
 from bppsa.precision import ieee_fp32
-from bppsa.scan import blelloch_scan, levels
+from bppsa.scan import blelloch_scan, levels, middle_ends, reference_scan
 
 KERNEL_NAMES = {
     "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
@@ -126,7 +126,7 @@ def test_plan_reproduces_the_tree(L_m):
             # the spine pair is pair 0 of every level
             assert _block_pair(x.ints, 0)[1:] == want[0] == (lv[x.ints[-1]].first_l, want[0][1])
         size = 1 << L
-        ends = list(range(size - 1, N - 1, size)) + [N - 1]
+        ends = middle_ends(N, L)
         if len(ends) >= 2:
             (mid,) = mids
             _, _, _, m_size, K, m_L, _ = mid.ints
@@ -296,20 +296,12 @@ def test_emulated_scan_matches_torch(emu, n, B, H, L_m):
     assert not np.isnan(out).any(), "a prefix was never written (or read unstaged shared memory)"
     np.testing.assert_allclose(out, ref.numpy(), rtol=1e-12, atol=1e-12)
     # the workspace holds the textbook in-place up-sweep's partial products, position by position
-    np.testing.assert_allclose(J_after, _inplace_up_sweep(J, L_m).numpy(), rtol=1e-12, atol=1e-12)
+    _, ups = reference_scan(g, J, L_m, matmat=torch.matmul, matvec=_batched_mv)
+    np.testing.assert_allclose(J_after, torch.stack(ups).numpy(), rtol=1e-12, atol=1e-12)
 
 
-def _inplace_up_sweep(J, L_m):
-    """Algorithm 1's up-sweep in place, one pair at a time: a[r] <- a[r] · a[l] off the spine.
-
-    (On the spine the kernels keep the vector apart, so the matrix at r stays as it was.)"""
-    W = J.clone()
-    lv = levels(J.shape[0] + 1)
-    for level in lv[: len(lv) if L_m is None else L_m]:
-        for l, r in level.pairs():
-            if l != level.first_l:  # pair k = 0 is the spine
-                W[r - 1] = W[r - 1] @ W[l - 1]
-    return W
+def _batched_mv(a, v):
+    return torch.matmul(a, v.unsqueeze(-1)).squeeze(-1)
 
 
 def test_emulated_scan_float32(emu):

@@ -1,10 +1,10 @@
 """Static FLOP analysis of BPPSA over CSR transposed Jacobians (Sec 4.3, 5.3, Fig 10).
 
 For one sample, the chain of transposed Jacobians of a network's conv part (conv, ReLU, max-pool)
-is scanned with exactly the schedule of :func:`bppsa.scan.blelloch_scan` -- the same
-:func:`bppsa.scan.levels`, node values at the last index of their block, the left spine carrying
-vectors, a linear scan over the blocks of level ``L_m`` in the middle, then the matching down-sweep
-(matrix-vector).  Every product is carried out for real with scipy CSR operands (so the next step
+is scanned by :func:`bppsa.scan.reference_scan` itself -- the one definition of the tree that the
+torch scan and the CUDA launch plan are held to (node values at the last index of their block, the
+left spine carrying vectors, a linear scan over the blocks of level ``L_m`` in the middle, then the
+matching matrix-vector down-sweep) -- with sparse products that count their FLOP.  Every product is carried out for real with scipy CSR operands (so the next step
 sees the product's true structure and the final gradients can be checked against autograd), and its
 cost is counted as
 
@@ -133,72 +133,42 @@ def _mv(A: sp.csr_matrix, v: np.ndarray) -> np.ndarray:
     return np.asarray(A @ v).reshape(-1)
 
 
-def scan_with_flops(g: np.ndarray, J: list[sp.csr_matrix], L_m: int | None = None, names: list[str] | None = None, **gemm_kw):
+def scan_with_flops(g: np.ndarray, J: list[sp.csr_matrix], L_m: int | None = None, names: list[str] | None = None,
+                    **gemm_kw):
     """The exclusive scan of ``[g, J[0], ..., J[n-1]]`` on CSR operands, recording every product.
 
-    Mirrors :func:`bppsa.scan.blelloch_scan` step by step (same levels, same pairs, same
-    heterogeneous middle).  Returns ``(out, ops)``: ``out[p-1]`` is the prefix at position ``p``
-    (``out[0] == g``, ``out[k] == J[k-1] ... J[0] g``) and ``ops`` the products in execution order.
-    ``J`` is not modified.
+    It is :func:`bppsa.scan.reference_scan` with sparse products (:func:`spgemm`, :func:`_mv`) and a
+    recorder.  Returns ``(out, ops)``: ``out[p-1]`` is the prefix at position ``p`` (``out[0] == g``,
+    ``out[k] == J[k-1] ... J[0] g``) and ``ops`` the products in execution order.  ``J`` is not modified.
     """
     n = len(J)
-    N = n + 1
     if n == 0:
         return [], []
     names = names or [""] * n
-    lv = _scan.levels(N)
-    D = len(lv)
-    L = D if L_m is None else max(0, min(int(L_m), D))
-    A: dict[int, sp.csr_matrix] = {p: J[p - 1] for p in range(1, N)}  # up-sweep workspace
-    spine: dict[int, np.ndarray] = {0: np.asarray(g).reshape(-1)}
+    N = n + 1
+    D, L = _scan.num_levels(N), _scan.tree_levels(N, L_m)
     ops: list[Op] = []
 
-    def blk(p, size):  # the layers a workspace entry covers, earliest layer first
+    def covered(p, size):  # the layers a workspace entry covers, earliest layer first
         lo = max(1, p - size + 1)
         return names[p - 1] if lo == p else f"{names[p - 1]}..{names[lo - 1]}"
 
-    def rec(phase, d, kind, l, r, a, b, out, layer=""):
+    def record(phase, d, kind, l, r, a, b, out):
+        if phase == "up":  # the entry at r now covers its own block, and the left block too for mm
+            layers = covered(r, (r - l if kind == "mm" else 0) + (1 << d))
+        else:  # middle: the block ending at l; down: the left sibling's block
+            layers = covered(l, 1 << (L if phase == "middle" else d))
         m, k = a.shape
-        nn_ = 1 if kind == "mv" else b.shape[1]
+        cols = 1 if kind == "mv" else b.shape[1]
         nnz_b = int(np.count_nonzero(b)) if kind == "mv" else b.nnz
         nnz_out = int(np.count_nonzero(out)) if kind == "mv" else out.nnz
-        ops.append(Op(phase, d, level_label(phase, d, D), kind, l, r, m, k, nn_, product_flop(a, b), a.nnz, nnz_b, nnz_out, layer))
+        ops.append(Op(phase, d, level_label(phase, d, D), kind, l, r, m, k, cols, product_flop(a, b), a.nnz,
+                      nnz_b, nnz_out, layers))
 
-    # up-sweep: a[r] <- a[r] · a[l]
-    for level in lv[:L]:
-        pairs = level.pairs()
-        l0, r0 = pairs[0]
-        spine[r0] = _mv(A[r0], spine[l0])
-        rec("up", level.d, "mv", l0, r0, A[r0], spine[l0], spine[r0], blk(r0, 1 << level.d))
-        for l, r in pairs[1:]:
-            a, b = A[r], A[l]
-            A[r] = spgemm(a, b, **gemm_kw)
-            rec("up", level.d, "mm", l, r, a, b, A[r], blk(r, r - l + (1 << level.d)))
-
-    # middle: linear exclusive scan over the blocks of level L
-    P: dict[int, np.ndarray] = {}
-    size = 1 << L
-    ends = list(range(size - 1, N - 1, size)) + [N - 1]
-    if len(ends) > 1:
-        P[ends[1]] = spine[ends[0]]
-        for i in range(1, len(ends) - 1):
-            e, e2 = ends[i], ends[i + 1]
-            P[e2] = _mv(A[e], P[e])
-            rec("middle", -1, "mv", e, e2, A[e], P[e], P[e2], blk(e, size))
-
-    # down-sweep: T <- a[l]; a[l] <- a[r]; a[r] <- T · a[r]
-    for level in reversed(lv[:L]):
-        pairs = level.pairs()
-        l0, r0 = pairs[0]
-        P[r0] = spine[l0]  # the spine's prefix is I: a data movement, no product
-        for l, r in pairs[1:]:
-            Pr = P[r]
-            P[r] = _mv(A[l], Pr)
-            P[l] = Pr
-            rec("down", level.d, "mv", l, r, A[l], Pr, P[r], blk(l, 1 << level.d))
-
+    out, _ = _scan.reference_scan(np.asarray(g).reshape(-1), J, L_m, matmat=lambda a, b: spgemm(a, b, **gemm_kw),
+                                  matvec=_mv, record=record)
     _mark_critical(ops)
-    return [P[p] for p in range(1, N)], ops
+    return out, ops
 
 
 def _mark_critical(ops: list[Op]) -> None:

@@ -31,12 +31,15 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "Workspace",
     "Level",
-    "levels",
-    "num_levels",
+    "Workspace",
     "blelloch_scan",
+    "levels",
     "linear_scan",
+    "middle_ends",
+    "num_levels",
+    "reference_scan",
+    "tree_levels",
 ]
 
 
@@ -71,6 +74,20 @@ def num_levels(N: int) -> int:
     return 0 if N == 1 else math.ceil(math.log2(N))
 
 
+def tree_levels(N: int, L_m: int | None) -> int:
+    """How many up-sweep levels a scan over N positions runs: all of them for ``L_m = None``,
+    else ``L_m`` clamped to [0, ceil(log2 N)] (the heterogeneous scan of the paper)."""
+    depth = num_levels(N)
+    return depth if L_m is None else max(0, min(int(L_m), depth))
+
+
+def middle_ends(N: int, L: int) -> list[int]:
+    """The positions the middle (linear) scan walks after ``L`` up-sweep levels: the last position of
+    every block of 2^L positions, the last block clipped at N - 1.  The first is the spine's end."""
+    size = 1 << L
+    return list(range(size - 1, N - 1, size)) + [N - 1]
+
+
 def levels(N: int) -> list[Level]:
     """The up-sweep levels of a scan over ``N`` positions, bottom (d = 0) first."""
     out = []
@@ -84,6 +101,54 @@ def levels(N: int) -> list[Level]:
             tail = (first_l + full * step, N - 1)
         out.append(Level(d=d, first_l=first_l, step=step, full=full, tail=tail))
     return out
+
+
+def reference_scan(g, J, L_m: int | None = None, *, matmat, matvec, record=None):
+    """Algorithm 1 position by position: THE definition of the tree that every implementation is held to.
+
+    ``g`` is position 0 (a vector), ``J[p - 1]`` position ``p``; the two products are passed in:
+    ``matmat(a, b) = a · b`` (the up-sweep off the spine) and ``matvec(a, v) = a · v`` (everything
+    else), so the same walk runs on torch tensors, on NumPy arrays or on CSR matrices that count
+    their FLOP (:func:`bppsa.flops.scan_with_flops`).  ``record(phase, d, kind, l, r, a, b, out)``,
+    if given, sees every product in execution order (phase "up" / "middle" / "down", ``d`` the level,
+    -1 in the middle, ``kind`` "mm" or "mv", positions ``l`` and ``r``).
+
+    Returns ``(prefixes, ups)``: ``prefixes[p - 1]`` is the exclusive prefix at position ``p`` and
+    ``ups[p - 1]`` the textbook in-place array's value at ``p`` after the up-sweep (on the spine the
+    vector is kept apart, so the matrix there is unchanged).  The fast paths do the same products in
+    compact, batched or CUDA form.
+    """
+    N = len(J) + 1
+    L = tree_levels(N, L_m)
+    lv = levels(N)[:L]
+    A = {p: J[p - 1] for p in range(1, N)}
+    spine = {0: g}
+
+    def product(phase, d, kind, l, r, a, b):
+        out = matmat(a, b) if kind == "mm" else matvec(a, b)
+        if record is not None:
+            record(phase, d, kind, l, r, a, b, out)
+        return out
+
+    for level in lv:  # up-sweep: a[r] <- a[l] ◇ a[r] = a[r] · a[l]
+        (l0, r0), *rest = level.pairs()
+        spine[r0] = product("up", level.d, "mv", l0, r0, A[r0], spine[l0])
+        for l, r in rest:
+            A[r] = product("up", level.d, "mm", l, r, A[r], A[l])
+
+    P = {}  # exclusive prefixes
+    ends = middle_ends(N, L)
+    if len(ends) > 1:  # middle: a linear scan over the blocks of level L
+        P[ends[1]] = spine[ends[0]]
+        for e, e2 in zip(ends[1:-1], ends[2:]):
+            P[e2] = product("middle", -1, "mv", e, e2, A[e], P[e])
+
+    for level in reversed(lv):  # down-sweep: T <- a[l]; a[l] <- a[r]; a[r] <- T ◇ a[r]
+        (l0, r0), *rest = level.pairs()
+        P[r0] = spine[l0]  # the spine's prefix is I: a data movement, no product
+        for l, r in rest:
+            P[l], P[r] = P[r], product("down", level.d, "mv", l, r, A[l], P[r])
+    return [P[p] for p in range(1, N)], [A[p] for p in range(1, N)]
 
 
 class Workspace:
@@ -120,8 +185,8 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None,
     by the matching ``L_m`` down-sweep levels.  ``None`` (or any value >= ceil(log2 N)) is the full
     Blelloch scan; ``0`` degenerates to the linear scan.  ``J`` is not modified.
 
-    The tree is the one of :func:`levels` (blocks of 2^d positions, the right-most one clipped);
-    each level's block values are kept *compact* -- a contiguous ``[blocks, B, H, H]`` tensor --
+    The tree is the one of :func:`reference_scan` (blocks of 2^d positions, the right-most one
+    clipped), which tests hold this function to; each level's block values are kept *compact* -- a contiguous ``[blocks, B, H, H]`` tensor --
     so every product is one batched matmul on contiguous operands.  (The in-place textbook
     layout, which the CUDA kernels use, needs strided gathers and scatters on the CPU.)  The left
     operands of each level are exactly the ``T`` of the down-sweep, so they are kept for it.
@@ -130,8 +195,7 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None,
     if g.dim() != 2 or J.dim() != 4 or J.shape[1:3] != g.shape or J.shape[2] != J.shape[3]:
         raise ValueError(f"expected g [B, H] and J [n, B, H, H], got {tuple(g.shape)} and {tuple(J.shape)}")
     n = J.shape[0]
-    depth = num_levels(n + 1)
-    L = depth if L_m is None else max(0, min(int(L_m), depth))
+    L = tree_levels(n + 1, L_m)
     ws = workspace if workspace is not None else Workspace()
     vec = tuple(g.shape)
 

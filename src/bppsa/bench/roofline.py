@@ -23,8 +23,7 @@ from .protocol import median_ci
 
 def scan_cost(n: int, B: int, H: int, L_m: int | None = None, itemsize: int = 4) -> dict:
     """FLOP and compulsory bytes of the scan over ``n`` Jacobians (N = n + 1 positions)."""
-    depth = _scan.num_levels(n + 1)
-    L = depth if L_m is None else max(0, min(int(L_m), depth))
+    L = _scan.tree_levels(n + 1, L_m)
     mm, mv = 2 * H ** 3 * B, 2 * H * H * B             # FLOP per batched product
     M, V = H * H * B * itemsize, H * B * itemsize      # bytes per batched matrix / vector
     flop = byt = 0

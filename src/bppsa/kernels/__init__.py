@@ -8,8 +8,8 @@ and on disk).  Each kernel has a torch reference twin that tests hold it to:
 * ``bppsa_rnn_jacobians_{paper,fused}_{f32,f64}`` -- :func:`bppsa.jacobians.recurrent.rnn_jacobians_t`.
 
 The launch schedule is computed in pure Python by :func:`scan_plan` from :func:`bppsa.scan.levels`,
-so the torch path and the CUDA path share one definition of the tree, and the schedule can be
-checked (and the kernels emulated) on a machine without a GPU.
+and tests hold it, the torch scan and the FLOP analysis to :func:`bppsa.scan.reference_scan`: one
+definition of the tree, checked (and the kernels emulated) on a machine without a GPU.
 
 Tensors cross from torch to CuPy through DLPack (no copies) and every kernel is launched on
 torch's current stream (``cupy.cuda.Stream.from_external``, CuPy >= 14; ``ExternalStream`` before),
@@ -78,7 +78,7 @@ def scan_plan(N: int, B: int, H: int, L_m: int | None = None) -> tuple[int, list
     ``(size, K, L, 0)`` with one block per batch element.
     """
     lv = _scan.levels(N)
-    L = len(lv) if L_m is None else max(0, min(int(L_m), len(lv)))
+    L = _scan.tree_levels(N, L_m)
     HH = H * H
     threads = block_threads(H)
     ups, downs = [], []
@@ -90,7 +90,7 @@ def scan_plan(N: int, B: int, H: int, L_m: int | None = None) -> tuple[int, list
         downs.append(Launch("bppsa_down_sweep", n_pairs * B, threads, HH + H, ints))
     launches = ups
     size = 1 << L
-    K = len(range(size - 1, N - 1, size)) + 1  # blocks of level L, as in blelloch_scan's `ends`
+    K = len(_scan.middle_ends(N, L))  # the blocks of level L the middle scan walks
     if K >= 2:
         launches.append(Launch("bppsa_middle_scan", B, threads, HH + 2 * H, (N, B, H, size, K, L, 0)))
     launches.extend(reversed(downs))
@@ -118,13 +118,13 @@ def _import_cupy():
     return cupy
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _module(source: str):
     cp = _import_cupy()
     return cp.RawModule(code=(KERNEL_DIR / source).read_text(), options=NVRTC_OPTIONS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel(source: str, name: str):
     return _module(source).get_function(name)
 

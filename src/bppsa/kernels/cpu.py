@@ -225,8 +225,7 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor | RnnChain, L_m: int | None =
     if g.dtype != J.dtype:
         raise ValueError(f"g and J must have one dtype (got {g.dtype} and {J.dtype})")
     n, B, H = J.shape[0], g.shape[0], g.shape[1]
-    depth = _scan.num_levels(n + 1)
-    L = depth if L_m is None else max(0, min(int(L_m), depth))
+    L = _scan.tree_levels(n + 1, L_m)
     ws = workspace if workspace is not None else _scan.Workspace()
     if isinstance(J, RnnChain):
         if L > 0:
