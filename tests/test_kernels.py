@@ -390,7 +390,7 @@ def test_bench_membound_without_cuda_fails_clearly(tmp_path):
 
 
 def test_scan_bytes_counts_the_schedule():
-    from bppsa.commands.gpu import scan_bytes
+    from bppsa.bench.membound import scan_bytes
 
     # N = 4 (n = 3), full scan, B = 1, H = 2, 8-byte elements.  Level 0: pairs (0,1) spine mv,
     # (2,3) mm; level 1: (1,3) spine mv.  Up: mv reads M+v writes v = 4+2+2; mm reads 2M writes M

@@ -7,7 +7,8 @@ import torch
 from bppsa.backends import TorchBackend, get_backend
 from bppsa.jacobians.recurrent import rnn_jacobians_t
 from bppsa.models.rnn import RNNClassifier
-from bppsa.verify import TOLERANCE, grad_errors
+from bppsa.precision import TOLERANCE
+from bppsa.verify import grad_errors
 
 DT = {"float64": torch.float64, "float32": torch.float32}
 

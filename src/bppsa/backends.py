@@ -35,7 +35,7 @@ class TorchBackend:
     def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str) -> torch.Tensor:
         # the Jacobians are consumed by the scan of the same step, so their buffer can be reused
         T, B, H = h.shape
-        shape = (T if layout == "fused" else 2 * T, B, H, H)
+        shape = (_rec.num_jacobians(T, layout), B, H, H)
         return _rec.rnn_jacobians_t(h, W_hh, layout, out=self.workspace.get(("jacobians", layout), shape, h))
 
 

@@ -11,6 +11,11 @@ import contextlib
 
 import torch
 
+# The dtypes the commands take, and BPPSA's exactness bound against autograd in each (max relative
+# error of any parameter's gradient).
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
+
 
 def _new_api_targets():
     b = torch.backends

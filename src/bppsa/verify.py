@@ -7,10 +7,7 @@ import torch
 
 from .backends import get_backend
 from .models import build
-from .precision import ieee_fp32
-
-TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
+from .precision import DTYPES, TOLERANCE, ieee_fp32
 
 
 def grad_errors(ref: torch.nn.Module, got: torch.nn.Module) -> dict[str, float]:

@@ -6,8 +6,7 @@ import argparse
 import torch
 
 from .. import device as _device
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+from ..precision import DTYPES
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:

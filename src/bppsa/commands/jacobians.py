@@ -9,8 +9,8 @@ import pandas as pd
 import torch
 
 from .. import io
-from ..jacobians import sparse as sj
 from ..bench.protocol import StopRule, interleave
+from ..jacobians import sparse as sj
 from .common import add_runtime_args, setup
 
 # VGG-11's first conv, ReLU and max-pool on a 32x32 image (the paper's Table 1 examples)

@@ -11,13 +11,21 @@ import torch
 from .. import io
 from ..backends import BACKENDS, get_backend
 from ..bench.protocol import StopRule, add_stop_rule_args
-from ..bench.recurrent import (METHODS, NOBP, VARIANTS, baseline_backend_name, parse_variant, time_interleaved,
-                               train_epochs)
+from ..bench.recurrent import (
+    METHODS,
+    NOBP,
+    VARIANTS,
+    baseline_backend_name,
+    parse_variant,
+    time_interleaved,
+    train_epochs,
+)
 from ..data.sequences import open_dataset
 from ..jacobians.recurrent import LAYOUTS
 from ..models import MODELS, build
+from ..precision import DTYPES
 from ..verify import verify
-from .common import DTYPES, add_runtime_args, optional_int, setup
+from .common import add_runtime_args, optional_int, setup
 
 
 def _model_args(p, data_required: bool) -> None:

@@ -10,7 +10,8 @@ from .. import io
 from ..bench import roofline, speed
 from ..bench.protocol import StopRule, interleave
 from ..models.rnn import RNNClassifier
-from .common import DTYPES, optional_int
+from ..precision import DTYPES
+from .common import optional_int
 from .speed import add_timing_args, cpu_setup, labelled
 
 

@@ -9,7 +9,7 @@ from .. import io
 from ..bench import scaling
 from ..bench.protocol import StopRule
 from ..kernels.cpu import default_threads
-from .common import DTYPES
+from ..precision import DTYPES
 from .speed import add_timing_args, cpu_setup, labelled
 
 

@@ -10,8 +10,8 @@ from .. import io
 from ..backends import BACKENDS
 from ..bench import speed
 from ..bench.protocol import StopRule, add_stop_rule_args
-from .common import DTYPES, add_runtime_args, optional_int, setup
-
+from ..precision import DTYPES
+from .common import add_runtime_args, optional_int, setup
 
 
 def add_timing_args(p, func) -> None:

@@ -10,6 +10,13 @@ import torch
 LAYOUTS = ("paper", "fused")
 
 
+def num_jacobians(T: int, layout: str) -> int:
+    """How many transposed Jacobians a T-step RNN has in ``layout``: one per step (fused) or two (paper)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout '{layout}' (choose from {', '.join(LAYOUTS)})")
+    return T if layout == "fused" else 2 * T
+
+
 def rnn_jacobians_t(h: torch.Tensor, W_hh: torch.Tensor, layout: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """Transposed Jacobians of the Elman tanh RNN ``h_t = tanh(a_t)``, ``a_t = W_ih x_t + W_hh h_{t-1} + b``.
 
@@ -22,17 +29,17 @@ def rnn_jacobians_t(h: torch.Tensor, W_hh: torch.Tensor, layout: str, out: torch
     ``out`` (optional) is a buffer of the result's shape to write into.
     """
     T, B, H = h.shape
+    shape = (num_jacobians(T, layout), B, H, H)
     d = (1 - h * h).flip(0)  # [T, B, H], step T first
     Wt = W_hh.t()
     if layout == "fused":
         return torch.mul(Wt, d.unsqueeze(-2), out=out)  # scale column j of W_hhᵀ by d_j
     if layout == "paper":
-        J = (out if out is not None else h.new_empty((2 * T, B, H, H))).view(T, 2, B, H, H)
+        J = (out if out is not None else h.new_empty(shape)).view(T, 2, B, H, H)
         J[:, 0].zero_()
         J[:, 0].diagonal(dim1=-2, dim2=-1).copy_(d)
         J[:, 1] = Wt
-        return J.view(2 * T, B, H, H)
-    raise ValueError(f"unknown layout '{layout}' (choose from {', '.join(LAYOUTS)})")
+        return J.view(shape)
 
 
 def rnn_grad_preact(scan_out: torch.Tensor, h: torch.Tensor, layout: str) -> torch.Tensor:

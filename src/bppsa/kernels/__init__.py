@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .. import scan as _scan
-from ..jacobians.recurrent import LAYOUTS
+from ..jacobians.recurrent import num_jacobians
 
 __all__ = ["CupyBackend", "Launch", "scan_plan", "rnn_jacobians_launch", "block_threads", "SOURCES", "KERNEL_DIR"]
 
@@ -98,9 +98,7 @@ def scan_plan(N: int, B: int, H: int, L_m: int | None = None) -> tuple[int, list
 
 
 def rnn_jacobians_launch(T: int, B: int, H: int, layout: str) -> Launch:
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout '{layout}' (choose from {', '.join(LAYOUTS)})")
-    total = (T if layout == "fused" else 2 * T) * B * H * H
+    total = num_jacobians(T, layout) * B * H * H
     grid = max(1, min(FILL_MAX_BLOCKS, -(-total // FILL_THREADS)))
     return Launch(f"bppsa_rnn_jacobians_{layout}", grid, FILL_THREADS, 0, (T, B, H))
 
@@ -271,7 +269,7 @@ class CupyBackend:
             raise ValueError(f"expected h [T, B, H] and W_hh [H, H], got {tuple(h.shape)} and {tuple(W_hh.shape)}")
         T, B, H = h.shape
         launch = rnn_jacobians_launch(T, B, H, layout)
-        out = h.new_empty(((T if layout == "fused" else 2 * T), B, H, H))
+        out = h.new_empty((num_jacobians(T, layout), B, H, H))
         if out.numel() == 0:
             return out
         dev = _check_cuda(h.dtype, h, W_hh)
