@@ -6,7 +6,7 @@ import copy
 import torch
 
 from .backends import get_backend
-from .models import build
+from .models import build, spec
 from .precision import DTYPES, TOLERANCE, ieee_fp32
 
 
@@ -22,11 +22,11 @@ def grad_errors(ref: torch.nn.Module, got: torch.nn.Module) -> dict[str, float]:
     return out
 
 
-def verify(model: str = "rnn", seq_len: int = 17, batch: int = 5, hidden: int = 20, input_size: int | None = None,
-           classes: int | None = None, dtype: str = "float64", backend: str = "torch", layout: str = "fused",
-           L_m: int | None = None, seed: int = 0, device: str = "cpu") -> dict:
-    input_size = input_size or (1 if model == "rnn" else 12)
-    classes = classes or (10 if model == "rnn" else 11)
+def verify(model: str = "rnn", seq_len: int = 17, batch: int = 5, hidden: int | None = None,
+           input_size: int | None = None, classes: int | None = None, dtype: str = "float64", backend: str = "torch",
+           layout: str = "fused", L_m: int | None = None, seed: int = 0, device: str = "cpu") -> dict:
+    s = spec(model)
+    input_size, hidden, classes = input_size or s.input_size, hidden or s.hidden, classes or s.classes
     dev = torch.device(device)
     be = get_backend(backend, dev)
     torch.manual_seed(seed)

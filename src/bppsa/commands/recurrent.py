@@ -21,8 +21,7 @@ from ..bench.recurrent import (
     train_epochs,
 )
 from ..data.sequences import open_dataset
-from ..jacobians.recurrent import LAYOUTS
-from ..models import MODELS, build
+from ..models import MODELS, SPECS, build, check_layout
 from ..precision import DTYPES
 from ..verify import verify
 from .common import add_runtime_args, optional_int, setup
@@ -30,9 +29,10 @@ from .common import add_runtime_args, optional_int, setup
 
 def _model_args(p, data_required: bool) -> None:
     p.add_argument("--model", choices=MODELS, default="rnn")
-    p.add_argument("--hidden", type=int, default=20)
+    p.add_argument("--hidden", type=int, default=None, help="default: the model's (bppsa.models.SPECS)")
     p.add_argument("--backend", choices=BACKENDS, default="auto")
-    p.add_argument("--layout", choices=LAYOUTS, default="fused")
+    p.add_argument("--layout", choices=sorted({lay for s in SPECS.values() for lay in s.layouts}), default="fused",
+                   help="Jacobian layout; the GRU has 'fused' only")
     p.add_argument("--L-m", dest="L_m", type=optional_int, default=None, help="heterogeneous scan levels (default: full Blelloch)")
     if data_required:
         p.add_argument("--data", required=True, help="dataset file (bitstream or feature .npz)")
@@ -44,7 +44,7 @@ def register(sub) -> None:
     _model_args(p, data_required=False)
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--input-size", type=int, default=None, help="default: 1 (rnn), 12 (gru)")
+    p.add_argument("--input-size", type=int, default=None, help="default: the model's (bppsa.models.SPECS)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.set_defaults(func=_verify, dtype="float64")
 
@@ -87,8 +87,15 @@ def register(sub) -> None:
     p.set_defaults(func=_train)
 
 
+def _setup(args):
+    """The runtime, once the model and its layout are known to go together (before any work)."""
+    check_layout(args.model, args.layout)
+    args.hidden = args.hidden or SPECS[args.model].hidden
+    return setup(args)
+
+
 def _verify(args) -> int:
-    dev = setup(args)
+    dev = _setup(args)
     res = verify(args.model, args.seq_len, args.batch, args.hidden, args.input_size, dtype=args.dtype,
                  backend=args.backend, layout=args.layout, L_m=args.L_m, seed=args.seed, device=str(dev))
     res["device_slug"] = args.device_slug
@@ -113,7 +120,7 @@ def _bench(args) -> int:
     variants = list(dict.fromkeys(args.variants))
     for v in variants:
         parse_variant(v)
-    dev = setup(args)
+    dev = _setup(args)
     if args.packed_baseline == "on" or (args.packed_baseline == "auto" and dev.type == "cuda"):
         variants.insert(1 if variants[0] == "baseline" else 0, "baseline-packed")
         variants = list(dict.fromkeys(variants))
@@ -212,7 +219,7 @@ def _compare(args) -> int:
 
 
 def _train(args) -> int:
-    dev = setup(args)
+    dev = _setup(args)
     ds = open_dataset(args.data, DTYPES[args.dtype], dev)
     model = _model_for(args, ds, dev)
     backend = get_backend(args.backend, dev) if args.method == "bppsa" else None

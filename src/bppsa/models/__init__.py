@@ -2,18 +2,46 @@
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
-# name -> (module, class); imported lazily so each model's dependencies stay its own
-_REGISTRY = {
-    "rnn": ("bppsa.models.rnn", "RNNClassifier"),
-    "gru": ("bppsa.models.gru", "GRUClassifier"),
+from ..jacobians.recurrent import LAYOUTS as _RNN_LAYOUTS
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model lives, its paper sizes, and the Jacobian layouts its BPPSA backward takes."""
+
+    module: str
+    cls: str
+    input_size: int
+    hidden: int
+    classes: int
+    layouts: tuple[str, ...]  # the first is the default
+
+
+# imported lazily so each model's dependencies stay its own
+SPECS = {
+    "rnn": ModelSpec("bppsa.models.rnn", "RNNClassifier", input_size=1, hidden=20, classes=10,
+                     layouts=tuple(sorted(_RNN_LAYOUTS))),  # ("fused", "paper")
+    # input 12: the MFCC features of IRMAS set L (bppsa.data.irmas.MFCC_SETS); 11 instrument classes
+    "gru": ModelSpec("bppsa.models.gru", "GRUClassifier", input_size=12, hidden=20, classes=11, layouts=("fused",)),
 }
-MODELS = tuple(_REGISTRY)
+MODELS = tuple(SPECS)
 
 
-def build(name: str, input_size: int, hidden: int, classes: int):
-    """A recurrent classifier by name: ``build('rnn', 1, 20, 10)``."""
-    if name not in _REGISTRY:
+def spec(name: str) -> ModelSpec:
+    if name not in SPECS:
         raise ValueError(f"unknown model '{name}' (choose from {', '.join(MODELS)})")
-    module, cls = _REGISTRY[name]
-    return getattr(importlib.import_module(module), cls)(input_size=input_size, hidden=hidden, classes=classes)
+    return SPECS[name]
+
+
+def check_layout(name: str, layout: str) -> None:
+    if layout not in spec(name).layouts:
+        raise ValueError(f"the {name.upper()} has no Jacobian layout '{layout}' (it has: {', '.join(spec(name).layouts)})")
+
+
+def build(name: str, input_size: int | None = None, hidden: int | None = None, classes: int | None = None):
+    """A recurrent classifier by name, the paper's sizes where not given: ``build('rnn')``."""
+    s = spec(name)
+    cls = getattr(importlib.import_module(s.module), s.cls)
+    return cls(input_size=input_size or s.input_size, hidden=hidden or s.hidden, classes=classes or s.classes)

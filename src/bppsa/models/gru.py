@@ -6,8 +6,6 @@ from torch import nn
 from ..jacobians.gru import Gates, gru_gates, gru_jacobians_t, gru_param_grads
 from .recurrent import RecurrentClassifier
 
-LAYOUTS = ("fused",)
-
 
 class GRUClassifier(RecurrentClassifier):
     def __init__(self, input_size: int, hidden: int = 20, classes: int = 11):
@@ -20,8 +18,9 @@ class GRUClassifier(RecurrentClassifier):
 
     @staticmethod
     def _check_layout(layout: str) -> None:
-        if layout not in LAYOUTS:
-            raise ValueError(f"the GRU has one Jacobian layout, 'fused' (one per step); got layout '{layout}'")
+        from . import check_layout
+
+        check_layout("gru", layout)
 
     def _gates_for(self, x, h) -> Gates:
         if self._gates is not None and self._gates[0] is h:

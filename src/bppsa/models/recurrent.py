@@ -8,7 +8,7 @@ forward's states), ``grad_hidden`` (turn the scan's output into ∇h_t for t = 1
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
