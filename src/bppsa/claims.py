@@ -258,7 +258,7 @@ def trend_claims(results: Path) -> list[Claim]:
                 if len(ok) < len(g):
                     reason += f"; {len(g) - len(ok)} noisy point(s) left out"
                 pts = ", ".join(f"{v}: {s:.3g}" for v, s in zip(g[axis], g["speedup"]))
-                rows.append(Claim(text, "rising" if increasing else "falling", "RTX 2070 / RTX 2080Ti",
+                rows.append(Claim(text, "rising" if increasing else "falling", paper.BOTH_GPUS,
                                   f"{var} at {'B' if other == 'batch' else 'T'}={fixed}: {pts}", label, verdict,
                                   reason))
             out += rows
@@ -290,7 +290,7 @@ def curve_claims(results: Path) -> list[Claim]:
                     verdict = "holds" if rel <= CURVE_TOL else ("partly" if rel <= 0.05 else "not reproduced")
                     what = "RNN" if model == "rnn" else f"GRU, T={T}"
                     out.append(Claim(f"BPPSA's training curve overlaps the baseline's ({what})",
-                                     "overlapping (Fig 6/7/13)", "RTX 2070",
+                                     "overlapping (Fig 6/7/13)", paper.CURVES_DEVICE,
                                      f"largest per-epoch loss difference {rel:.2e} (relative) over {len(common)} "
                                      f"epochs; wall-clock to the last epoch: baseline/BPPSA = {speed:.2f}×",
                                      label, verdict,
@@ -327,7 +327,7 @@ def table1_claims(results: Path) -> list[Claim]:
             measured = (fmt_ci(med, lo, hi) if interval else f"{med:.3g}× (no interval: {len(ag)} autograd repeat(s))")
             low = lo if interval else med
             verdict = "holds" if low >= HOLDS_FRACTION * claimed else ("partly" if low > 1 else "not reproduced")
-            reason = (f"ratio of medians over {len(an)}/{len(ag)} repeats (paper: 1000 trials, {paper.PAPER_CPU}); "
+            reason = (f"ratio of medians over {len(an)}/{len(ag)} repeats (paper: {paper.TABLE1_TRIALS} trials, {paper.PAPER_CPU}); "
                       f"a different CPU and autograd version")
             if verdict == "partly":
                 reason = "the analytic generation is faster, by less than the paper's factor; " + reason

@@ -247,5 +247,21 @@ def analyse_sample(features: nn.Sequential, x: torch.Tensor, g: torch.Tensor, L_
     return {"ops": scan_ops + base_ops, "scan": scan_out, "baseline": base_out, "names": names}
 
 
+def flop_summary(ops: list[Op]) -> dict:
+    """One sample's totals: BPPSA's FLOP on the critical path (a level lasts as long as its costliest
+    product), in all and in its largest step, and its number of steps (levels, plus each middle
+    product); the same for back-propagation (the baseline ops)."""
+    scan_ops = [o for o in ops if o.phase != "baseline"]
+    base = [o for o in ops if o.phase == "baseline"]
+    levels = {(o.phase, o.d) for o in scan_ops if o.phase != "middle"}
+    return dict(bppsa_critical_flop=sum(o.flop for o in scan_ops if o.critical),
+                bppsa_total_flop=sum(o.flop for o in scan_ops),
+                bppsa_max_step_flop=max(o.flop for o in scan_ops),
+                baseline_total_flop=sum(o.flop for o in base),
+                baseline_max_step_flop=max(o.flop for o in base),
+                bppsa_steps=len(levels) + sum(o.phase == "middle" for o in scan_ops),
+                baseline_steps=len(base))
+
+
 def ops_records(ops: list[Op], **extra) -> list[dict]:
     return [dict(asdict(op), dense_size=op.dense_size, **extra) for op in ops]

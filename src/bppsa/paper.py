@@ -16,7 +16,9 @@ class PaperValue:
 
 
 GPUS = ("RTX 2070", "RTX 2080Ti")
+BOTH_GPUS = " / ".join(GPUS)  # Fig 8 and 9 were measured on both
 PAPER_CPU = "Ryzen Threadripper 1950X"
+TABLE1_TRIALS = 1000
 
 # Sec 5.1 / Abstract: the RNN on bitstreams
 RNN_MAX_BACKWARD = PaperValue(108.0, "RTX 2080Ti", "Sec 5.1, Fig 8")
@@ -26,8 +28,10 @@ RNN_FIG7_SEQ_LEN, RNN_FIG7_BATCH = 1000, 16
 RNN_FIG7_OVERALL = PaperValue(2.73, "RTX 2070", "Sec 5.1, Fig 7 (T=1000, B=16)")
 RNN_FIG7_BACKWARD = PaperValue(16.0, "RTX 2070", "Sec 5.1, Fig 7 (T=1000, B=16)")
 # Sec 5.2: the GRU on IRMAS; the backward excludes the Jacobian-generation overhead
-GRU_MAX_OVERALL = PaperValue(2.36, "RTX 2070 / RTX 2080Ti", "Sec 5.2, Fig 9")
-GRU_MAX_BACKWARD = PaperValue(13.4, "RTX 2070 / RTX 2080Ti", "Sec 5.2, Fig 9 (excluding the overhead)")
+GRU_MAX_OVERALL = PaperValue(2.36, BOTH_GPUS, "Sec 5.2, Fig 9")
+GRU_MAX_BACKWARD = PaperValue(13.4, BOTH_GPUS, "Sec 5.2, Fig 9 (excluding the overhead)")
+# Fig 6 / 7 / 13: training curves
+CURVES_DEVICE = "RTX 2070"
 
 # Table 1 (VGG-11's first conv, ReLU and max-pool on 32x32), 1000 trials on a CPU
 TABLE1_SPARSITY = {"Convolution": 0.99157, "ReLU": 0.99998, "Max-pooling": 0.99994}
@@ -36,3 +40,4 @@ TABLE1_SPEEDUP = {"Convolution": 8.3e3, "ReLU": 1.2e6, "Max-pooling": 1.5e5}
 # Sec 4.3: VGG-11 on CIFAR-10, top-1
 VGG11_DENSE_TOP1 = PaperValue(0.901, "RTX 2070 (training)", "Sec 4.3")
 VGG11_PRUNED_TOP1 = PaperValue(0.889, "RTX 2070 (training)", "Sec 4.3 (97 % pruned, retrained)")
+VGG11_TOP1_BY_STAGE = {"trained": VGG11_DENSE_TOP1.value, "retrained": VGG11_PRUNED_TOP1.value}

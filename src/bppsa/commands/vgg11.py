@@ -1,6 +1,7 @@
 """`bppsa vgg11-train`, `bppsa vgg11-flops` and `bppsa fig10`: the pruned VGG-11 micro-benchmark (Sec 4.3, 5.3)."""
 from __future__ import annotations
 
+import dataclasses
 import resource
 import time
 
@@ -9,7 +10,7 @@ import pandas as pd
 import torch
 
 from .. import flops as fl
-from .. import io
+from .. import io, paper
 from ..data import cifar
 from ..models import vgg
 from .common import add_runtime_args, optional_int, setup
@@ -85,15 +86,14 @@ def _train(args) -> int:
     rows.append(dict(network="pruned", stage="pruned, before retraining", epochs=0, top1=vgg.accuracy(model, data.x_test, data.y_test),
                      seconds=0.0, final_train_loss=float("nan"), pruned_fraction=vgg.pruned_fraction(model)["all"]))
     t0 = time.perf_counter()
-    hist = vgg.train(model, data.x_train, data.y_train, vgg.TrainConfig(**{**cfg.__dict__, "epochs": args.retrain_epochs}),
+    hist = vgg.train(model, data.x_train, data.y_train, dataclasses.replace(cfg, epochs=args.retrain_epochs),
                      masks=masks, log=log("retrain"))
     frac = vgg.pruned_fraction(model)
     rows.append(dict(network="pruned", stage="retrained", epochs=args.retrain_epochs, top1=vgg.accuracy(model, data.x_test, data.y_test),
                      seconds=time.perf_counter() - t0, final_train_loss=hist[-1]["train_loss"] if hist else float("nan"),
                      pruned_fraction=frac["all"]))
-    paper = {"trained": 0.901, "retrained": 0.889}
     df = pd.DataFrame(rows)
-    df["paper_top1"] = df["stage"].map(paper)  # the paper's CIFAR-10 accuracies, for reference only
+    df["paper_top1"] = df["stage"].map(paper.VGG11_TOP1_BY_STAGE)  # the paper's CIFAR-10 accuracies, for reference
     df["data"], df["width"], df["prune"], df["scheme"] = data.name, args.width, args.prune, args.scheme
     df["profile"], df["device_slug"], df["train_size"], df["test_size"] = args.profile, args.device_slug, len(data.y_train), len(data.y_test)
     df["per_layer_pruned"] = "; ".join(f"{k}={v:.4f}" for k, v in frac.items() if k != "all")
@@ -150,18 +150,8 @@ def _flops(args) -> int:
             t0 = time.perf_counter()
             res = fl.analyse_sample(model.features, xb[s].detach(), g[s], args.L_m, drop_zeros=args.drop_zeros, dtype=dtype, **gemm_kw)
             secs = time.perf_counter() - t0
-            ops = res["ops"]
-            records += fl.ops_records(ops, network=net, sample=s)
-            scan_ops = [o for o in ops if o.phase != "baseline"]
-            base = [o for o in ops if o.phase == "baseline"]
-            summary.append(dict(network=net, sample=s, seconds=secs,
-                                bppsa_critical_flop=sum(o.flop for o in scan_ops if o.critical),
-                                bppsa_total_flop=sum(o.flop for o in scan_ops),
-                                bppsa_max_step_flop=max(o.flop for o in scan_ops),
-                                baseline_total_flop=sum(o.flop for o in base),
-                                baseline_max_step_flop=max(o.flop for o in base),
-                                bppsa_steps=len({(o.phase, o.d) for o in scan_ops if o.phase != "middle"}) + sum(o.phase == "middle" for o in scan_ops),
-                                baseline_steps=len(base)))
+            records += fl.ops_records(res["ops"], network=net, sample=s)
+            summary.append(dict(network=net, sample=s, seconds=secs, **fl.flop_summary(res["ops"])))
             print(f"[{net}] sample {s}: {secs:.1f} s; BPPSA critical path {summary[-1]['bppsa_critical_flop']:.3g} FLOP "
                   f"(max step {summary[-1]['bppsa_max_step_flop']:.3g}), BP {summary[-1]['baseline_total_flop']:.3g} FLOP "
                   f"(max step {summary[-1]['baseline_max_step_flop']:.3g})", flush=True)

@@ -9,6 +9,7 @@ import pandas as pd
 from matplotlib.patches import Patch
 
 from ..data.irmas import MFCC_SETS
+from .. import paper
 from ..io import write_csv
 from ..results import load_all
 from .common import PROTOCOL_NOTE, VARIANT_NAME, VARIANT_STYLE, device_colors, errorbar, provenance, save, variant
@@ -110,7 +111,7 @@ def fig_9(lat: pd.DataFrame, sp: pd.DataFrame, out: str | Path) -> pd.DataFrame:
                  "FP forward · FO Jacobian overhead · BP baseline backward · BPPSA scan backward "
                  "(BP and BPPSA include the optimizer step)\n"
                  "labels: BPPSA speedup [95 % CI], medians of paired per-round ratios; bwd = BP / BPPSA (excluding FO, "
-                 "like the paper's 13.4×), all = whole iteration\n"
+                 f"like the paper's {paper.GRU_MAX_BACKWARD.value:g}×), all = whole iteration\n"
                  + provenance(lat, f"bars: medians of each phase; black: {PROTOCOL_NOTE}; "
                                    f"n = {int(d['n'].min())}–{int(d['n'].max())} rounds"), fontsize=8)
     save(fig, out)

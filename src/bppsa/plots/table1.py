@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import io
+from .. import io, paper
 from ..paper import TABLE1_SPARSITY as PAPER_SPARSITY  # the paper's printed values, not measured here
 from ..paper import TABLE1_SPEEDUP as PAPER_SPEEDUP
 from ..results import load_all
@@ -20,7 +20,8 @@ def table1_text(df) -> str:
         "# Jacobian over PyTorch autograd generating it one column (one vector-Jacobian product) at a time.",
         "# Operators: VGG-11's first conv (3->64, 3x3, padding 1), ReLU and 2x2 max-pool on a 32x32 input.",
         "# measured sparsity = 1 - nnz/(rows*cols) of the analytic CSR (input-dependent zeros stored, guaranteed",
-        "# zeros not); 'paper' columns are the values printed in the paper (Ryzen Threadripper 1950X, 1000 trials).",
+        f"# zeros not); 'paper' columns are the values printed in the paper ({paper.PAPER_CPU}, "
+        f"{paper.TABLE1_TRIALS} trials).",
     ]
     for label, d in df.groupby("device_label", sort=False):
         first = d.iloc[0]
