@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from bppsa.data import bitstream
+from bppsa.data import DatasetError, bitstream
 from bppsa.data.sequences import open_dataset
 
 
@@ -49,18 +49,18 @@ def test_truncated_file_is_named(tmp_path):
     bitstream.write(p, seq_len=100, samples=64, seed=0)
     data = p.read_bytes()
     p.write_bytes(data[: len(data) // 2])
-    with pytest.raises(bitstream.DatasetError, match="T100.npz"):
+    with pytest.raises(DatasetError, match="T100.npz"):
         bitstream.load(p)
-    with pytest.raises(bitstream.DatasetError, match="T100.npz"):
+    with pytest.raises(DatasetError, match="T100.npz"):
         open_dataset(p)
 
 
 def test_inconsistent_file_is_named(tmp_path):
     p = tmp_path / "bad.npz"
     np.savez(p, x_bits=np.zeros((5, 2), np.uint8), y=np.zeros(5, np.uint8), seq_len=np.int64(100))
-    with pytest.raises(bitstream.DatasetError, match="bad.npz.*x_bits"):
+    with pytest.raises(DatasetError, match="bad.npz.*x_bits"):
         bitstream.load(p)
-    with pytest.raises(bitstream.DatasetError, match="no such dataset file"):
+    with pytest.raises(DatasetError, match="no such dataset file"):
         bitstream.load(tmp_path / "missing.npz")
 
 

@@ -244,3 +244,16 @@ def test_schema_accepts_both_profiles_and_names_bad_keys():
     conf["irmas"]["on_bad_file"] = "ignore"
     with pytest.raises(jsonschema.ValidationError, match="ignore"):
         jsonschema.validate(conf, schema)
+
+
+def test_a_broken_mfcc_file_is_named_through_the_benchmarks_reader(tmp_path):
+    from bppsa.data import DatasetError
+    from bppsa.data.sequences import open_dataset
+
+    bad = tmp_path / "mfcc_m.npz"
+    np.savez(bad, X=np.zeros((2, 3, 4), np.float32), y=np.zeros(2))  # no classes or source: not an MFCC set
+    with pytest.raises(DatasetError, match=r"mfcc_m.npz is not an MFCC set \(missing classes, source\)"):
+        open_dataset(bad)
+    (tmp_path / "cut.npz").write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(DatasetError, match="cut.npz"):
+        irmas.load_mfcc(tmp_path / "cut.npz")

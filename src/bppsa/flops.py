@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from . import scan as _scan
-from .jacobians import sparse as _sj
+from .jacobians import sparse as sparse_jacobians
 
 __all__ = [
     "product_flop",
@@ -215,17 +215,17 @@ def layer_chain(features: nn.Sequential, x: torch.Tensor, *, drop_zeros: bool = 
         if isinstance(layer, nn.Conv2d):
             if layer.stride != (1, 1) or layer.dilation != (1, 1) or layer.groups != 1 or layer.padding[0] != layer.padding[1]:
                 raise ValueError(f"layer {i} ({layer}): only stride-1, undilated, ungrouped, square-padded convs are supported")
-            m = _sj.conv2d_jacobian_t(layer.weight, tuple(xin.shape), layer.padding[0], drop_zeros=drop_zeros, dtype=dtype)
+            m = sparse_jacobians.conv2d_jacobian_t(layer.weight, tuple(xin.shape), layer.padding[0], drop_zeros=drop_zeros, dtype=dtype)
             kind = "conv"
         elif isinstance(layer, nn.ReLU):
-            m = _sj.relu_jacobian_t(xin, drop_zeros=drop_zeros, dtype=dtype)
+            m = sparse_jacobians.relu_jacobian_t(xin, drop_zeros=drop_zeros, dtype=dtype)
             kind = "relu"
         elif isinstance(layer, nn.MaxPool2d):
             k = layer.kernel_size if isinstance(layer.kernel_size, int) else layer.kernel_size[0]
             s = layer.stride if isinstance(layer.stride, int) else layer.stride[0]
             if s != k or layer.padding not in (0, (0, 0)):
                 raise ValueError(f"layer {i} ({layer}): only max-pooling with stride = window and no padding is supported")
-            m = _sj.maxpool2d_jacobian_t(xin, k, drop_zeros=drop_zeros, dtype=dtype)
+            m = sparse_jacobians.maxpool2d_jacobian_t(xin, k, drop_zeros=drop_zeros, dtype=dtype)
             kind = "pool"
         else:
             raise ValueError(f"layer {i} ({type(layer).__name__}) has no analytic transposed Jacobian")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import platform
 import time
+from typing import Callable, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -10,7 +11,7 @@ import torch
 
 from .. import io
 from ..bench.protocol import StopRule, interleave
-from ..jacobians import sparse as sj
+from ..jacobians import sparse as sparse_jacobians
 from .common import add_runtime_args, setup
 
 # VGG-11's first conv, ReLU and max-pool on a 32x32 image (the paper's Table 1 examples)
@@ -37,27 +38,36 @@ def register(sub) -> None:
     p.set_defaults(func=_text)
 
 
-def _operators(seed: int):
-    """(name, analytic generator, function for autograd, its input, expression kwargs) in the paper's order."""
+class Operator(NamedTuple):
+    name: str  # as in the paper's Table 1
+    op: str  # bppsa.jacobians.sparse.sparsity_expression's name for it
+    analytic: Callable  # () -> the analytic CSR transposed Jacobian
+    function: Callable  # the operator itself, for autograd's column-by-column Jacobian
+    input: torch.Tensor
+    shape: dict  # sizes for the sparsity expression
+
+
+def _operators(seed: int) -> list[Operator]:
+    """VGG-11's first conv, ReLU and max-pool, in the paper's order."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(C_OUT, C_IN, KERNEL, KERNEL, generator=g) * (2.0 / (C_IN * KERNEL * KERNEL)) ** 0.5
     x = torch.randn(C_IN, SIZE, SIZE, generator=g)
     conv_out = torch.nn.functional.conv2d(x[None], w, padding=PADDING)[0]
     relu_out = torch.relu(conv_out)
     _, pool_idx = torch.nn.functional.max_pool2d(relu_out[None], POOL, stride=POOL, return_indices=True)
-    conv_np, relu_np = conv_out.numpy(), relu_out
+    conv_np = conv_out.numpy()
     return [
-        ("Convolution", "conv2d",
-         lambda: sj.conv2d_jacobian_t(w, (C_IN, SIZE, SIZE), PADDING, dtype=np.float32),
+        Operator("Convolution", "conv2d",
+         lambda: sparse_jacobians.conv2d_jacobian_t(w, (C_IN, SIZE, SIZE), PADDING, dtype=np.float32),
          lambda t: torch.nn.functional.conv2d(t[None], w, padding=PADDING)[0], x,
          dict(c=C_IN, h=SIZE, w=SIZE, hf=KERNEL, wf=KERNEL)),
-        ("ReLU", "relu",
-         lambda: sj.relu_jacobian_t(conv_np, dtype=np.float32),
+        Operator("ReLU", "relu",
+         lambda: sparse_jacobians.relu_jacobian_t(conv_np, dtype=np.float32),
          torch.relu, conv_out,
          dict(c=C_OUT, h=SIZE, w=SIZE)),
         # the forward pass's pool indices are taken as given, as in the paper's Algorithm 8
-        ("Max-pooling", "maxpool2d",
-         lambda: sj.maxpool2d_jacobian_t(relu_np, POOL, indices=pool_idx[0], dtype=np.float32),
+        Operator("Max-pooling", "maxpool2d",
+         lambda: sparse_jacobians.maxpool2d_jacobian_t(relu_out, POOL, indices=pool_idx[0], dtype=np.float32),
          lambda t: torch.nn.functional.max_pool2d(t[None], POOL, stride=POOL)[0], relu_out,
          dict(c=C_OUT, h=SIZE, w=SIZE, hf=POOL, wf=POOL)),
     ]
@@ -78,9 +88,9 @@ def _measure(args) -> int:
                 threads=torch.get_num_threads(), mkldnn=bool(args.mkldnn), data=args.data_label)
     for name, op, analytic, f, x, expr in _operators(args.seed):
         M = analytic()  # warm-up, and the matrix the autograd result is checked against
-        sparsity = sj.guaranteed_sparsity(M)
+        sparsity = sparse_jacobians.guaranteed_sparsity(M)
         common = dict(operator=name, op=op, rows=M.shape[0], cols=M.shape[1], nnz=M.nnz, sparsity=sparsity,
-                      sparsity_expression=sj.sparsity_expression(op, **expr), csr_mb=(M.data.nbytes + M.indices.nbytes + M.indptr.nbytes) / 2**20,
+                      sparsity_expression=sparse_jacobians.sparsity_expression(op, **expr), csr_mb=(M.data.nbytes + M.indices.nbytes + M.indptr.nbytes) / 2**20,
                       dense_mb=M.shape[0] * M.shape[1] * 4 / 2**20, **meta)
         # the shared protocol: at least the requested repeats, more (up to 10x, 10 s) until the median is
         # known to +-5 %; the warm-up generation above is not timed
@@ -91,7 +101,7 @@ def _measure(args) -> int:
         with torch.backends.mkldnn.flags(enabled=args.mkldnn):
             for i in range(args.repeats_autograd):
                 t0 = time.perf_counter()
-                A = sj.autograd_jacobian_t_columns(f, x)
+                A = sparse_jacobians.autograd_jacobian_t_columns(f, x)
                 rows.append(dict(common, method="autograd-columns", repeat=i, seconds=time.perf_counter() - t0))
                 if i == 0:
                     # autograd drops the explicit zeros the analytic CSR keeps, so compare values

@@ -14,13 +14,10 @@ import torch
 from tqdm import tqdm
 
 from ..io import atomic_path
+from . import DatasetError
 
 CLASSES = 10
 _CHUNK = 1024  # samples per generation chunk: part of the deterministic recipe
-
-
-class DatasetError(RuntimeError):
-    """A dataset file is missing, truncated or corrupt; the message names it."""
 
 
 def class_probability(c: np.ndarray) -> np.ndarray:

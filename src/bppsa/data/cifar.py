@@ -39,10 +39,6 @@ class ImageData:
     name: str  # "CIFAR-10" or the stand-in label
     standin: bool
 
-    @property
-    def label(self) -> str:
-        return self.name
-
 
 def _read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """One pickled batch: 10000 x 3072 uint8 images and their labels 0..9; any defect names the file."""

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..io import atomic_path, write_text
+from . import DatasetError
 
 CLASSES = ("cel", "cla", "flu", "gac", "gel", "org", "pia", "sax", "tru", "vio", "voi")
 # Excerpts per instrument in the real training set (IRMAS documentation); 6,705 in all.  The
@@ -414,18 +415,22 @@ def write_mfcc(root: str | Path, out: str | Path, set_name: str, threads: int = 
 
 
 def load_mfcc(path: str | Path) -> dict:
-    """An MFCC set as written by :func:`write_mfcc`: X, y, classes, source, set."""
+    """An MFCC set as written by :func:`write_mfcc`: X, y, classes, source, set.  The GRU benchmarks
+    read their data through this (via :func:`bppsa.data.sequences.open_dataset`)."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"MFCC file {path} does not exist (run `bppsa mfcc` first)")
-    with np.load(path, allow_pickle=False) as z:
-        need = {"X", "y", "classes", "source"}
-        if not need <= set(z.files):
-            raise ValueError(f"{path} is not an MFCC set (missing {', '.join(sorted(need - set(z.files)))})")
-        d = {k: z[k] for k in z.files}
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such MFCC file (run the make_mfcc rule, `bppsa mfcc`)")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            need = {"X", "y", "classes", "source"}
+            if not need <= set(z.files):
+                raise DatasetError(f"{path} is not an MFCC set (missing {', '.join(sorted(need - set(z.files)))})")
+            d = {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
+        raise DatasetError(f"{path}: truncated or corrupt MFCC file ({exc})") from exc
     X = d["X"]
     if X.ndim != 3 or X.dtype != np.float32 or len(d["y"]) != len(X):
-        raise ValueError(f"{path}: X must be float32 [N, frames, features] with one label per row")
+        raise DatasetError(f"{path}: X must be float32 [N, frames, features] with one label per row")
     d["source"] = str(d["source"])
     d["classes"] = [str(c) for c in d["classes"]]
     if "set" in d:

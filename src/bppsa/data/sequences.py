@@ -1,7 +1,10 @@
 """One interface over the sequence-classification datasets the recurrent benchmarks read.
 
 * bitstream files (``x_bits``/``y``/``seq_len``, see :mod:`bppsa.data.bitstream`): input size 1;
-* feature files (``X`` float32 ``[N, frames, features]``, ``y``; e.g. the IRMAS MFCC sets).
+* MFCC feature files (``X`` float32 ``[N, frames, features]``, ``y``, ``classes``, ``source``; read by
+  :func:`bppsa.data.irmas.load_mfcc`).
+
+Any defect raises :class:`bppsa.data.DatasetError` naming the file.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import bitstream
+from . import DatasetError, bitstream, irmas
 
 
 @dataclass
@@ -30,26 +33,19 @@ class SequenceDataset:
 def open_dataset(path: str | Path, dtype=torch.float32, device="cpu") -> SequenceDataset:
     path = Path(path)
     if not path.is_file():
-        raise bitstream.DatasetError(f"{path}: no such dataset file")
+        raise DatasetError(f"{path}: no such dataset file")
     try:
         with np.load(path, allow_pickle=False) as z:
             keys = set(z.files)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise bitstream.DatasetError(f"{path}: truncated or corrupt dataset file ({exc})") from exc
+        raise DatasetError(f"{path}: truncated or corrupt dataset file ({exc})") from exc
     if "x_bits" in keys:
         x_bits, y, T = bitstream.load(path)
         return SequenceDataset(path, len(y), T, 1, bitstream.CLASSES, "bitstream (Eq. 8)",
                                lambda idx: bitstream.batch(x_bits, y, T, idx, dtype, device))
     if "X" in keys:
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                X, y = z["X"], z["y"].astype(np.int64)
-                classes = len(z["classes"]) if "classes" in z.files else int(y.max()) + 1
-                source = str(z["source"]) if "source" in z.files else path.stem
-        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
-            raise bitstream.DatasetError(f"{path}: truncated or corrupt feature file ({exc})") from exc
-        if X.ndim != 3 or len(y) != len(X):
-            raise bitstream.DatasetError(f"{path}: X has shape {X.shape}, y {y.shape}; expected [N, T, F] and [N]")
+        d = irmas.load_mfcc(path)
+        X, y, classes, source = d["X"], d["y"].astype(np.int64), len(d["classes"]), d["source"]
         Xt = torch.from_numpy(X)
         yt = torch.from_numpy(y)
 
@@ -58,4 +54,4 @@ def open_dataset(path: str | Path, dtype=torch.float32, device="cpu") -> Sequenc
             return (Xt[idx].transpose(0, 1).to(device=device, dtype=dtype).contiguous(), yt[idx].to(device))
 
         return SequenceDataset(path, len(y), X.shape[1], X.shape[2], classes, source, get_batch)
-    raise bitstream.DatasetError(f"{path}: not a sequence dataset (expected x_bits or X arrays, found {sorted(keys)})")
+    raise DatasetError(f"{path}: not a sequence dataset (expected x_bits or X arrays, found {sorted(keys)})")
