@@ -46,7 +46,7 @@ def test_bench_and_train_write_tidy_csvs(tmp_path):
     bench = tmp_path / "bench.csv"
     assert main(["bench", "--data", str(data), "--batch", "8", "--warmup", "1", "--min-iters", "2", "--max-iters", "2",
                  "--min-seconds", "0", "--backend", "torch", "--variants", "baseline", "bppsa-paper",
-                 "--packed-baseline", "on", "--out", str(bench)]) == 0
+                 "--packed-baseline", "on", "--lr", "1e-3", "--out", str(bench)]) == 0
     df = pd.read_csv(bench)
     assert set(df["method"]) == {"baseline", "bppsa"} and set(df["mode"]) == {"full", "nobp"}
     assert set(df["variant"]) == {"baseline", "baseline-packed", "bppsa-paper"}
@@ -75,7 +75,7 @@ def test_bench_and_train_write_tidy_csvs(tmp_path):
 def test_corrupt_dataset_error_names_the_file(tmp_path, capsys):
     bad = tmp_path / "T10.npz"
     bad.write_bytes(b"not a zip")
-    rc = main(["bench", "--data", str(bad), "--batch", "2", "--out", str(tmp_path / "x.csv")])
+    rc = main(["bench", "--data", str(bad), "--batch", "2", "--lr", "1e-3", "--out", str(tmp_path / "x.csv")])
     assert rc == 2
     assert "T10.npz" in capsys.readouterr().err
     assert not (tmp_path / "x.csv").exists()

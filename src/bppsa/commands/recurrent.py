@@ -57,7 +57,7 @@ def register(sub) -> None:
     p.add_argument("--packed-baseline", choices=["auto", "on", "off"], default="auto",
                    help="also time baseline-packed (cuDNN's per-step algorithm, the paper's baseline); "
                         "auto: on a CUDA device only")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, required=True, help="config rnn.lr / gru.lr")
     add_stop_rule_args(p)
     p.add_argument("--no-nobp", dest="nobp", action="store_false", help="skip the paper's forward-only runs")
     p.add_argument("--out", required=True)
@@ -82,7 +82,7 @@ def register(sub) -> None:
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--method", choices=METHODS, required=True)
     p.add_argument("--epochs", type=int, required=True)
-    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--lr", type=float, required=True, help="config rnn.lr / gru.lr")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_train)
 

@@ -17,22 +17,22 @@ from .common import add_runtime_args, optional_int, setup
 
 
 def _data_args(p) -> None:
-    p.add_argument("--source", default="standin", help="CIFAR-10 source: download | standin | <path> (config cifar10.source)")
-    p.add_argument("--data-root", default="data/cifar10", help="where the download goes (config cifar10.root)")
+    p.add_argument("--source", required=True, help="CIFAR-10 source: download | standin | <path> (config cifar10.source)")
+    p.add_argument("--data-root", required=True, help="where the download goes (config cifar10.root)")
 
 
 def register(sub) -> None:
     p = sub.add_parser("vgg11-train", help="train VGG-11, prune it by magnitude, retrain with masks held; accuracies (CSV)")
     _data_args(p)
-    p.add_argument("--width", type=float, default=1.0, help="conv width multiplier (1.0 = the real VGG-11)")
+    p.add_argument("--width", type=float, required=True, help="conv width multiplier (1.0 = the real VGG-11)")
     p.add_argument("--epochs", type=int, required=True, help="training epochs (the paper: 100)")
     p.add_argument("--retrain-epochs", type=int, required=True, help="retraining epochs after pruning (the paper: 100)")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--lr", type=float, required=True)
+    p.add_argument("--weight-decay", type=float, required=True)
     p.add_argument("--no-augment", dest="augment", action="store_false")
-    p.add_argument("--prune", type=float, default=0.97, help="fraction of conv and linear weights pruned")
-    p.add_argument("--scheme", choices=vgg.SCHEMES, default="class-uniform")
+    p.add_argument("--prune", type=float, required=True, help="fraction of conv and linear weights pruned")
+    p.add_argument("--scheme", choices=vgg.SCHEMES, required=True)
     p.add_argument("--out-models", required=True, help="checkpoint with the trained and the pruned-retrained weights")
     p.add_argument("--out", required=True, help="accuracy CSV")
     add_runtime_args(p)
@@ -46,13 +46,13 @@ def register(sub) -> None:
     p.add_argument("--width", type=float, default=1.0, help="with --untrained: width multiplier")
     p.add_argument("--prune", type=float, default=0.97, help="with --untrained: pruned fraction")
     p.add_argument("--scheme", choices=vgg.SCHEMES, default="class-uniform")
-    p.add_argument("--networks", nargs="+", choices=["pruned", "dense"], default=["pruned", "dense"])
-    p.add_argument("--samples", type=int, default=2, help="test images analysed (one batch, one scan per sample)")
-    p.add_argument("--L-m", dest="L_m", type=optional_int, default=2,
+    p.add_argument("--networks", nargs="+", choices=["pruned", "dense"], required=True)
+    p.add_argument("--samples", type=int, required=True, help="test images analysed (one batch, one scan per sample)")
+    p.add_argument("--L-m", dest="L_m", type=optional_int, required=True,
                    help="up-sweep levels before the linear middle scan (the paper: L0-L2, i.e. 2; 'none' = full)")
     p.add_argument("--keep-zeros", dest="drop_zeros", action="store_false",
                    help="count input-dependent zeros as stored (default: every zero value is skipped)")
-    p.add_argument("--dense-limit-gb", type=float, default=2.0, help="memory cap of the dense-GEMM fast path of a product")
+    p.add_argument("--dense-limit-gb", type=float, required=True, help="memory cap of the dense-GEMM fast path of a product")
     p.add_argument("--out", required=True, help="per-product CSV")
     p.add_argument("--out-summary", default=None, help="per-sample totals and the run's time and peak memory (CSV)")
     add_runtime_args(p)
