@@ -109,7 +109,14 @@ def test_use_singularity_without_an_image_stops_naming_the_key_and_the_build(tmp
     assert r.returncode != 0 and "config key `container`" in out and "apptainer build" in out, out[-3000:]
     assert "docker/bppsa.def" in out
     assert not (tmp_path / "results").exists() and not (tmp_path / "data").exists()
+    # a .sif image that is not there: named, with the command that builds it
+    r = _run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--use-singularity",
+              "--configfile", TEST_CONFIG, "--directory", str(tmp_path), "--config", "container=bppsa.sif"])
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "names the image bppsa.sif, which is not here" in out, out[-3000:]
+    assert "apptainer build" in out
     # an image without a device_slug: the host cannot tell what the containers will see
+    (tmp_path / "bppsa.sif").write_bytes(b"")
     r = _run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--use-singularity",
               "--configfile", TEST_CONFIG, "--directory", str(tmp_path), "--config", "container=bppsa.sif"])
     out = r.stdout + r.stderr

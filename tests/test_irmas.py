@@ -166,7 +166,7 @@ def test_missing_instrument_folder_is_named(corpus, tmp_path):
     with pytest.raises(FileNotFoundError, match="sax"):
         irmas.list_corpus(root)
     with pytest.raises(FileNotFoundError, match="irmas.source"):
-        irmas.prepare(str(tmp_path / "nowhere"), tmp_path)
+        irmas.prepare(str(tmp_path / "nowhere"), tmp_path, clips=22)
 
 
 def test_download_failure_leaves_nothing_complete_looking(tmp_path):

@@ -1,10 +1,60 @@
-# Helpers shared by the rule files.
+# Shared by every file of workflow/rules/: the device folder, resources, command-line flags, the
+# grids, the variant names and the workflow's final outputs (get_final_output). Only functions and
+# values, so the order of the includes does not matter; every value comes from the configuration,
+# which the Snakefile has checked against workflow/schemas/ already.
 
+from bppsa.bench.protocol import StopRule
+from bppsa.data.irmas import MFCC_SETS
+from bppsa.models import SPECS
+
+
+def _device_folder():
+    """results/<DEVICE>/: the slug the user gave, or, for local runs on the host only, the detected one.
+
+    Snakemake parses this file again inside every cluster job and container, where detection could
+    name other hardware than on the host that built the DAG; there the slug must be given.
+    """
+    if config["device_slug"]:
+        return config["device_slug"]
+    if IN_CONTAINERS:
+        raise WorkflowError(
+            "with --use-singularity the config key `device_slug` must be set (e.g. --config device_slug=h100): "
+            "the host that parses the Snakefile cannot tell which hardware the containers will see."
+        )
+    from bppsa import device
+
+    try:
+        return device.slug(config["device"])
+    except RuntimeError as exc:
+        raise WorkflowError(
+            f"config key `device` ({config['device']}): {exc}"
+        ) from None
+
+
+DEVICE = _device_folder()
+PROFILE = config["profile"]
 RESOURCES = config.get("resources", {"default": {"threads": 1}})
 # Jobs whose measurements are timings take one unit of this global resource; the default profile
 # (profiles/default) provides one, so locally no two timings ever share the machine. On SLURM the
 # profile gives them exclusive nodes instead.
 TIMING_CLASSES = ("timing", "cpu_timing")
+
+RNN, GRU, IRMAS = config["rnn"], config["gru"], config["irmas"]
+VGG, CIFAR, JAC = config["vgg11"], config["cifar10"], config["jacobians"]
+RESULTS = f"results/{DEVICE}"
+RNN_DIR, GRU_DIR, VGG_DIR, JAC_DIR = (
+    f"{RESULTS}/{name}" for name in ("rnn", "gru", "vgg11", "jacobians")
+)
+REPORT, CLAIMS = "results/report.md", "results/claims.md"
+# The CPU benchmarks (speed, roofline, worker scaling) measure this machine's CPU: only in a cpu folder.
+CPU_FOLDER = config["device"] in ("auto", "cpu") and DEVICE == "cpu"
+
+RNN_GRID = sorted(
+    {(T, RNN["batch_at_seq_len"]) for T in RNN["seq_lens"]}
+    | {(RNN["seq_len_at_batch"], B) for B in RNN["batches"]}
+)
+RNN_VARIANTS = ["baseline"] + [f"bppsa-{layout}" for layout in RNN["layouts"]]
+GRU_VARIANTS = ["baseline"] + [f"bppsa-{layout}" for layout in SPECS["gru"].layouts]
 
 
 def _job(kind):
@@ -30,38 +80,115 @@ def runtime_args():
 
     --results-dir makes the job check that it sees the hardware the folder was claimed for.
     """
-    return (f"--device {config['device']} --device-slug {DEVICE} --results-dir results/{DEVICE} "
-            f"--dtype {config['dtype']} --profile {PROFILE} --seed {config['seed']}")
+    return (
+        f"--device {config['device']} --device-slug {DEVICE} --results-dir {RESULTS} "
+        f"--dtype {config['dtype']} --profile {PROFILE} --seed {config['seed']}"
+    )
 
 
 def L_m_arg(value):
     return "none" if value is None else str(value)
 
 
-from bppsa.bench.protocol import StopRule as _StopRule  # noqa: E402
+def stop_rule(section=None):
+    """The timing protocol of config `bench:`, with a CPU benchmark's own caps (min_iters,
+    max_seconds) where its section gives them. Built when the Snakefile is read, so a bad value
+    stops the run before any job."""
+    caps = {
+        k: section[k] for k in ("min_iters", "max_seconds") if section and k in section
+    }
+    return StopRule.from_config({**config["bench"], **caps}, ignore=["packed_baseline"])
 
-# Checked at parse time, so a bad bench: value stops the run before any job starts.
-STOP_RULE = _StopRule.from_config(config["bench"], ignore=["packed_baseline"])
+
+def protocol_args(section=None):
+    """The stop-rule flags of a timing command (`bppsa bench`, speed, roofline, scaling)."""
+    return stop_rule(section).cli_args()
 
 
 def bench_args():
-    """`bppsa bench` flags of the shared timing protocol (config bench:)."""
+    """`bppsa bench` flags: the protocol, and whether cuDNN's per-step baseline is timed too."""
     packed = config["bench"]["packed_baseline"]
-    packed = {True: "on", False: "off"}.get(packed, packed)  # YAML 1.1 reads a bare on/off as a boolean
-    return f"{STOP_RULE.cli_args()} --packed-baseline {packed}"
+    packed = {True: "on", False: "off"}.get(
+        packed, packed
+    )  # YAML 1.1 reads a bare on/off as a boolean
+    return f"{protocol_args()} --packed-baseline {packed}"
 
 
-rule environment:
-    output:
-        f"results/{DEVICE}/environment.json",
-    threads: job_threads("verify")
-    resources:
-        **job_resources("verify"),
-    params:
-        device=config["device"],
-    shell:
-        "bppsa device --device {params.device} --device-slug {DEVICE} --results-dir results/{DEVICE} --json "
-        "> {output}.tmp && mv {output}.tmp {output}"
+def get_method_args(wildcards):
+    """`--method baseline`, or `--method bppsa --layout <layout>` for a variant named bppsa-<layout>."""
+    method, _, layout = wildcards.variant.partition("-")
+    return f"--method {method}" + (f" --layout {layout}" if layout else "")
 
 
-TARGETS.append(f"results/{DEVICE}/environment.json")
+def get_mfcc_shape(wildcards):
+    """(frames, features) of an MFCC set (Table 3)."""
+    spec = MFCC_SETS[wildcards.set]
+    return spec.frames, spec.features
+
+
+def get_rnn_bench():
+    return [f"{RNN_DIR}/bench_T{T}_B{B}.csv" for T, B in RNN_GRID]
+
+
+def get_gru_bench():
+    return [
+        f"{GRU_DIR}/bench_{s}_B{B}.csv" for s in GRU["sets"] for B in GRU["batches"]
+    ]
+
+
+def get_rnn_summaries():
+    return [f"{RNN_DIR}/speedups.csv", f"{RNN_DIR}/latency.csv"]
+
+
+def get_gru_summaries():
+    return [f"{GRU_DIR}/speedups.csv", f"{GRU_DIR}/latency.csv"]
+
+
+def get_rnn_curves():
+    return [
+        f"{RNN_DIR}/curve_{v}.csv" for v in RNN_VARIANTS[:2]
+    ]  # the first layout trains the curves
+
+
+def get_gru_curves():
+    return [
+        f"{GRU_DIR}/curve_{s}_{v}.csv"
+        for s in GRU["curves"]["sets"]
+        for v in GRU_VARIANTS
+    ]
+
+
+def get_cpu_benchmarks():
+    out = []
+    if CPU_FOLDER and RNN["speed"]["batches"]:
+        out.append(f"{RNN_DIR}/speed.csv")
+    if CPU_FOLDER and RNN["roofline"]["batches"]:
+        out.append(f"{RNN_DIR}/roofline.csv")
+    if CPU_FOLDER and RNN["scaling"]["seq_lens"] and RNN["scaling"]["batches"]:
+        out += [f"{RESULTS}/fig_scaling.png", f"{RNN_DIR}/scaling_crossover.csv"]
+    return out
+
+
+def get_report_input():
+    """Every final output but the report and the claims table, which are rendered from them."""
+    return (
+        [f"{RESULTS}/environment.json", f"{RESULTS}/datasets/bitstream_T30000.csv"]
+        + get_rnn_summaries()
+        + get_rnn_curves()
+        + ["results/fig_7.png"]
+        + [f"results/fig_8_{panel}.png" for panel in "abcdef"]
+        + get_cpu_benchmarks()
+        + get_gru_summaries()
+        + get_gru_curves()
+        + ["results/fig_9.png", "results/fig_13.png"]
+        + [
+            f"{VGG_DIR}/accuracy.csv",
+            "results/fig_10.png",
+            "results/table_1_last_column.txt",
+        ]
+    )
+
+
+def get_final_output():
+    """What a plain `snakemake` builds: the inputs of the first target, `all`."""
+    return get_report_input() + [REPORT, CLAIMS]

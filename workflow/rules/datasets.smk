@@ -4,16 +4,14 @@
 rule make_bitstream:
     output:
         "data/bitstream/T{T}.npz",
-    wildcard_constraints:
-        T=r"\d+",
+    log:
+        "logs/make_bitstream/T{T}.log",
     threads: 1
     resources:
         **job_resources("data"),
     params:
         samples=config["bitstream"]["samples"],
         seed=config["bitstream"]["seed"],
-    log:
-        "logs/make_bitstream/T{T}.log",
     shell:
         "bppsa make-bitstream --seq-len {wildcards.T} --samples {params.samples} --seed {params.seed} "
         "--out {output} 2> {log}"
@@ -22,14 +20,11 @@ rule make_bitstream:
 rule bench_bitstream:
     """Budget of the paper's largest set (T = 30,000, 32,000 samples): time, peak memory, size."""
     output:
-        f"results/{DEVICE}/datasets/bitstream_T30000.csv",
+        f"{RESULTS}/datasets/bitstream_T30000.csv",
+    log:
+        "logs/bench_bitstream.log",
     threads: job_threads("cpu_timing")
     resources:
         **job_resources("cpu_timing"),
-    log:
-        "logs/bench_bitstream.log",
     shell:
         "bppsa bench-bitstream --seq-len 30000 --samples 32000 --out {output} 2> {log}"
-
-
-TARGETS.append(f"results/{DEVICE}/datasets/bitstream_T30000.csv")

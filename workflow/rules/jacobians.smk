@@ -1,12 +1,11 @@
 # Table 1 (Sec 3.4, Appendix D): guaranteed-zero sparsity and analytic CSR generation vs autograd.
 
-JAC = config["jacobians"]
-JAC_DIR = f"results/{DEVICE}/jacobians"
-
 
 rule table1_timings:
     output:
-        JAC_DIR + "/table1_timings.csv",
+        f"{JAC_DIR}/table1_timings.csv",
+    log:
+        "logs/jacobians/table1_timings.log",
     threads: job_threads("cpu_timing")
     resources:
         **job_resources("cpu_timing"),
@@ -16,25 +15,22 @@ rule table1_timings:
         repeats_analytic=JAC["repeats_analytic"],
         repeats_autograd=JAC["repeats_autograd"],
         seed=config["seed"],
-    log:
-        "logs/jacobians/table1_timings.log",
+        profile=PROFILE,
+        slug=DEVICE,
     shell:
-        "bppsa jacobians-table1 --repeats-analytic {params.repeats_analytic} --repeats-autograd {params.repeats_autograd} "
-        "{params.mkldnn} --device {params.device} --threads {threads} --profile {PROFILE} --seed {params.seed} "
-        "--device-slug {DEVICE} --out {output} > {log} 2>&1"
+        "bppsa jacobians-table1 --repeats-analytic {params.repeats_analytic} "
+        "--repeats-autograd {params.repeats_autograd} {params.mkldnn} --device {params.device} --threads {threads} "
+        "--profile {params.profile} --seed {params.seed} --device-slug {params.slug} --out {output} > {log} 2>&1"
 
 
 rule table1_text:
     input:
-        JAC_DIR + "/table1_timings.csv",
+        f"{JAC_DIR}/table1_timings.csv",
     output:
         "results/table_1_last_column.txt",
-    resources:
-        **job_resources("default"),
     log:
         "logs/jacobians/table1_text.log",
+    resources:
+        **job_resources("default"),
     shell:
         "bppsa table1 --results results --out {output} 2> {log}"
-
-
-TARGETS.append("results/table_1_last_column.txt")

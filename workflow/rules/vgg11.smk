@@ -1,37 +1,44 @@
 # Pruned VGG-11 micro-benchmark (Sec 4.3 / 5.3): train, prune, retrain; static FLOP analysis (Fig 10).
 
-VGG = config["vgg11"]
-CIFAR = config["cifar10"]
-VGG_DIR = f"results/{DEVICE}/vgg11"
-
 
 rule vgg11_train:
     output:
-        models=VGG_DIR + "/models.pt",
-        acc=VGG_DIR + "/accuracy.csv",
+        models=f"{VGG_DIR}/models.pt",
+        acc=f"{VGG_DIR}/accuracy.csv",
+    log:
+        "logs/vgg11/train.log",
     threads: job_threads("train")
     resources:
         **job_resources("train"),
     params:
         args=runtime_args(),
         augment="" if VGG["augment"] else "--no-augment",
-        settings=[VGG, CIFAR],  # read by the shell: a change reruns the job
-    log:
-        "logs/vgg11/train.log",
+        source=CIFAR["source"],
+        root=CIFAR["root"],
+        width=VGG["width"],
+        epochs=VGG["epochs"],
+        retrain_epochs=VGG["retrain_epochs"],
+        batch_size=VGG["batch_size"],
+        lr=VGG["lr"],
+        weight_decay=VGG["weight_decay"],
+        prune=VGG["prune"]["fraction"],
+        scheme=VGG["prune"]["scheme"],
     shell:
-        "bppsa vgg11-train --source {CIFAR[source]} --data-root {CIFAR[root]} --width {VGG[width]} "
-        "--epochs {VGG[epochs]} --retrain-epochs {VGG[retrain_epochs]} --batch-size {VGG[batch_size]} "
-        "--lr {VGG[lr]} --weight-decay {VGG[weight_decay]} {params.augment} --prune {VGG[prune][fraction]} "
-        "--scheme {VGG[prune][scheme]} --threads {threads} {params.args} "
+        "bppsa vgg11-train --source {params.source} --data-root {params.root} --width {params.width} "
+        "--epochs {params.epochs} --retrain-epochs {params.retrain_epochs} --batch-size {params.batch_size} "
+        "--lr {params.lr} --weight-decay {params.weight_decay} {params.augment} --prune {params.prune} "
+        "--scheme {params.scheme} --threads {threads} {params.args} "
         "--out-models {output.models} --out {output.acc} > {log} 2>&1"
 
 
 rule vgg11_flops:
     input:
-        VGG_DIR + "/models.pt",
+        f"{VGG_DIR}/models.pt",
     output:
-        flops=VGG_DIR + "/flops.csv",
-        summary=VGG_DIR + "/flops_summary.csv",
+        flops=f"{VGG_DIR}/flops.csv",
+        summary=f"{VGG_DIR}/flops_summary.csv",
+    log:
+        "logs/vgg11/flops.log",
     threads: job_threads("analysis")
     resources:
         **job_resources("analysis"),
@@ -39,28 +46,30 @@ rule vgg11_flops:
         L_m=L_m_arg(VGG["flops"]["L_m"]),
         zeros="" if VGG["flops"]["drop_zeros"] else "--keep-zeros",
         networks=" ".join(VGG["flops"]["networks"]),
-        slug=f"--device-slug {DEVICE}",
-        settings=[VGG["flops"], CIFAR, config["seed"]],  # read by the shell: a change reruns the job
-    log:
-        "logs/vgg11/flops.log",
+        samples=VGG["flops"]["samples"],
+        dtype=VGG["flops"]["dtype"],
+        dense_limit_gb=VGG["flops"]["dense_limit_gb"],
+        source=CIFAR["source"],
+        root=CIFAR["root"],
+        profile=PROFILE,
+        seed=config["seed"],
+        slug=DEVICE,
     shell:
-        "bppsa vgg11-flops --models {input} --source {CIFAR[source]} --data-root {CIFAR[root]} "
-        "--samples {VGG[flops][samples]} --L-m {params.L_m} {params.zeros} --networks {params.networks} "
-        "--dtype {VGG[flops][dtype]} --dense-limit-gb {VGG[flops][dense_limit_gb]} --device cpu --threads {threads} "
-        "--profile {PROFILE} --seed {config[seed]} {params.slug} --out {output.flops} --out-summary {output.summary} > {log} 2>&1"
+        "bppsa vgg11-flops --models {input} --source {params.source} --data-root {params.root} "
+        "--samples {params.samples} --L-m {params.L_m} {params.zeros} --networks {params.networks} "
+        "--dtype {params.dtype} --dense-limit-gb {params.dense_limit_gb} --device cpu --threads {threads} "
+        "--profile {params.profile} --seed {params.seed} --device-slug {params.slug} "
+        "--out {output.flops} --out-summary {output.summary} > {log} 2>&1"
 
 
 rule fig10:
     input:
-        VGG_DIR + "/flops.csv",
+        f"{VGG_DIR}/flops.csv",
     output:
         "results/fig_10.png",
-    resources:
-        **job_resources("default"),
     log:
         "logs/vgg11/fig10.log",
+    resources:
+        **job_resources("default"),
     shell:
         "bppsa fig10 --results results --out {output} 2> {log}"
-
-
-TARGETS.extend([VGG_DIR + "/accuracy.csv", "results/fig_10.png"])

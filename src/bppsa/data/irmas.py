@@ -128,7 +128,7 @@ def download(root: str | Path, url: str = URL, md5: str = MD5) -> Path:
     return _extract_zip(zip_path, root)
 
 
-def prepare(source: str, root: str | Path, clips: int = 330, seed: int = 0, threads: int = 1) -> Path:
+def prepare(source: str, root: str | Path, clips: int, seed: int = 0, threads: int = 1) -> Path:
     """Resolve ``irmas.source`` (download | synthetic | <path>) to a training folder, making it if needed."""
     root = Path(root)
     if source == "download":
@@ -256,7 +256,7 @@ def _synth_job(args) -> None:
     sf.write(path, synth_clip(inst, rng), SR, subtype="PCM_16")
 
 
-def make_synthetic(dest: str | Path, clips: int = 330, seed: int = 0, threads: int = 1) -> Path:
+def make_synthetic(dest: str | Path, clips: int, seed: int = 0, threads: int = 1) -> Path:
     """Write the stand-in corpus to ``dest`` (an ``IRMAS-TrainingData`` folder); deterministic in ``seed``.
 
     An existing stand-in of the same size and seed is reused; it is built in a temporary folder and
