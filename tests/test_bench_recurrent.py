@@ -101,7 +101,8 @@ def _bench(ref_full, ref_nobp, var_full, var_nobp):
                 rows.append(dict(variant=v, mode=mode, iter=i, phase="forward", seconds=s))
     df = pd.DataFrame(rows)
     return df.assign(model="rnn", device="cpu", profile="t", data="d", seq_len=10, batch=4, reference="baseline",
-                     conf=0.95, noisy_threshold=0.1, noisy=False, backend="x", stopped_by="stable", rounds=len(ref_full))
+                     conf=0.95, noisy_threshold=0.1, noisy=False, backend="x", stopped_by="stable",
+                     rounds=len(ref_full))
 
 
 def test_speedups_are_paired_ratios_and_survive_an_outlier():

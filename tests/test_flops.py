@@ -43,7 +43,8 @@ def test_schedule_matches_torch_scan(n, L_m):
     J = [sp.random(H, H, density=0.5, format="csr", random_state=rng) for _ in range(n)]
     g = rng.standard_normal(H)
     out, ops = fl.scan_with_flops(g, J, L_m)
-    ref = scan.blelloch_scan(torch.from_numpy(g)[None], torch.from_numpy(np.stack([m.toarray() for m in J]))[:, None], L_m)
+    dense = torch.from_numpy(np.stack([m.toarray() for m in J]))[:, None]
+    ref = scan.blelloch_scan(torch.from_numpy(g)[None], dense, L_m)
     for p in range(n):
         np.testing.assert_allclose(out[p], ref[p, 0].numpy(), rtol=1e-10, atol=1e-12)
     # the same products the torch scan performs, level by level

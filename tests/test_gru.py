@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from bppsa.backends import get_backend
-from bppsa.precision import ieee_fp32
 from bppsa.jacobians.gru import gru_gates, gru_jacobians_t
 from bppsa.models import build
 from bppsa.models.gru import GRUClassifier
+from bppsa.precision import ieee_fp32
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 PARAMS = ["cell.weight_ih_l0", "cell.weight_hh_l0", "cell.bias_ih_l0", "cell.bias_hh_l0", "head.weight", "head.bias"]
@@ -80,7 +80,7 @@ def test_jacobian_is_eq_11_against_autograd():
     hp = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
     for t in range(T):
         for b in range(B):
-            jac = torch.autograd.functional.jacobian(lambda hh: cell(x[t, b:b + 1], hh[None])[0], hp[t, b])
+            jac = torch.autograd.functional.jacobian(lambda hh, t=t, b=b: cell(x[t, b:b + 1], hh[None])[0], hp[t, b])
             torch.testing.assert_close(J[T - 1 - t, b], jac.t(), rtol=0, atol=1e-12)
 
 
@@ -182,7 +182,8 @@ def test_fig_9_breakdown_arithmetic_and_figures(tmp_path):
         pd.DataFrame(curves).to_csv(d / "curve_x.csv", index=False)
     from bppsa.results import load_all
 
-    b = breakdown(load_all(tmp_path / "results", "gru", "latency.csv"), load_all(tmp_path / "results", "gru", "speedups.csv"))
+    results = tmp_path / "results"
+    b = breakdown(load_all(results, "gru", "latency.csv"), load_all(results, "gru", "speedups.csv"))
     assert len(b) == 4 and set(b["set"]) == {"S", "L"}
     row = b.iloc[0]
     med = 1.03  # the median of the 7 rounds' factors 1.00 ... 1.06

@@ -213,7 +213,8 @@ def test_download_verifies_and_unpacks_atomically(corpus, tmp_path):
 
 def test_cli_make_irmas_and_mfcc(corpus, tmp_path, capsys):
     man = tmp_path / "corpus.json"
-    assert main(["make-irmas", "--source", str(corpus), "--root", str(tmp_path), "--clips", "10", "--out", str(man)]) == 0
+    argv = ["make-irmas", "--source", str(corpus), "--root", str(tmp_path), "--clips", "10", "--out", str(man)]
+    assert main(argv) == 0
     out = tmp_path / "mfcc_m.npz"
     assert main(["mfcc", "--corpus", str(man), "--set", "M", "--out", str(out)]) == 0
     assert irmas.load_mfcc(out)["X"].shape == (22, 517, 24)

@@ -49,7 +49,8 @@ def _compile_targets():
     listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True, timeout=60).stdout.split()
     supported = sorted({int(a.split("_")[1]) for a in listed if a.startswith("compute_")})
     if not supported:
-        return [pytest.param(None, None, marks=pytest.mark.skip(reason="nvcc --list-gpu-arch listed nothing"), id="no-archs")]
+        skip = pytest.mark.skip(reason="nvcc --list-gpu-arch listed nothing")
+        return [pytest.param(None, None, marks=skip, id="no-archs")]
     out = []
     for want in (70, 90):
         if want in supported:
@@ -58,7 +59,8 @@ def _compile_targets():
             # CUDA 13 dropped Volta; the oldest arch it has stands in for it.
             out.append((supported[0], f"sm{want}-unsupported-by-this-nvcc-using-sm{supported[0]}"))
         else:
-            out.append(pytest.param(None, None, marks=pytest.mark.skip(reason=f"sm_{want} not supported by this nvcc"), id=f"sm{want}-unsupported"))
+            skip = pytest.mark.skip(reason=f"sm_{want} not supported by this nvcc")
+            out.append(pytest.param(None, None, marks=skip, id=f"sm{want}-unsupported"))
     params = []
     for src in kernels.SOURCES:
         for item in out:
@@ -89,7 +91,8 @@ def test_sources_ship_with_the_package():
 
 
 def test_plan_uses_only_kernels_that_exist():
-    used = {launch.kernel for N in range(1, 40) for L_m in (None, 0, 1, 2) for launch in kernels.scan_plan(N, 2, 3, L_m)[1]}
+    used = {launch.kernel for N in range(1, 40) for L_m in (None, 0, 1, 2)
+            for launch in kernels.scan_plan(N, 2, 3, L_m)[1]}
     used |= {kernels.rnn_jacobians_launch(3, 2, 4, lay).kernel for lay in ("paper", "fused")}
     defined = {n.rsplit("_", 1)[0] for names in KERNEL_NAMES.values() for n in names}
     assert used <= defined
@@ -206,7 +209,7 @@ template <typename... A> struct Emu<void (*)(A...)> {
 """
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _emulator(build_dir: str):
     if shutil.which("g++") is None:
         pytest.skip("g++ not on PATH: cannot emulate the kernels on the CPU")
@@ -251,7 +254,8 @@ class _Buf:
         return self.flat.ctypes.data + self.G * self.flat.itemsize
 
     def value(self) -> np.ndarray:
-        assert (self.flat[: self.G] == SENTINEL).all() and (self.flat[-self.G :] == SENTINEL).all(), "write out of bounds"
+        guards = np.concatenate([self.flat[: self.G], self.flat[-self.G :]])
+        assert (guards == SENTINEL).all(), "write out of bounds"
         return self.flat[self.G : -self.G].reshape(self.shape).copy()
 
 
@@ -477,11 +481,13 @@ def _torch_stream(handle, index=0):
 def test_stream_from_external_with_fallback(monkeypatch):
     made = []
     monkeypatch.setattr(kernels, "_cupy_per_thread_default_stream", lambda: False)
-    new = SimpleNamespace(cuda=SimpleNamespace(Stream=SimpleNamespace(from_external=lambda s: made.append(("from_external", s)) or "S")))
+    from_external = lambda s: made.append(("from_external", s)) or "S"  # noqa: E731
+    new = SimpleNamespace(cuda=SimpleNamespace(Stream=SimpleNamespace(from_external=from_external)))
     ts = _torch_stream(0x7F00)
     assert kernels._cupy_stream(new, ts) == "S" and made == [("from_external", ts)]
+    external = lambda ptr, dev: made.append(("External", ptr, dev)) or "E"  # noqa: E731
     old = SimpleNamespace(cuda=SimpleNamespace(Stream=SimpleNamespace(),  # CuPy < 14: no from_external
-                                               ExternalStream=lambda ptr, dev: made.append(("External", ptr, dev)) or "E"))
+                                               ExternalStream=external))
     assert kernels._cupy_stream(old, _torch_stream(0x7F00, 1)) == "E" and made[-1] == ("External", 0x7F00, 1)
 
 
@@ -566,9 +572,11 @@ def test_cupy_scan_runs_on_torch_current_stream():
 def test_cupy_rejects_what_it_cannot_do():
     be = _cupy_or_skip()
     with pytest.raises(ValueError, match="hidden sizes up to"):
-        be.scan(torch.zeros(1, 512, device="cuda", dtype=torch.float64), torch.zeros(1, 1, 512, 512, device="cuda", dtype=torch.float64))
+        f64 = dict(device="cuda", dtype=torch.float64)
+        be.scan(torch.zeros(1, 512, **f64), torch.zeros(1, 1, 512, 512, **f64))
     with pytest.raises(ValueError, match="float32 and float64"):
-        be.scan(torch.zeros(1, 4, device="cuda", dtype=torch.float16), torch.zeros(2, 1, 4, 4, device="cuda", dtype=torch.float16))
+        f16 = dict(device="cuda", dtype=torch.float16)
+        be.scan(torch.zeros(1, 4, **f16), torch.zeros(2, 1, 4, 4, **f16))
     with pytest.raises(RuntimeError, match="CUDA"):
         be.scan(torch.zeros(1, 4), torch.zeros(2, 1, 4, 4))
 

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.func import jacrev
 
 from bppsa.jacobians import sparse as sj

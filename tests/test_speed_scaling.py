@@ -16,7 +16,8 @@ from bppsa.bench.protocol import StopRule
 from bppsa.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = StopRule(warmup=0, min_iters=6, max_iters=6, min_seconds=0.0, max_seconds=60.0)  # 6: the fewest rounds with a 95 % median CI
+# 6: the fewest rounds with a 95 % median CI
+TINY = StopRule(warmup=0, min_iters=6, max_iters=6, min_seconds=0.0, max_seconds=60.0)
 
 
 def _rows(batch, group, method, secs, phase="backward", noisy=False):
@@ -38,7 +39,7 @@ def test_summary_pairs_iterations_and_reports_intervals():
     s = speed.summary(df).set_index("ratio")
     assert list(s.columns[:6]) == ["batch", "median", "ci_low", "ci_high", "n", "noisy"]
     r = s.loc["autograd / bppsa-cpu-fused"]
-    assert r["median"] == pytest.approx(2.0) and r["ci_low"] == pytest.approx(2.0) and r["ci_high"] == pytest.approx(2.0)
+    assert (r["median"], r["ci_low"], r["ci_high"]) == pytest.approx((2.0, 2.0, 2.0))
     assert r["n"] == n and not r["noisy"]
     assert s.loc["sequential / bppsa-cpu-fused", "median"] == pytest.approx(1.0)
     assert bool(s.loc["sequential / bppsa-cpu-fused", "noisy"])  # a noisy side marks the ratio
@@ -112,7 +113,8 @@ def test_speed_run_tiny_end_to_end():
                                  "scan-torch", "scan-linear-compiled", "scan-linear-torch"}
     assert (df.groupby("method")["iter"].nunique() == 6).all()
     s = speed.summary(df)
-    assert {"autograd / bppsa-cpu-fused", "sequential / bppsa-cpu-fused", "scan-linear-compiled / scan-cpu"} <= set(s.ratio)
+    want = {"autograd / bppsa-cpu-fused", "sequential / bppsa-cpu-fused", "scan-linear-compiled / scan-cpu"}
+    assert want <= set(s.ratio)
     assert (s["median"] > 0).all() and (s["ci_low"] <= s["median"]).all() and (s["median"] <= s["ci_high"]).all()
 
 
@@ -131,7 +133,8 @@ def test_scan_methods_refuse_a_wrong_scan(monkeypatch):
 def test_commands_write_csvs_and_figure(tmp_path):
     rule = ["--warmup", "0", "--min-iters", "2", "--max-iters", "2", "--min-seconds", "0"]
     sp, rf, sc = tmp_path / "speed.csv", tmp_path / "roofline.csv", tmp_path / "scaling.csv"
-    assert main(["speed", "--device", "cpu", "--seq-len", "9", "--batches", "2", "--hidden", "4", *rule, "--out", str(sp)]) == 0
+    argv = ["speed", "--device", "cpu", "--seq-len", "9", "--batches", "2", "--hidden", "4", *rule, "--out", str(sp)]
+    assert main(argv) == 0
     assert main(["roofline", "--device", "cpu", "--seq-len", "9", "--batches", "2", "--hidden", "4", "--gemm-n", "64",
                  "--copy-mib", "1", *rule, "--out", str(rf)]) == 0
     roof = pd.read_csv(rf)

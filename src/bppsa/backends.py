@@ -48,14 +48,15 @@ def cupy_probe(device: torch.device | str | None = None) -> tuple[bool, str]:
     Importing CuPy is not enough: it imports where the kernels cannot compile (no NVRTC) or load
     (driver too old for the cubin).  So this compiles and fetches one kernel, once per device."""
     if not torch.cuda.is_available():
-        return False, "torch sees no CUDA GPU" + ("" if torch.version.cuda else f" (torch {torch.__version__} is a CPU build)")
+        build = "" if torch.version.cuda else f" (torch {torch.__version__} is a CPU build)"
+        return False, "torch sees no CUDA GPU" + build
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     if dev.type != "cuda":
         return False, f"the CuPy backend runs on CUDA devices only, not {dev}"
     return _probe_cuda(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe_cuda(index: int) -> tuple[bool, str]:
     from . import kernels
 

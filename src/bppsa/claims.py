@@ -19,9 +19,9 @@ How verdicts are reached:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -277,7 +277,8 @@ def curve_claims(results: Path) -> list[Claim]:
             if not frames:
                 continue
             c = pd.concat(frames, ignore_index=True)
-            c["variant"] = np.where(c["method"] == "baseline", "baseline", "bppsa-" + c["layout"].fillna("").astype(str))
+            layouts = c["layout"].fillna("").astype(str)
+            c["variant"] = np.where(c["method"] == "baseline", "baseline", "bppsa-" + layouts)
             for T, g in c.groupby("seq_len"):
                 base = g[g["variant"] == "baseline"].set_index("epoch")
                 for var in sorted(set(g["variant"]) - {"baseline"}):
@@ -285,7 +286,8 @@ def curve_claims(results: Path) -> list[Claim]:
                     common = base.index.intersection(b.index)
                     if common.empty:
                         continue
-                    rel = ((b.loc[common, "loss"] - base.loc[common, "loss"]).abs() / base.loc[common, "loss"].abs()).max()
+                    loss, ref = b.loc[common, "loss"], base.loc[common, "loss"]
+                    rel = ((loss - ref).abs() / ref.abs()).max()
                     speed = base.loc[common, "wall_clock_s"].iloc[-1] / b.loc[common, "wall_clock_s"].iloc[-1]
                     verdict = "holds" if rel <= CURVE_TOL else ("partly" if rel <= 0.05 else "not reproduced")
                     what = "RNN" if model == "rnn" else f"GRU, T={T}"
@@ -327,7 +329,8 @@ def table1_claims(results: Path) -> list[Claim]:
             measured = (fmt_ci(med, lo, hi) if interval else f"{med:.3g}× (no interval: {len(ag)} autograd repeat(s))")
             low = lo if interval else med
             verdict = "holds" if low >= HOLDS_FRACTION * claimed else ("partly" if low > 1 else "not reproduced")
-            reason = (f"ratio of medians over {len(an)}/{len(ag)} repeats (paper: {paper.TABLE1_TRIALS} trials, {paper.PAPER_CPU}); "
+            reason = (f"ratio of medians over {len(an)}/{len(ag)} repeats "
+                      f"(paper: {paper.TABLE1_TRIALS} trials, {paper.PAPER_CPU}); "
                       f"a different CPU and autograd version")
             if verdict == "partly":
                 reason = "the analytic generation is faster, by less than the paper's factor; " + reason
@@ -405,10 +408,11 @@ def cpu_speed_claims(results: Path) -> list[Claim]:
                                  verdict, why + ("; flagged noisy" if noisy else "")))
     for label, cx in _each(results, "rnn/scaling_crossover.csv"):
         for r in cx.itertuples(index=False):
-            p = getattr(r, "crossover_workers")
+            p = r.crossover_workers
             measured = (f"{p:.3g} workers" if np.isfinite(p) else "never (no speedup with more workers)")
             rival = "the compiled sequential one" if r.rival == "sequential" else "eager autograd"
-            out.append(Claim(f"workers at which BPPSA's backward overtakes {rival} (T={r.seq_len}, B={r.batch})", "BPPSA wins when P_Blelloch/P_Linear < Θ(n/log n)",
+            out.append(Claim(f"workers at which BPPSA's backward overtakes {rival} (T={r.seq_len}, B={r.batch})",
+                             "BPPSA wins when P_Blelloch/P_Linear < Θ(n/log n)",
                              "analysis (Sec 3.6)", measured + (" (extrapolated)" if r.extrapolated else ""), label,
                              "not measurable here" if r.extrapolated else "holds",
                              (f"fitted t(p) = a/p + b on 1..{r.max_measured_workers} threads and extrapolated"

@@ -4,9 +4,9 @@ For one sample, the chain of transposed Jacobians of a network's conv part (conv
 is scanned by :func:`bppsa.scan.reference_scan` itself -- the one definition of the tree that the
 torch scan and the CUDA launch plan are held to (node values at the last index of their block, the
 left spine carrying vectors, a linear scan over the blocks of level ``L_m`` in the middle, then the
-matching matrix-vector down-sweep) -- with sparse products that count their FLOP.  Every product is carried out for real with scipy CSR operands (so the next step
-sees the product's true structure and the final gradients can be checked against autograd), and its
-cost is counted as
+matching matrix-vector down-sweep) -- with sparse products that count their FLOP.  Every product
+is carried out for real with scipy CSR operands (so the next step sees the product's true structure
+and the final gradients can be checked against autograd), and its cost is counted as
 
     FLOP(A @ B) = 2 * sum_k nnz(A[:, k]) * nnz(B[k, :])
 
@@ -60,7 +60,8 @@ def product_flop(A: sp.csr_matrix, B) -> int:
     return 2 * int(np.dot(_col_nnz(A), _row_nnz(B)))
 
 
-def spgemm(A: sp.csr_matrix, B: sp.csr_matrix, *, dense_limit_bytes: int = 1 << 30, dense_min_flop: float = 2e9) -> sp.csr_matrix:
+def spgemm(A: sp.csr_matrix, B: sp.csr_matrix, *, dense_limit_bytes: int = 1 << 30,
+           dense_min_flop: float = 2e9) -> sp.csr_matrix:
     """``A @ B`` as CSR with exact zeros removed.
 
     Large, dense-ish products (an unpruned network's deep up-sweep levels) are far faster as one
@@ -194,7 +195,8 @@ def baseline_with_flops(g: np.ndarray, J: list[sp.csr_matrix], names: list[str] 
     for i in range(len(J) - 1):
         w = _mv(J[i], v)
         ops.append(Op("baseline", -1, "BP", "mv", i + 1, i + 2, J[i].shape[0], J[i].shape[1], 1,
-                      product_flop(J[i], v), J[i].nnz, int(np.count_nonzero(v)), int(np.count_nonzero(w)), names[i], True))
+                      product_flop(J[i], v), J[i].nnz, int(np.count_nonzero(v)), int(np.count_nonzero(w)), names[i],
+                      True))
         v = w
         out.append(v)
     return out, ops
@@ -213,9 +215,12 @@ def layer_chain(features: nn.Sequential, x: torch.Tensor, *, drop_zeros: bool = 
     for i, layer in enumerate(features):
         xin = acts[i]
         if isinstance(layer, nn.Conv2d):
-            if layer.stride != (1, 1) or layer.dilation != (1, 1) or layer.groups != 1 or layer.padding[0] != layer.padding[1]:
-                raise ValueError(f"layer {i} ({layer}): only stride-1, undilated, ungrouped, square-padded convs are supported")
-            m = sparse_jacobians.conv2d_jacobian_t(layer.weight, tuple(xin.shape), layer.padding[0], drop_zeros=drop_zeros, dtype=dtype)
+            plain = layer.stride == (1, 1) and layer.dilation == (1, 1) and layer.groups == 1
+            if not plain or layer.padding[0] != layer.padding[1]:
+                raise ValueError(f"layer {i} ({layer}): only stride-1, undilated, ungrouped, square-padded convs "
+                                 "are supported")
+            m = sparse_jacobians.conv2d_jacobian_t(layer.weight, tuple(xin.shape), layer.padding[0],
+                                                   drop_zeros=drop_zeros, dtype=dtype)
             kind = "conv"
         elif isinstance(layer, nn.ReLU):
             m = sparse_jacobians.relu_jacobian_t(xin, drop_zeros=drop_zeros, dtype=dtype)
@@ -224,7 +229,8 @@ def layer_chain(features: nn.Sequential, x: torch.Tensor, *, drop_zeros: bool = 
             k = layer.kernel_size if isinstance(layer.kernel_size, int) else layer.kernel_size[0]
             s = layer.stride if isinstance(layer.stride, int) else layer.stride[0]
             if s != k or layer.padding not in (0, (0, 0)):
-                raise ValueError(f"layer {i} ({layer}): only max-pooling with stride = window and no padding is supported")
+                raise ValueError(f"layer {i} ({layer}): only max-pooling with stride = window and no padding "
+                                 "is supported")
             m = sparse_jacobians.maxpool2d_jacobian_t(xin, k, drop_zeros=drop_zeros, dtype=dtype)
             kind = "pool"
         else:
@@ -235,7 +241,8 @@ def layer_chain(features: nn.Sequential, x: torch.Tensor, *, drop_zeros: bool = 
     return J[::-1], names[::-1], acts
 
 
-def analyse_sample(features: nn.Sequential, x: torch.Tensor, g: torch.Tensor, L_m: int | None, *, drop_zeros: bool = True, dtype=np.float64, **gemm_kw) -> dict:
+def analyse_sample(features: nn.Sequential, x: torch.Tensor, g: torch.Tensor, L_m: int | None, *,
+                   drop_zeros: bool = True, dtype=np.float64, **gemm_kw) -> dict:
     """The scan and the baseline for one sample; ``g`` is the loss gradient at the features' output.
 
     Returns a dict with ``ops`` (records of the scan and the baseline) and both gradient lists.

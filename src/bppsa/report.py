@@ -44,7 +44,8 @@ def _exactness(results: Path) -> str:
         return "No verify results."
     df = pd.DataFrame(rows)
     agg = df.groupby(["device", "model", "dtype", "backend", "layout"]).agg(
-        checks=("max_rel_err", "size"), worst_rel_err=("max_rel_err", "max"), tolerance=("tolerance", "first")).reset_index()
+        checks=("max_rel_err", "size"), worst_rel_err=("max_rel_err", "max"),
+        tolerance=("tolerance", "first")).reset_index()
     return ("Every BPPSA configuration that was timed was first checked against autograd on the same weights "
             "and batch (`bppsa verify`); the worst relative gradient error per group:\n\n" + _md(agg))
 
@@ -126,8 +127,8 @@ def build(results: str | Path = "results") -> str:
                                                                              "pruned_fraction", "paper_top1", "data"]))
         fl = folder / "vgg11" / "flops_summary.csv"
         if fl.exists():
-            df = pd.read_csv(fl).groupby("network")[["bppsa_critical_flop", "bppsa_max_step_flop", "baseline_total_flop",
-                                                     "baseline_max_step_flop"]].mean().reset_index()
+            cols = ["bppsa_critical_flop", "bppsa_max_step_flop", "baseline_total_flop", "baseline_max_step_flop"]
+            df = pd.read_csv(fl).groupby("network")[cols].mean().reset_index()
             vgg.append(f"**{label}**, FLOP per sample (mean over samples):\n\n" + _md(df))
     out.append(_section("Pruned VGG-11 (Fig 10)", "\n\n".join(vgg) if vgg else "Not run."))
     return "\n".join(out)

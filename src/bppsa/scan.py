@@ -186,8 +186,9 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None,
     Blelloch scan; ``0`` degenerates to the linear scan.  ``J`` is not modified.
 
     The tree is the one of :func:`reference_scan` (blocks of 2^d positions, the right-most one
-    clipped), which tests hold this function to; each level's block values are kept *compact* -- a contiguous ``[blocks, B, H, H]`` tensor --
-    so every product is one batched matmul on contiguous operands.  (The in-place textbook
+    clipped), which tests hold this function to; each level's block values are kept *compact* -- a
+    contiguous ``[blocks, B, H, H]`` tensor -- so every product is one batched matmul on contiguous
+    operands.  (The in-place textbook
     layout, which the CUDA kernels use, needs strided gathers and scatters on the CPU.)  The left
     operands of each level are exactly the ``T`` of the down-sweep, so they are kept for it.
     Intermediate levels live in ``workspace`` when one is given; the result is always a new tensor.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch

@@ -44,7 +44,8 @@ def register(subparsers) -> None:
     p.add_argument("--hidden", type=int, default=20, help="hidden size H")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--layout", choices=["paper", "fused"], default="paper")
-    p.add_argument("--L-m", dest="L_m", type=int, default=None, help="up-sweep levels before a linear middle scan (default: full scan)")
+    p.add_argument("--L-m", dest="L_m", type=int, default=None,
+                   help="up-sweep levels before a linear middle scan (default: full scan)")
     p.add_argument("--backends", default="cupy,torch", help="comma-separated backends to time")
     p.add_argument("--iters", type=int, default=50, help="timed repeats")
     p.add_argument("--warmup", type=int, default=5, help="untimed repeats first")

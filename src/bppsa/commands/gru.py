@@ -19,7 +19,8 @@ def register(sub) -> None:
     p.add_argument("--source", default="synthetic",
                    help="download | synthetic | <path to an IRMAS-TrainingData folder> (config irmas.source)")
     p.add_argument("--root", default="data/irmas", help="where downloads and the stand-in live")
-    p.add_argument("--clips", type=int, required=True, help="stand-in size (config irmas.synthetic_clips; 6705 = the real training set's)")
+    p.add_argument("--clips", type=int, required=True,
+                   help="stand-in size (config irmas.synthetic_clips; 6705 = the real training set's)")
     p.add_argument("--seed", type=int, default=0, help="stand-in seed")
     p.add_argument("--threads", type=int, default=1, help="worker processes for the stand-in")
     p.add_argument("--out", required=True, help="manifest JSON naming the corpus folder (the rule's output)")

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import platform
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -19,10 +20,13 @@ C_IN, C_OUT, SIZE, KERNEL, PADDING, POOL = 3, 64, 32, 3, 1, 2
 
 
 def register(sub) -> None:
-    p = sub.add_parser("jacobians-table1", help="Table 1: guaranteed-zero sparsity and analytic-vs-autograd generation time (CSV)")
-    p.add_argument("--repeats-analytic", type=int, default=20, help="timed analytic generations per operator, at least (the paper: 1000); more, up to 10x, "
+    p = sub.add_parser("jacobians-table1",
+                       help="Table 1: guaranteed-zero sparsity and analytic-vs-autograd generation time (CSV)")
+    p.add_argument("--repeats-analytic", type=int, default=20,
+                   help="timed analytic generations per operator, at least (the paper: 1000); more, up to 10x, "
                         "until the median is known to +-5 %%")
-    p.add_argument("--repeats-autograd", type=int, default=1, help="timed column-by-column autograd generations per operator (the paper: 1000; "
+    p.add_argument("--repeats-autograd", type=int, default=1,
+                   help="timed column-by-column autograd generations per operator (the paper: 1000; "
                    "0 skips autograd: sparsity only, no speedup, as the toy .test configuration does)")
     p.add_argument("--mkldnn", action="store_true",
                    help="let autograd use oneDNN for the conv (off by default: on CPU its per-call overhead makes "
@@ -84,17 +88,19 @@ def _measure(args) -> int:
     if args.repeats_analytic < 1 or args.repeats_autograd < 0:
         raise ValueError("--repeats-analytic must be >= 1 and --repeats-autograd >= 0")
     rows = []
-    meta = dict(profile=args.profile, device_slug=args.device_slug, processor=platform.processor() or platform.machine(),
+    meta = dict(profile=args.profile, device_slug=args.device_slug,
+                processor=platform.processor() or platform.machine(),
                 threads=torch.get_num_threads(), mkldnn=bool(args.mkldnn), data=args.data_label)
     for name, op, analytic, f, x, expr in _operators(args.seed):
         M = analytic()  # warm-up, and the matrix the autograd result is checked against
         sparsity = sparse_jacobians.guaranteed_sparsity(M)
         common = dict(operator=name, op=op, rows=M.shape[0], cols=M.shape[1], nnz=M.nnz, sparsity=sparsity,
-                      sparsity_expression=sparse_jacobians.sparsity_expression(op, **expr), csr_mb=(M.data.nbytes + M.indices.nbytes + M.indptr.nbytes) / 2**20,
+                      sparsity_expression=sparse_jacobians.sparsity_expression(op, **expr),
+                      csr_mb=(M.data.nbytes + M.indices.nbytes + M.indptr.nbytes) / 2**20,
                       dense_mb=M.shape[0] * M.shape[1] * 4 / 2**20, **meta)
         # the shared protocol: at least the requested repeats, more (up to 10x, 10 s) until the median is
         # known to +-5 %; the warm-up generation above is not timed
-        m = interleave({"analytic": lambda i: {"analytic": _timed(analytic)}},
+        m = interleave({"analytic": lambda i, analytic=analytic: {"analytic": _timed(analytic)}},
                        StopRule(warmup=0, min_iters=args.repeats_analytic, min_seconds=0.0,
                                 max_iters=10 * args.repeats_analytic, max_seconds=10.0))
         rows += [dict(common, method="analytic", repeat=r["iter"], seconds=r["seconds"]) for r in m.rows]
@@ -111,7 +117,8 @@ def _measure(args) -> int:
         an = np.median([r["seconds"] for r in rows if r["operator"] == name and r["method"] == "analytic"])
         ag = [r["seconds"] for r in rows if r["operator"] == name and r["method"] == "autograd-columns"]
         ag = np.median(ag) if ag else float("nan")
-        print(f"{name}: sparsity {sparsity:.5f}; analytic {an * 1e3:.2f} ms, autograd by columns {ag:.2f} s, speedup {ag / an:.3g}x",
+        print(f"{name}: sparsity {sparsity:.5f}; analytic {an * 1e3:.2f} ms, autograd by columns {ag:.2f} s, "
+              f"speedup {ag / an:.3g}x",
               flush=True)
     io.write_csv(args.out, pd.DataFrame(rows))
     return 0

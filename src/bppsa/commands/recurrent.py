@@ -33,7 +33,8 @@ def _model_args(p, data_required: bool) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="auto")
     p.add_argument("--layout", choices=sorted({lay for s in SPECS.values() for lay in s.layouts}), default="fused",
                    help="Jacobian layout; the GRU has 'fused' only")
-    p.add_argument("--L-m", dest="L_m", type=optional_int, default=None, help="heterogeneous scan levels (default: full Blelloch)")
+    p.add_argument("--L-m", dest="L_m", type=optional_int, default=None,
+                   help="heterogeneous scan levels (default: full Blelloch)")
     if data_required:
         p.add_argument("--data", required=True, help="dataset file (bitstream or feature .npz)")
     add_runtime_args(p)

@@ -17,12 +17,14 @@ from .common import add_runtime_args, optional_int, setup
 
 
 def _data_args(p) -> None:
-    p.add_argument("--source", required=True, help="CIFAR-10 source: download | standin | <path> (config cifar10.source)")
+    p.add_argument("--source", required=True,
+                   help="CIFAR-10 source: download | standin | <path> (config cifar10.source)")
     p.add_argument("--data-root", required=True, help="where the download goes (config cifar10.root)")
 
 
 def register(sub) -> None:
-    p = sub.add_parser("vgg11-train", help="train VGG-11, prune it by magnitude, retrain with masks held; accuracies (CSV)")
+    p = sub.add_parser("vgg11-train",
+                       help="train VGG-11, prune it by magnitude, retrain with masks held; accuracies (CSV)")
     _data_args(p)
     p.add_argument("--width", type=float, required=True, help="conv width multiplier (1.0 = the real VGG-11)")
     p.add_argument("--epochs", type=int, required=True, help="training epochs (the paper: 100)")
@@ -52,7 +54,8 @@ def register(sub) -> None:
                    help="up-sweep levels before the linear middle scan (the paper: L0-L2, i.e. 2; 'none' = full)")
     p.add_argument("--keep-zeros", dest="drop_zeros", action="store_false",
                    help="count input-dependent zeros as stored (default: every zero value is skipped)")
-    p.add_argument("--dense-limit-gb", type=float, required=True, help="memory cap of the dense-GEMM fast path of a product")
+    p.add_argument("--dense-limit-gb", type=float, required=True,
+                   help="memory cap of the dense-GEMM fast path of a product")
     p.add_argument("--out", required=True, help="per-product CSV")
     p.add_argument("--out-summary", default=None, help="per-sample totals and the run's time and peak memory (CSV)")
     add_runtime_args(p)
@@ -72,30 +75,39 @@ def _train(args) -> int:
     cfg = vgg.TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
                           augment=args.augment, seed=args.seed)
     rows = []
-    log = lambda phase: (lambda r: print(f"[{phase}] epoch {r['epoch']}: loss {r['train_loss']:.4f} ({r['seconds']:.1f} s)", flush=True))  # noqa: E731
+
+    def log(phase):
+        return lambda r: print(f"[{phase}] epoch {r['epoch']}: loss {r['train_loss']:.4f} ({r['seconds']:.1f} s)",
+                               flush=True)
+
+    def final_loss(hist):
+        return hist[-1]["train_loss"] if hist else float("nan")
 
     t0 = time.perf_counter()
     hist = vgg.train(model, data.x_train, data.y_train, cfg, log=log("train"))
     acc_dense = vgg.accuracy(model, data.x_test, data.y_test)
-    rows.append(dict(network="dense", stage="trained", epochs=args.epochs, top1=acc_dense, seconds=time.perf_counter() - t0,
-                     final_train_loss=hist[-1]["train_loss"] if hist else float("nan"), pruned_fraction=vgg.pruned_fraction(model)["all"]))
+    rows.append(dict(network="dense", stage="trained", epochs=args.epochs, top1=acc_dense,
+                     seconds=time.perf_counter() - t0, final_train_loss=final_loss(hist),
+                     pruned_fraction=vgg.pruned_fraction(model)["all"]))
     dense_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
     masks = vgg.magnitude_masks(model, args.prune, args.scheme)
     vgg.apply_masks(model, masks)
-    rows.append(dict(network="pruned", stage="pruned, before retraining", epochs=0, top1=vgg.accuracy(model, data.x_test, data.y_test),
-                     seconds=0.0, final_train_loss=float("nan"), pruned_fraction=vgg.pruned_fraction(model)["all"]))
+    rows.append(dict(network="pruned", stage="pruned, before retraining", epochs=0,
+                     top1=vgg.accuracy(model, data.x_test, data.y_test), seconds=0.0, final_train_loss=float("nan"),
+                     pruned_fraction=vgg.pruned_fraction(model)["all"]))
     t0 = time.perf_counter()
     hist = vgg.train(model, data.x_train, data.y_train, dataclasses.replace(cfg, epochs=args.retrain_epochs),
                      masks=masks, log=log("retrain"))
     frac = vgg.pruned_fraction(model)
-    rows.append(dict(network="pruned", stage="retrained", epochs=args.retrain_epochs, top1=vgg.accuracy(model, data.x_test, data.y_test),
-                     seconds=time.perf_counter() - t0, final_train_loss=hist[-1]["train_loss"] if hist else float("nan"),
-                     pruned_fraction=frac["all"]))
+    rows.append(dict(network="pruned", stage="retrained", epochs=args.retrain_epochs,
+                     top1=vgg.accuracy(model, data.x_test, data.y_test), seconds=time.perf_counter() - t0,
+                     final_train_loss=final_loss(hist), pruned_fraction=frac["all"]))
     df = pd.DataFrame(rows)
     df["paper_top1"] = df["stage"].map(paper.VGG11_TOP1_BY_STAGE)  # the paper's CIFAR-10 accuracies, for reference
     df["data"], df["width"], df["prune"], df["scheme"] = data.name, args.width, args.prune, args.scheme
-    df["profile"], df["device_slug"], df["train_size"], df["test_size"] = args.profile, args.device_slug, len(data.y_train), len(data.y_test)
+    df["profile"], df["device_slug"] = args.profile, args.device_slug
+    df["train_size"], df["test_size"] = len(data.y_train), len(data.y_test)
     df["per_layer_pruned"] = "; ".join(f"{k}={v:.4f}" for k, v in frac.items() if k != "all")
     print(df[["network", "stage", "top1", "paper_top1", "pruned_fraction"]].to_string(index=False))
     with io.atomic_path(args.out_models, suffix=".pt") as tmp:
@@ -148,13 +160,15 @@ def _flops(args) -> int:
         (g,) = torch.autograd.grad(loss, feats)
         for s in range(args.samples):
             t0 = time.perf_counter()
-            res = fl.analyse_sample(model.features, xb[s].detach(), g[s], args.L_m, drop_zeros=args.drop_zeros, dtype=dtype, **gemm_kw)
+            res = fl.analyse_sample(model.features, xb[s].detach(), g[s], args.L_m, drop_zeros=args.drop_zeros,
+                                    dtype=dtype, **gemm_kw)
             secs = time.perf_counter() - t0
             records += fl.ops_records(res["ops"], network=net, sample=s)
             summary.append(dict(network=net, sample=s, seconds=secs, **fl.flop_summary(res["ops"])))
-            print(f"[{net}] sample {s}: {secs:.1f} s; BPPSA critical path {summary[-1]['bppsa_critical_flop']:.3g} FLOP "
-                  f"(max step {summary[-1]['bppsa_max_step_flop']:.3g}), BP {summary[-1]['baseline_total_flop']:.3g} FLOP "
-                  f"(max step {summary[-1]['baseline_max_step_flop']:.3g})", flush=True)
+            last = summary[-1]
+            print(f"[{net}] sample {s}: {secs:.1f} s; BPPSA critical path {last['bppsa_critical_flop']:.3g} FLOP "
+                  f"(max step {last['bppsa_max_step_flop']:.3g}), BP {last['baseline_total_flop']:.3g} FLOP "
+                  f"(max step {last['baseline_max_step_flop']:.3g})", flush=True)
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
     meta = dict(profile=args.profile, device_slug=args.device_slug, data=data.name, width=args.width, prune=args.prune,
                 scheme=args.scheme, L_m="none" if args.L_m is None else args.L_m, drop_zeros=args.drop_zeros,

@@ -63,7 +63,8 @@ def load(path: str | Path) -> tuple[np.ndarray, np.ndarray, int]:
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DatasetError(f"{path}: truncated or corrupt bitstream file ({exc})") from exc
     if x_bits.dtype != np.uint8 or x_bits.ndim != 2 or x_bits.shape[1] != (seq_len + 7) // 8:
-        raise DatasetError(f"{path}: x_bits has shape {x_bits.shape}/{x_bits.dtype}, expected [N, {(seq_len + 7) // 8}] uint8")
+        raise DatasetError(f"{path}: x_bits has shape {x_bits.shape}/{x_bits.dtype}, "
+                           f"expected [N, {(seq_len + 7) // 8}] uint8")
     if y.shape != (x_bits.shape[0],) or (y.size and int(y.max()) >= CLASSES):
         raise DatasetError(f"{path}: labels y are inconsistent with x_bits ({y.shape} vs {x_bits.shape[0]} samples)")
     return x_bits, y, seq_len

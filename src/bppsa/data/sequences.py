@@ -9,9 +9,9 @@ Any defect raises :class:`bppsa.data.DatasetError` naming the file.
 from __future__ import annotations
 
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch

@@ -70,7 +70,8 @@ def _taps_1d(size: int, k: int, p: int) -> tuple[np.ndarray, np.ndarray, int]:
     return (o >= 0) & (o < out_size), o, out_size
 
 
-def conv2d_jacobian_t(weight, input_shape, padding: int = 0, *, drop_zeros: bool = False, dtype=np.float64) -> sp.csr_matrix:
+def conv2d_jacobian_t(weight, input_shape, padding: int = 0, *, drop_zeros: bool = False,
+                      dtype=np.float64) -> sp.csr_matrix:
     """Transposed Jacobian of ``y = conv2d(x, weight, stride=1, padding=padding)`` for one sample.
 
     ``weight``: ``[C_o, C_i, k_h, k_w]`` (torch or numpy), ``input_shape = (C_i, H, W)``.  Row
@@ -115,7 +116,8 @@ def conv2d_jacobian_t(weight, input_shape, padding: int = 0, *, drop_zeros: bool
     e = s_start[pix] + off % n_s[pix]
     cols = t_co * (Ho * Wo) + s_out[e]
     flat = (t_co * kh + s_u[e]) * kw + s_v[e]
-    vals = np.take(w.transpose(1, 0, 2, 3).reshape(ci, -1), flat, axis=1)  # [C_i, len]: one pattern, each channel's weights
+    # [C_i, len]: one pattern, each channel's weights
+    vals = np.take(w.transpose(1, 0, 2, 3).reshape(ci, -1), flat, axis=1)
 
     indptr = np.concatenate(([0], np.cumsum(np.tile(row_len, ci))))
     return _csr(vals.reshape(-1), np.tile(cols, ci), indptr, (ci * H * W, co * Ho * Wo), drop_zeros)
@@ -143,7 +145,8 @@ def _pool_indices(x: np.ndarray | torch.Tensor, k: int) -> np.ndarray:
     return idx[0].cpu().numpy()
 
 
-def maxpool2d_jacobian_t(x, kernel_size: int, *, indices=None, drop_zeros: bool = False, dtype=np.float64) -> sp.csr_matrix:
+def maxpool2d_jacobian_t(x, kernel_size: int, *, indices=None, drop_zeros: bool = False,
+                         dtype=np.float64) -> sp.csr_matrix:
     """Transposed Jacobian of ``max_pool2d(x, kernel_size, stride=kernel_size)`` at ``x = (C, H, W)``.
 
     Each input element inside a window has exactly one possible non-zero, in the column of its

@@ -175,7 +175,8 @@ def _check_cuda(dtype: torch.dtype, *tensors: torch.Tensor) -> torch.device:
     if dev.index != current:
         # torch's stream handle carries no device, and CuPy launches on the current device
         raise ValueError(f"backend 'cupy': the tensors are on {dev} but the current CUDA device is cuda:{current}; "
-                         f"call torch.cuda.set_device({dev.index}) (or use `with torch.cuda.device({dev.index})`) first")
+                         f"call torch.cuda.set_device({dev.index}) "
+                         f"(or use `with torch.cuda.device({dev.index})`) first")
     return dev
 
 

@@ -37,7 +37,8 @@ def spec(name: str) -> ModelSpec:
 
 def check_layout(name: str, layout: str) -> None:
     if layout not in spec(name).layouts:
-        raise ValueError(f"the {name.upper()} has no Jacobian layout '{layout}' (it has: {', '.join(spec(name).layouts)})")
+        has = ", ".join(spec(name).layouts)
+        raise ValueError(f"the {name.upper()} has no Jacobian layout '{layout}' (it has: {has})")
 
 
 def build(name: str, input_size: int | None = None, hidden: int | None = None, classes: int | None = None):

@@ -38,7 +38,8 @@ def variant(df):
 
 def device_colors(labels) -> dict[str, str]:
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    return {lab: cycle[i % len(cycle)] for i, lab in enumerate(sorted(set(labels), key=lambda s: ("reference" in s, s)))}
+    ordered = sorted(set(labels), key=lambda s: ("reference" in s, s))  # committed reference folders last
+    return {lab: cycle[i % len(cycle)] for i, lab in enumerate(ordered)}
 
 
 def provenance(df, repeats: str) -> str:

@@ -11,13 +11,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 from ..results import load_all  # noqa: E402
 from .common import save  # noqa: E402
 
+
 # the paper's five series; the baseline drawn as green circles as in the paper
+def _scan_ops(kind, critical):
+    return lambda d: (d.phase != "baseline") & (d.kind == kind) & (d.critical == critical)
+
+
 SERIES = [
-    ("mv", lambda d: (d.phase != "baseline") & (d.kind == "mv") & ~d.critical, dict(marker="o", c="tab:orange", alpha=0.5, s=22)),
-    ("mm", lambda d: (d.phase != "baseline") & (d.kind == "mm") & ~d.critical, dict(marker="o", c="tab:blue", alpha=0.5, s=22)),
-    ("mv (critical)", lambda d: (d.phase != "baseline") & (d.kind == "mv") & d.critical, dict(marker="o", c="tab:red", s=30)),
-    ("mm (critical)", lambda d: (d.phase != "baseline") & (d.kind == "mm") & d.critical, dict(marker="o", c="tab:purple", s=30)),
-    ("baseline (BP)", lambda d: d.phase == "baseline", dict(marker="o", facecolors="none", edgecolors="tab:green", s=40, linewidths=1.3)),
+    ("mv", _scan_ops("mv", False), dict(marker="o", c="tab:orange", alpha=0.5, s=22)),
+    ("mm", _scan_ops("mm", False), dict(marker="o", c="tab:blue", alpha=0.5, s=22)),
+    ("mv (critical)", _scan_ops("mv", True), dict(marker="o", c="tab:red", s=30)),
+    ("mm (critical)", _scan_ops("mm", True), dict(marker="o", c="tab:purple", s=30)),
+    ("baseline (BP)", lambda d: d.phase == "baseline",
+     dict(marker="o", facecolors="none", edgecolors="tab:green", s=40, linewidths=1.3)),
 ]
 TITLES = {"pruned": "pruned VGG-11 (retrained), as in the paper", "dense": "unpruned VGG-11, for comparison"}
 

@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.patches import Patch
 
-from ..data.irmas import MFCC_SETS
 from .. import paper
+from ..data.irmas import MFCC_SETS
 from ..io import write_csv
 from ..results import load_all
 from .common import PROTOCOL_NOTE, VARIANT_NAME, VARIANT_STYLE, device_colors, errorbar, provenance, save, variant

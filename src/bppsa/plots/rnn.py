@@ -10,8 +10,7 @@ import pandas as pd
 from matplotlib.patches import Patch
 
 from ..results import load_all
-from .common import (PROTOCOL_NOTE, VARIANT_NAME, VARIANT_STYLE, device_colors, errorbar, provenance, save,
-                     variant)
+from .common import PROTOCOL_NOTE, VARIANT_NAME, VARIANT_STYLE, device_colors, errorbar, provenance, save, variant
 
 HATCH = {"baseline": "//", "baseline-packed": "\\\\", "bppsa-fused": "", "bppsa-paper": "xx"}
 PHASE_COLOR = {"forward": "#4c72b0", "jacobian": "#dd8452", "backward_pass": "#c44e52", "optimizer": "#8c8c8c"}
@@ -164,7 +163,8 @@ def fig_breakdown(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
         ax.set_xlabel(XLABEL[axis])
         ax.set_ylabel("runtime / baseline runtime")
         ax.set_title(dev, fontsize=9)
-        handles = [Patch(facecolor=PHASE_COLOR[p], edgecolor="k", linewidth=0.4, label=PHASE_LABEL[p]) for p in BREAKDOWN]
+        handles = [Patch(facecolor=PHASE_COLOR[p], edgecolor="k", linewidth=0.4, label=PHASE_LABEL[p])
+                   for p in BREAKDOWN]
         handles += [Patch(facecolor="white", edgecolor="k", hatch=HATCH.get(v, ".."), label=VARIANT_NAME.get(v, v))
                     for v in variants]
         ax.legend(handles=handles, fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))

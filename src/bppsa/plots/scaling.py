@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from matplotlib import ticker
 import pandas as pd
+from matplotlib import ticker
 
 from ..bench.scaling import BPPSA, crossovers, medians
 from ..bench.speed import AUTOGRAD, SEQUENTIAL

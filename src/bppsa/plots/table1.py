@@ -26,11 +26,12 @@ def table1_text(df) -> str:
     for label, d in df.groupby("device_label", sort=False):
         first = d.iloc[0]
         lines.append("")
+        onednn = "on" if bool(first["mkldnn"]) else "off"
         lines.append(f"## device: {label} (processor {first['processor']}, {int(first['threads'])} threads, "
-                     f"oneDNN for autograd: {'on' if bool(first['mkldnn']) else 'off'}); profile: {first['profile']}; data: {first['data']}")
-        header = f"{'operator':<12} {'expression':<22} {'expr. value':>11} {'measured':>9} {'paper':>8}   " \
-                 f"{'analytic (ms)':>14} {'autograd (s)':>13} {'speedup':>9} {'paper':>8}  repeats (analytic/autograd)" \
-                 "   [times: median ± half the IQR; speedup: ratio of medians]"
+                     f"oneDNN for autograd: {onednn}); profile: {first['profile']}; data: {first['data']}")
+        header = (f"{'operator':<12} {'expression':<22} {'expr. value':>11} {'measured':>9} {'paper':>8}   "
+                  f"{'analytic (ms)':>14} {'autograd (s)':>13} {'speedup':>9} {'paper':>8}  "
+                  "repeats (analytic/autograd)   [times: median ± half the IQR; speedup: ratio of medians]")
         lines.append(header)
         for op in ORDER:
             r = d[d["operator"] == op]
@@ -40,9 +41,11 @@ def table1_text(df) -> str:
             ag = r[r["method"] == "autograd-columns"]["seconds"].to_numpy()
             speed = np.median(ag) / np.median(an) if len(an) and len(ag) else float("nan")
             lines.append(
-                f"{op:<12} {EXPRESSION[op]:<22} {r['sparsity_expression'].iloc[0]:>11.5f} {r['sparsity'].iloc[0]:>9.5f} "
+                f"{op:<12} {EXPRESSION[op]:<22} {r['sparsity_expression'].iloc[0]:>11.5f} "
+                f"{r['sparsity'].iloc[0]:>9.5f} "
                 f"{PAPER_SPARSITY[op]:>8.5f}   {1e3 * np.median(an):>8.3f}±{1e3 * _iqr(an) / 2:<5.3f} "
-                f"{np.median(ag) if len(ag) else float('nan'):>7.2f}±{_iqr(ag) / 2:<5.2f} {speed:>8.3g}x {PAPER_SPEEDUP[op]:>7.2g}x  {len(an)}/{len(ag)}"
+                f"{np.median(ag) if len(ag) else float('nan'):>7.2f}±{_iqr(ag) / 2:<5.2f} {speed:>8.3g}x "
+                f"{PAPER_SPEEDUP[op]:>7.2g}x  {len(an)}/{len(ag)}"
             )
     return "\n".join(lines) + "\n"
 
