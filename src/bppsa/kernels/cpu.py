@@ -182,8 +182,8 @@ class RnnChain:
     matrices: what :meth:`CpuBackend.rnn_jacobians_t` returns for the ``fused`` layout.
 
     :func:`blelloch_scan` then never materialises the chain (26 MB at T = 1000, B = 16, fp32): level 0
-    of the up-sweep is one GEMM from ``d`` (see :func:`_up_level0`) and level 0 of the down-sweep one
-    GEMM with ``W_hh``.  :meth:`dense` is the chain :func:`bppsa.jacobians.recurrent.rnn_jacobians_t`
+    of the up-sweep is one GEMM from ``d`` and level 0 of the down-sweep one GEMM with ``W_hh``
+    (:func:`_chain_scan`).  :meth:`dense` is the chain :func:`bppsa.jacobians.recurrent.rnn_jacobians_t`
     builds, for the paths that need it.
     """
 
