@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from bppsa import backends, scan
 from bppsa.jacobians.recurrent import rnn_grad_preact, rnn_jacobians_t
-from bppsa.kernels import cpu
+from bppsa.kernels import cpu, native
 from bppsa.verify import verify
 
 
@@ -56,12 +56,22 @@ def test_scan_equals_torch_twin(chunking, n, B, H, L_m, seed):
     assert _rel(got, scan.linear_scan(g, J)) <= 1e-10
 
 
+@pytest.fixture(params=["compiled kernel", "numpy"])
+def chain_path(request, monkeypatch):
+    """Run the factored chain's scan through the compiled kernel and through its numpy fallback."""
+    if request.param == "numpy":
+        monkeypatch.setattr(native, "available", lambda: False)
+    elif not native.available():
+        pytest.skip(f"the compiled kernel is unavailable here: {native.unavailable_reason()}")
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 300), B=st.integers(1, 5), H=st.integers(1, 9),
        L_m=st.one_of(st.none(), st.integers(0, 10)), dtype=st.sampled_from([torch.float64, torch.float32]),
        seed=st.integers(0, 2 ** 16))
-def test_factored_rnn_chain_scan_equals_torch_twin(chunking, n, B, H, L_m, dtype, seed):
-    """The RNN's chain kept as W_hh and 1 - h² (level 0 as one GEMM) gives the dense chain's scan."""
+def test_factored_rnn_chain_scan_equals_torch_twin(chunking, chain_path, n, B, H, L_m, dtype, seed):
+    """The RNN's chain kept as W_hh and 1 - h² (compiled kernel; numpy: level 0 as one GEMM) gives the
+    dense chain's scan."""
     assume(n & (n + 1))
     gen = torch.Generator().manual_seed(seed)
     h = torch.tanh(torch.randn(n, B, H, generator=gen, dtype=dtype))
@@ -73,6 +83,74 @@ def test_factored_rnn_chain_scan_equals_torch_twin(chunking, n, B, H, L_m, dtype
     assert torch.equal(chain.dense(), dense)
     got = cpu.blelloch_scan(g, chain, L_m)
     assert _rel(got, scan.blelloch_scan(g, dense.clone(), L_m)) <= (1e-12 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
+@pytest.mark.parametrize("mode", ["slices", "blocks"])
+@pytest.mark.parametrize("n,B,H", [(1000, 16, 20), (999, 40, 20), (257, 7, 12), (2, 3, 20)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_compiled_kernel_both_thread_splits(mode, n, B, H, dtype, monkeypatch):
+    """Threads taking whole lane slices, or splitting each slice's blocks: the same scan, at the sizes
+    the benchmarks run (full vector registers of lanes, several slices, hidden size 20)."""
+    monkeypatch.setattr(cpu, "MIN_CHUNK_FLOP", 1)
+    gen = torch.Generator().manual_seed(n)
+    h = torch.tanh(0.3 * torch.randn(n, B, H, generator=gen, dtype=dtype))
+    W = torch.linalg.qr(torch.randn(H, H, generator=gen, dtype=dtype))[0]  # orthogonal: a slow decay, no overflow
+    g = torch.randn(B, H, generator=gen, dtype=dtype)
+    chain = cpu.RnnChain.from_states(h, W)
+    old = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for L_m in (None, 0, 2, native.FUSED_LEVELS + 1):
+            L = scan.tree_levels(n + 1, L_m)
+            got = cpu._native_chain_scan(g, chain, L, scan.Workspace(), mode)
+            ref = scan.blelloch_scan(g.double(), chain.dense().double(), L_m)
+            assert _rel(got.double(), ref) <= (1e-12 if dtype == torch.float64 else 1e-5), (L_m, mode)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_lane_slices_are_register_wide_and_balanced():
+    assert cpu.lane_slices(16, 2, 16) == [[(0, 8)], [(8, 8)]]
+    assert cpu.lane_slices(1, 2, 16) == [[(0, 1)]]
+    for B, p, vl in [(5, 2, 16), (100, 2, 16), (7, 4, 8), (64, 3, 8)]:
+        groups = cpu.lane_slices(B, p, vl)
+        slices = sorted(s for gr in groups for s in gr)
+        assert len(groups) <= p and sum(w for _, w in slices) == B
+        assert all(w & (w - 1) == 0 and w <= vl for _, w in slices)  # powers of two, one register at most
+        assert [b0 for b0, _ in slices] == [0] + [b0 + w for b0, w in slices[:-1]]  # contiguous, disjoint
+        loads = [sum(w for _, w in gr) for gr in groups]
+        assert max(loads) - min(loads) <= max(w for _, w in slices)
+
+
+def test_kernel_falls_back_to_numpy_without_a_compiler(tmp_path):
+    """No C compiler: the reason is given (doctor prints it) and the cpu backend still gives the scan."""
+    code = ("import torch; from bppsa.kernels import native, cpu; from bppsa import scan\n"
+            "print(native.unavailable_reason())\n"
+            "h = torch.rand(50, 3, 4, dtype=torch.float64); W = torch.randn(4, 4, dtype=torch.float64)\n"
+            "c = cpu.RnnChain.from_states(h, W); g = torch.randn(3, 4, dtype=torch.float64)\n"
+            "ref = scan.blelloch_scan(g, c.dense())\n"
+            "print(((cpu.blelloch_scan(g, c) - ref).abs().max() / ref.abs().max()).item())")
+    env = {**os.environ, "CC": "no-such-compiler", "BPPSA_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    reason, err = r.stdout.strip().splitlines()
+    assert "no C compiler ('no-such-compiler' not on PATH)" in reason and float(err) <= 1e-12
+    assert not any(tmp_path.rglob("*.so"))
+
+
+@pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
+def test_kernel_builds_once_into_the_cache(tmp_path):
+    code = "from bppsa.kernels import native; print(native.available())"
+    env = {**os.environ, "BPPSA_CACHE_DIR": str(tmp_path)}
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert r.stdout.strip() == "True", r.stderr
+        (so,) = (tmp_path / "native").glob("chain_scan_double_H3_L2_*.so")
+        if _ == 0:
+            first = so.stat().st_mtime_ns
+    assert so.stat().st_mtime_ns == first  # the second process loaded the first one's build
+    assert not [p for p in (tmp_path / "native").iterdir() if p.is_dir()]  # no temporary left behind
 
 
 def test_paper_layout_keeps_the_dense_chain():

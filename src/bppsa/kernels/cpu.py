@@ -35,6 +35,7 @@ import torch
 
 from .. import scan as _scan
 from ..backends import TorchBackend
+from . import native
 
 __all__ = ["CpuBackend", "RnnChain", "blelloch_scan", "linear_scan", "rnn_sequential_grad_preact", "numba_available",
            "unavailable_reason", "MIN_CHUNK_FLOP"]
@@ -178,7 +179,8 @@ def _np(t: torch.Tensor) -> np.ndarray:
 # -- the RNN chain, kept as its two factors ---------------------------------------------------------
 class RnnChain:
     """The fused-layout chain of a tanh RNN, ``J_k = W_hhᵀ diag(d_k)`` (k = 0 .. T-1, scan order, d_k =
-    1 - h_{T-k}²), kept as its factors ``W_hh`` [H, H] and ``d`` [T, B, H] instead of T·B dense H×H
+    1 - h_{T-k}²), kept as its factors ``W_hh`` [H, H] and ``d_lanes`` [T, H, B] (``d`` [T, B, H] is a view
+    of it: the compiled kernel reads each row's batch lanes side by side) instead of T·B dense H×H
     matrices: what :meth:`CpuBackend.rnn_jacobians_t` returns for the ``fused`` layout.
 
     :func:`blelloch_scan` then never materialises the chain (26 MB at T = 1000, B = 16, fp32): level 0
@@ -187,17 +189,24 @@ class RnnChain:
     builds, for the paths that need it.
     """
 
-    def __init__(self, W_hh: torch.Tensor, d: torch.Tensor):
-        T, B, H = d.shape
-        if tuple(W_hh.shape) != (H, H) or W_hh.dtype != d.dtype:
-            raise ValueError(f"W_hh must be [{H}, {H}] of d's dtype {d.dtype}, got {tuple(W_hh.shape)} {W_hh.dtype}")
-        self.W_hh, self.d = W_hh.detach().contiguous(), d.contiguous()
+    def __init__(self, W_hh: torch.Tensor, d_lanes: torch.Tensor):
+        T, H, B = d_lanes.shape
+        if tuple(W_hh.shape) != (H, H) or W_hh.dtype != d_lanes.dtype:
+            raise ValueError(f"W_hh must be [{H}, {H}] of d's dtype {d_lanes.dtype}, "
+                             f"got {tuple(W_hh.shape)} {W_hh.dtype}")
+        self.W_hh, self.d_lanes = W_hh.detach().contiguous(), d_lanes.contiguous()
+        self.d = self.d_lanes.permute(0, 2, 1)  # [T, B, H], a view
         self.shape = torch.Size((T, B, H, H))
-        self.dtype, self.device = d.dtype, d.device
+        self.dtype, self.device = d_lanes.dtype, d_lanes.device
 
     @classmethod
     def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor) -> RnnChain:
-        return cls(W_hh, (1 - h * h).flip(0))
+        """From the forward's states ``h`` [T, B, H]: d_k = 1 - h_{T-k}², written straight in lane order."""
+        T, B, H = h.shape
+        hf = h.detach().flip(0)
+        d_lanes = h.new_empty((T, H, B))
+        torch.sub(torch.ones((), dtype=h.dtype), hf * hf, out=d_lanes.permute(0, 2, 1))  # as 1 - h * h, bit for bit
+        return cls(W_hh, d_lanes)
 
     def dim(self) -> int:
         return 4
@@ -228,6 +237,9 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor | RnnChain, L_m: int | None =
     L = _scan.tree_levels(n + 1, L_m)
     ws = workspace if workspace is not None else _scan.Workspace()
     if isinstance(J, RnnChain):
+        out = _native_chain_scan(g, J, L, ws)
+        if out is not None:
+            return out
         if L > 0:
             return _chain_scan(g, J, L, ws)
         J = J.dense()  # L_m = 0: the sequential scan walks the dense chain
@@ -256,6 +268,67 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor | RnnChain, L_m: int | None =
     return out
 
 
+def lane_slices(B: int, p: int, max_lanes: int) -> list[list[tuple[int, int]]]:
+    """Split the batch into slices ``(b0, lanes)`` of power-of-two widths (at most ``max_lanes``, at
+    most ~B/p so that p threads get work), grouped into at most p lists of about equal lanes."""
+    cap = 1
+    while cap * 2 <= min(max_lanes, -(-B // p)):
+        cap *= 2
+    slices, b0 = [], 0
+    while b0 < B:
+        w = cap
+        while w > B - b0:
+            w //= 2
+        slices.append((b0, w))
+        b0 += w
+    groups: list[list[tuple[int, int]]] = [[] for _ in range(min(p, len(slices)))]
+    for s in sorted(slices, key=lambda s: -s[1]):  # largest first, each to the least loaded thread
+        min(groups, key=lambda gr: sum(w for _, w in gr)).append(s)
+    return groups
+
+
+def _native_chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Workspace,
+                       mode: str = "auto") -> torch.Tensor | None:
+    """The scan over an :class:`RnnChain` by the compiled kernel (:mod:`.native`); None where it is
+    unavailable.  Lane slices as wide as one vector register; with at least one slice per thread the
+    threads take whole slices (one hand-off per scan), otherwise they split each slice's blocks in the
+    up and down phases (two hand-offs)."""
+    n, B, H = chain.d.shape
+    p = min(_threads(), max(1, int(n * B * 2 * H ** 3 // MIN_CHUNK_FLOP)))
+    vl = 64 // g.element_size()
+    by_slice = mode == "slices" or (mode == "auto" and -(-B // vl) >= p)
+    groups = lane_slices(B, p if by_slice else 1, vl)
+    if not native.available() or any(native.library(H, w, g.dtype) is None for gr in groups for _, w in gr):
+        return None
+    out = g.new_empty((n, B, H))
+    if n == 0:
+        return out
+    Wt, g = chain.W_hh.t().contiguous(), g.contiguous()
+    d_lanes = chain.d_lanes
+    kernels = [[native.ChainScan(Wt, d_lanes, g, out, L, b0, w,
+                                 ws.get(("cpu", "native", b0, w), (native.work_size(n, H, w, g.dtype, L),), g))
+                for b0, w in gr] for gr in groups]
+    if by_slice:
+        _spread([lambda gr=gr: [k.run() for k in gr] for gr in kernels])
+        return out
+    for k in kernels[0]:
+        cuts = [k.blocks * i // p for i in range(p + 1)]
+        _spread([functools.partial(k.up, a, b) for a, b in zip(cuts, cuts[1:])])
+        k.middle()
+        _spread([functools.partial(k.down, a, b) for a, b in zip(cuts, cuts[1:])])
+    return out
+
+
+def _spread(tasks) -> None:
+    """Run the callables, the first on this thread and the others on the pool's workers."""
+    if len(tasks) > 1:
+        _numpy_blas_single_threaded()
+    futures = [_executor(_threads()).submit(t) for t in tasks[1:]]
+    tasks[0]()
+    for f in futures:
+        f.result()
+
+
 def _chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Workspace) -> torch.Tensor:
     """The scan over an :class:`RnnChain` with ``L >= 1`` levels, its level 0 straight from the factors.
 
@@ -266,7 +339,7 @@ def _chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Workspace) -
     that level's array (:func:`blelloch_scan` on ``L - 1`` levels).  Down: a right child's prefix is
     J_{2j+1} Q_j = Wᵀ (d_{2j+1} ⊙ Q_j), as rows one GEMM with W_hh.
     """
-    W, d = chain.W_hh, chain.d
+    W, d = chain.W_hh, chain.d.contiguous()
     n, B, H = d.shape
     pairs, carry = (n - 1) // 2, (n - 1) % 2
     level = ws.get(("cpu", "chain-level0"), (pairs + carry, B, H, H), d)

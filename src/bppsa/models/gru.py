@@ -36,7 +36,7 @@ class GRUClassifier(RecurrentClassifier):
         buf = backend.workspace.get(("jacobians", "gru"), (T, B, H, H), h)  # consumed by this step's scan
         return gru_jacobians_t(self._gates_for(x, h), self.cell.weight_hh_l0, out=buf)
 
-    def grad_hidden(self, scan_out, x, h, layout):
+    def grad_hidden(self, scan_out, x, h, layout, J=None):
         self._check_layout(layout)
         return scan_out.flip(0)  # the scan yields ∇h_T .. ∇h_1
 

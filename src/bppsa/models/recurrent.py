@@ -2,7 +2,8 @@
 
 A subclass supplies the cell (``self.cell``, a torch.nn.RNN/GRU with one layer, time-major), the
 head (``self.head``), and three methods: ``jacobians_t`` (the transposed Jacobians from the
-forward's states), ``grad_hidden`` (turn the scan's output into ∇h_t for t = 1..T) and
+forward's states), ``grad_hidden`` (turn the scan's output into ∇h_t for t = 1..T; it may reuse
+the Jacobians, which it gets too) and
 ``cell_param_grads`` (every cell parameter's gradient by batched reductions).
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ class RecurrentClassifier(nn.Module):
     def jacobians_t(self, x, h, layout, backend):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def grad_hidden(self, scan_out, x, h, layout):  # pragma: no cover - abstract
+    def grad_hidden(self, scan_out, x, h, layout, J=None):  # pragma: no cover - abstract
         raise NotImplementedError
 
     def cell_param_grads(self, x, h, grad_h) -> dict[str, torch.Tensor]:  # pragma: no cover
@@ -75,8 +76,8 @@ class RecurrentClassifier(nn.Module):
             loss.backward()  # the head's parameters, and ∇h_T
             with torch.no_grad():
                 out = backend.scan(h_last.grad, J, L_m)
-                del J
-                grad_h = self.grad_hidden(out, x, h, layout)
+                grad_h = self.grad_hidden(out, x, h, layout, J)
+                del J, out
                 for name, g in self.cell_param_grads(x, h, grad_h).items():
                     p = getattr(self.cell, name)
                     p.grad = g if p.grad is None else p.grad + g
