@@ -99,9 +99,16 @@ def test_cpu_speed_claims_judge_paired_ratios_against_both_rivals(tmp_path):
     pd.DataFrame([{"seq_len": 1000, "batch": 16, "rival": "sequential", "rival_best_s": 0.5, "fit_a_s": 2.0,
                    "fit_b_s": 0.0, "crossover_workers": 4.0, "max_measured_workers": 2,
                    "extrapolated": True}]).to_csv(folder / "scaling_crossover.csv", index=False)
+    pd.DataFrame([{"method": m, "seq_len": 1000, "batch": B, "x_bound": x, "bound": "compute", "scan_s": 2e-3,
+                   "bound_s": 1e-3, "achieved_gflops": 100.0, "noisy": False}
+                  for m, B, x in (("scan-cpu", 16, 1.5), ("scan-cpu-chain", 16, 2.5), ("scan-cpu-chain", 1, 7.0))]
+                 ).to_csv(folder / "roofline.csv", index=False)
     from bppsa.claims import cpu_speed_claims
 
     got = {c.claim: c for c in cpu_speed_claims(tmp_path)}
+    roof16, roof1 = (got[f"BPPSA's scan within 3× of this CPU's roofline (T=1000, B={B})"] for B in (16, 1))
+    assert roof16.verdict == "holds" and roof16.measured.startswith("2.50×") and "scan-cpu-chain" in roof16.measured
+    assert roof1.verdict == "not reproduced" and roof1.measured.startswith("7.00×")
     auto = got["BPPSA backward faster than eager autograd (CPU, T=1000, B=16)"]
     seq = got["BPPSA backward faster than the compiled sequential backward (CPU, T=1000, B=16)"]
     assert auto.verdict == "holds" and auto.measured.startswith("3×")

@@ -70,6 +70,17 @@ def test_scan_cost_bytes_scale_with_itemsize_and_linear_is_cheaper():
     assert lin["flop"] == 998 * 2 * 20 * 20 * 16 and lin["flop"] * 10 < c4["flop"]
 
 
+def test_chain_scan_cost_counts_the_compiled_scan():
+    """The factored chain's scan does about the dense tree's arithmetic (one H^3 product per Jacobian),
+    but moves a fraction of its bytes (no level below the fused ones is stored)."""
+    dense, chain = roofline.scan_cost(1000, 16, 20), roofline.chain_scan_cost(1000, 16, 20)
+    assert 0.9 < chain["flop"] / dense["flop"] < 1.1 and chain["bytes"] * 5 < dense["bytes"]
+    assert roofline.chain_scan_cost(1000, 16, 20, 0)["flop"] == 999 * (2 * 20 * 20 + 20) * 16  # sequential
+    assert roofline.chain_scan_cost(1000, 16, 20, None, 8)["bytes"] == 2 * chain["bytes"]
+    rows = roofline.roofline_rows({"scan-cpu-chain": [0.01] * 5}, 1000, 16, 20, None, torch.float32, 100e9, 10e9)
+    assert rows[0]["flop"] == chain["flop"] and rows[0]["bound"] == "compute"
+
+
 def test_roofline_rows_against_both_bounds():
     rows = roofline.roofline_rows({"scan-cpu": [0.02] * 7, "scan-linear-compiled": [0.01] * 7}, 1000, 16, 20, None,
                                   torch.float32, peak=100e9, bandwidth=10e9)
@@ -110,10 +121,11 @@ def test_speed_run_tiny_end_to_end():
     rows = speed.run(9, [2], hidden=4, rule=TINY, backends=("cpu", "torch"))
     df = pd.DataFrame(rows)
     assert set(df["method"]) == {"autograd", "sequential", "bppsa-cpu-fused", "bppsa-torch-fused", "scan-cpu",
-                                 "scan-torch", "scan-linear-compiled", "scan-linear-torch"}
+                                 "scan-cpu-chain", "scan-torch", "scan-linear-compiled", "scan-linear-torch"}
     assert (df.groupby("method")["iter"].nunique() == 6).all()
     s = speed.summary(df)
-    want = {"autograd / bppsa-cpu-fused", "sequential / bppsa-cpu-fused", "scan-linear-compiled / scan-cpu"}
+    want = {"autograd / bppsa-cpu-fused", "sequential / bppsa-cpu-fused", "scan-linear-compiled / scan-cpu",
+            "scan-linear-compiled / scan-cpu-chain"}
     assert want <= set(s.ratio)
     assert (s["median"] > 0).all() and (s["ci_low"] <= s["median"]).all() and (s["median"] <= s["ci_high"]).all()
 
@@ -138,7 +150,7 @@ def test_commands_write_csvs_and_figure(tmp_path):
     assert main(["roofline", "--device", "cpu", "--seq-len", "9", "--batches", "2", "--hidden", "4", "--gemm-n", "64",
                  "--copy-mib", "1", *rule, "--out", str(rf)]) == 0
     roof = pd.read_csv(rf)
-    assert set(roof["method"]) == {"scan-cpu", "scan-torch", "scan-linear-compiled"}
+    assert set(roof["method"]) == {"scan-cpu", "scan-cpu-chain", "scan-torch", "scan-linear-compiled"}
     assert (roof["peak_gflops"] > 0).all() and (roof["copy_gbs"] > 0).all() and (roof["x_bound"] > 0).all()
     assert main(["scaling", "--device", "cpu", "--seq-lens", "9", "--batches", "2", "--hidden", "4",
                  "--max-threads", "2", *rule, "--out", str(sc)]) == 0

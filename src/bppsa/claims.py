@@ -32,6 +32,7 @@ from .results import device_dirs
 VERDICTS = ("holds", "partly", "not reproduced", "not measurable here")
 HOLDS_FRACTION = 0.75  # a measured interval reaching 75 % of the paper's value counts as reproducing it
 TREND_ALPHA = 0.05
+ROOFLINE_AIM = 3.0  # the CPU scan's time over its roofline bound that counts as "near the hardware's limit"
 CURVE_TOL = 1e-3  # largest relative per-epoch loss difference still "the same curve" (fp32 round-off)
 
 
@@ -406,6 +407,19 @@ def cpu_speed_claims(results: Path) -> list[Claim]:
                                  "Θ(log n) vs Θ(n) steps when workers are idle", "analysis (Sec 3.6)",
                                  f"{fmt_ci(r['median'], lo, r['ci_high'])} ({r['ratio'].split(' / ')[1]})", label,
                                  verdict, why + ("; flagged noisy" if noisy else "")))
+    for label, roof in _each(results, "rnn/roofline.csv"):
+        # the scan BPPSA's RNN backward runs: the compiled one over the factored chain where it was timed
+        method = "scan-cpu-chain" if (roof["method"] == "scan-cpu-chain").any() else "scan-cpu"
+        for r in roof[roof["method"] == method].itertuples(index=False):
+            ok = r.x_bound <= ROOFLINE_AIM
+            out.append(Claim(f"BPPSA's scan within {ROOFLINE_AIM:g}× of this CPU's roofline "
+                             f"(T={r.seq_len}, B={r.batch})",
+                             f"≤ {ROOFLINE_AIM:g}× (this project's aim; the paper has no CPU roofline)", "—",
+                             f"{r.x_bound:.2f}× its {r.bound} bound ({r.scan_s * 1e3:.3g} ms against "
+                             f"{r.bound_s * 1e3:.3g} ms; {r.achieved_gflops:.0f} GFLOP/s, {method})", label,
+                             "holds" if ok else "not reproduced",
+                             ("" if ok else "one chain per batch element and ~H-fold arithmetic; see the README's "
+                              "CPU speed section") + ("; flagged noisy" if getattr(r, "noisy", False) else "")))
     for label, cx in _each(results, "rnn/scaling_crossover.csv"):
         for r in cx.itertuples(index=False):
             p = r.crossover_workers

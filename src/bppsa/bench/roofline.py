@@ -7,6 +7,11 @@
   :func:`bppsa.scan.blelloch_scan` (levels of pairs, odd block carried, spine mat-vecs, linear middle,
   mat-vec down-sweep): every product's operands read once and its result written once, with no
   reuse between products assumed.
+* **The factored RNN scan** (:func:`chain_scan_cost`, method ``scan-cpu-chain``): what the compiled
+  kernel does for the RNN's chain (``bppsa.kernels.chain_scan.c``): the spine's and the blocks'
+  factored mat-vecs, each block's product accumulated from ``W_hh`` and ``d``, then the tree above
+  the fused levels as counted by :func:`scan_cost`; bytes: ``d`` read twice (up and down), the output
+  written once, the level-``c`` array written once, plus that tree's.
 * The bound is ``max(FLOP / peak, bytes / bandwidth)``; a scan's ``x_bound`` is its measured median
   time over that bound (1 = at the roof).
 """
@@ -44,6 +49,25 @@ def scan_cost(n: int, B: int, H: int, L_m: int | None = None, itemsize: int = 4)
     return {"flop": int(flop), "bytes": int(byt)}
 
 
+def chain_scan_cost(n: int, B: int, H: int, L_m: int | None = None, itemsize: int = 4,
+                    fused: int | None = None) -> dict:
+    """FLOP and compulsory bytes of the compiled scan over a factored RNN chain of ``n`` Jacobians."""
+    from ..kernels.native import FUSED_LEVELS
+
+    L = _scan.tree_levels(n + 1, L_m)
+    c = min(FUSED_LEVELS if fused is None else fused, L)
+    nc = n >> c if L else 0
+    jv = (2 * H * H + H) * B                          # one factored mat-vec Wᵀ (d ⊙ q)
+    byt = 3 * n * H * B * itemsize                    # d read going up and coming down, the output written
+    if not nc:                                        # no tree: the spine's mat-vecs are the whole scan
+        return {"flop": int((n - 1) * jv), "bytes": int(byt)}
+    in_blocks = n - ((1 << c) - 1)                    # the Jacobians the nc blocks hold
+    flop = (n - nc) * jv + (in_blocks - nc) * (2 * H ** 3 + H * H) * B + nc * H * H * B
+    upper = scan_cost(nc, B, H, L - c, itemsize)      # the stored tree over the blocks' products
+    flop, byt = flop + upper["flop"], byt + nc * H * H * B * itemsize + upper["bytes"]
+    return {"flop": int(flop), "bytes": int(byt)}
+
+
 def _median_time(fn, reps: int) -> float:
     fn()
     ts = []
@@ -69,12 +93,13 @@ def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
 
 def roofline_rows(scan_seconds: dict[str, list[float]], n: int, B: int, H: int, L_m, dtype, peak: float,
                   bandwidth: float, conf: float = 0.95) -> list[dict]:
-    """One row per timed scan (a name containing 'linear' is the sequential scan, ``L_m = 0``): its
-    median time and interval against both bounds of its own work."""
+    """One row per timed scan (a name containing 'linear' is the sequential scan, ``L_m = 0``; one ending in
+    '-chain' the compiled scan of the factored chain): its median time and interval against both bounds
+    of its own work."""
     rows = []
     for method, secs in scan_seconds.items():
         L = 0 if "linear" in method else L_m
-        cost = scan_cost(n, B, H, L, torch.finfo(dtype).bits // 8)
+        cost = (chain_scan_cost if method.endswith("-chain") else scan_cost)(n, B, H, L, torch.finfo(dtype).bits // 8)
         t_c, t_m = cost["flop"] / peak, cost["bytes"] / bandwidth
         bound = max(t_c, t_m)
         med, lo, hi = median_ci(secs, conf)

@@ -11,8 +11,9 @@ Per batch size, on the same weights, batch and Jacobian chain, two interleaved g
 * ``bppsa-<backend>-<layout>[-L<L_m>]``: the BPPSA backward (Jacobians + scan + parameter gradients).
 
 ``scan`` group (metric: the call): the scan alone over the real fused chain --
-``scan-<backend>`` (Blelloch), ``scan-linear-compiled`` (the numba sequential loop over the same
-Jacobians) and ``scan-linear-torch``.
+``scan-<backend>`` (Blelloch over the dense chain), ``scan-cpu-chain`` (the fast path's scan over the
+chain kept as its factors, what ``bppsa-cpu-fused`` runs), ``scan-linear-compiled`` (the numba
+sequential loop over the dense Jacobians) and ``scan-linear-torch``.
 
 Rows: ``batch, group, method, iter, phase, seconds`` plus the method's ``backend, layout, L_m`` and
 its ``noisy`` flag; :func:`summary` turns them into paired ratios with intervals.
@@ -137,6 +138,9 @@ def scan_methods(model, x, y, backends=("cpu",), L_m=None, check_tol: float = 1e
     for be in backends:
         backend = get_backend(be, torch.device("cpu"))
         fns[f"scan-{backend.name}"] = (lambda b=backend: b.scan(g, J, L_m), {"backend": backend.name, "L_m": L_m})
+        if backend.name == "cpu":
+            chain = _cpu.RnnChain.from_states(h.detach(), model.cell.weight_hh_l0.detach())
+            fns["scan-cpu-chain"] = (lambda b=backend, c=chain: b.scan(g, c, L_m), {"backend": "cpu", "L_m": L_m})
     ref = linear_scan(g, J)
     scale = ref.abs().max().clamp_min(torch.finfo(ref.dtype).tiny)
     for name, (fn, _) in fns.items():
