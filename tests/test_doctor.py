@@ -62,6 +62,7 @@ def test_a_backend_that_falls_back_is_not_reported_as_passing(monkeypatch):
 def _report(**kw):
     rep = {"driver": None, "cuda_available": False, "torch": "2.13.0+cpu", "torch_cuda": None, "device": "cpu",
            "cupy": {"installed": False, "reason": "No module named 'cupy'"}, "nvrtc": {"ok": True, "reason": "ok"},
+           "cpu_kernel": {"ok": True, "reason": "built"},
            "backends": {"torch": {"ok": True, "reason": ""}, "cupy": {"ok": False, "reason": "no GPU"}}}
     rep.update(kw)
     return rep
@@ -78,6 +79,8 @@ def test_fixes():
     fixes = doctor.fixes(_report(**gpu, cupy=cupy, backends={"torch": {"ok": True, "reason": ""},
                                                              "cupy": {"ok": False, "reason": "NVRTC error"}}))
     assert any("CuPy backend fails: NVRTC error" in f for f in fixes)
+    (fix,) = doctor.fixes(_report(cpu_kernel={"ok": False, "reason": "no C compiler ('cc' not on PATH)"}))
+    assert "no C compiler" in fix and "numpy path" in fix and "gcc" in fix
     assert any("CUDA 12.9 but torch for CUDA 13.0" in f for f in fixes)
 
 

@@ -150,6 +150,14 @@ def check_backend(name: str, dev: torch.device) -> dict:
     return {"ok": True, "reason": "; ".join(parts)}
 
 
+def cpu_kernel_info() -> dict:
+    """Whether the CPU fast path's compiled kernel (:mod:`bppsa.kernels.native`) builds and runs here."""
+    from .kernels import native
+
+    reason = native.unavailable_reason()
+    return {"ok": reason is None, "reason": reason or f"built with {native.compiler_name()} into {native.cache_dir()}"}
+
+
 def diagnose(device: str = "auto") -> dict:
     try:
         dev = _device.resolve(device)
@@ -165,6 +173,7 @@ def diagnose(device: str = "auto") -> dict:
         "driver": driver_version(),
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "cupy": cupy_info(),
+        "cpu_kernel": cpu_kernel_info(),
     }
     archs = NVRTC_ARCHS
     if dev is not None and dev.type == "cuda":
@@ -205,6 +214,10 @@ def fixes(rep: dict) -> list[str]:
             out.append(f"CuPy is built for CUDA {rt} but torch for CUDA {tc}: `bash scripts/install.sh` replaces it")
     if not rep["backends"]["torch"]["ok"]:
         out.append(f"the torch backend fails on {rep['device']}: {rep['backends']['torch']['reason']}")
+    if not rep["cpu_kernel"]["ok"]:
+        out.append(f"the CPU fast path's compiled kernel is unavailable ({rep['cpu_kernel']['reason']}); the cpu "
+                   "backend runs its slower numpy path: install a C compiler (e.g. `apt-get install gcc`) "
+                   "or set CC, and make $BPPSA_CACHE_DIR (default ~/.cache/bppsa) writable")
     if not rep["nvrtc"].get("ok", False) and (rep["cuda_available"] or "library" in rep["nvrtc"]):
         out.append(f"NVRTC: {rep['nvrtc']['reason']}")
     return out
@@ -234,6 +247,8 @@ def render(rep: dict) -> str:
     n = rep["nvrtc"]
     lines.append(f"NVRTC wheel   {'NVRTC ' + n['version'] + ': ' if 'version' in n else ''}"
                  f"{'ok' if n.get('ok') else 'FAIL'}: {n['reason']}")
+    k = rep["cpu_kernel"]
+    lines.append(f"CPU kernel    {'ok' if k['ok'] else 'FAIL'}: {k['reason']}")
     for name, b in rep["backends"].items():
         lines.append(f"backend {name:<6}{'ok  ' if b['ok'] else 'FAIL'}  {b['reason']}")
     lines.append("to fix:" if rep["fixes"] else "nothing to fix")
