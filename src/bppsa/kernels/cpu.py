@@ -48,8 +48,10 @@ except Exception as e:  # noqa: BLE001 - any failure means "use the numpy loops"
     numba = None
     _NUMBA_ERROR = f"{type(e).__name__}: {e}"
 
-# A chunk handed to another thread must carry enough work to repay the hand-off (~20-50 us).
+# A chunk handed to another thread must carry enough work to repay the hand-off (~20-50 us), at the
+# rate of numpy's small GEMMs (~50 GFLOP/s); the compiled kernel runs ~KERNEL_SPEEDUP times faster.
 MIN_CHUNK_FLOP = 2_000_000
+KERNEL_SPEEDUP = 5
 
 
 def numba_available() -> bool:
@@ -292,9 +294,10 @@ def _native_chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Works
     """The scan over an :class:`RnnChain` by the compiled kernel (:mod:`.native`); None where it is
     unavailable.  Lane slices as wide as one vector register; with at least one slice per thread the
     threads take whole slices (one hand-off per scan), otherwise they split each slice's blocks in the
-    up and down phases (two hand-offs)."""
+    up phase and, where it carries enough work, the down phase."""
     n, B, H = chain.d.shape
-    p = min(_threads(), max(1, int(n * B * 2 * H ** 3 // MIN_CHUNK_FLOP)))
+    min_flop = KERNEL_SPEEDUP * MIN_CHUNK_FLOP  # the same hand-off, repaid only by more of the kernel's FLOP
+    p = min(_threads(), max(1, int(n * B * 2 * H ** 3 // min_flop)))
     vl = 64 // g.element_size()
     by_slice = mode == "slices" or (mode == "auto" and -(-B // vl) >= p)
     groups = lane_slices(B, p if by_slice else 1, vl)
@@ -311,11 +314,15 @@ def _native_chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Works
     if by_slice:
         _spread([lambda gr=gr: [k.run() for k in gr] for gr in kernels])
         return out
+    # the down phase is ~H times lighter than the up phase: split only where it repays a hand-off
+    p_down = min(p, max(1, int(n * B * (2 * H * H + H) // min_flop)))
     for k in kernels[0]:
-        cuts = [k.blocks * i // p for i in range(p + 1)]
-        _spread([functools.partial(k.up, a, b) for a, b in zip(cuts, cuts[1:])])
-        k.middle()
-        _spread([functools.partial(k.down, a, b) for a, b in zip(cuts, cuts[1:])])
+        for phase, parts in ((k.up, p), (k.middle, 0), (k.down, p_down)):
+            if not parts:
+                phase()
+                continue
+            cuts = k.cuts(parts)
+            _spread([functools.partial(phase, a, b) for a, b in zip(cuts, cuts[1:])])
     return out
 
 

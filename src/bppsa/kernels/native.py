@@ -111,6 +111,8 @@ def _build(H: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     for name, args in {"chain_scan": [p, p, p, p, l, l, l, i, i, p], "chain_up": [p, p, l, l, l, i, i, l, l, p],
                        "chain_tree": [p, p, p, p, l, l, l, i, i, p], "chain_down": [p, p, p, l, l, l, i, i, l, l, p],
+                       "chain_up_lanes": [p, p, l, l, l, i, i, l, l, p],
+                       "chain_down_lanes": [p, p, p, l, l, l, i, i, l, l, p],
                        "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i]}.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, {"chain_scan": i, "chain_scan_work": l, "chain_blocks": l}.get(name)
@@ -145,7 +147,10 @@ class ChainScan:
     """The compiled scan of one lane slice ``[b0, b0 + lanes)`` of a factored chain: ``Wt`` [H, H] (W_hhᵀ),
     ``d_lanes`` [n, H, B], ``g`` [B, H] and ``out`` [n, B, H], all contiguous, ``L`` tree levels, ``fused``
     of them per block.  :meth:`run` is the whole scan on this thread; :meth:`up`, :meth:`middle` and
-    :meth:`down` are its three phases, the first and last over any split of ``range(blocks)``."""
+    :meth:`down` are its three phases, the first and last over any split of ``range(blocks)``.
+
+    A one-lane slice (B = 1) runs the up and down phases of its full blocks ``VL`` at a time as the
+    lanes of the kernel built for ``VL`` lanes (a vector register's worth), where that builds."""
 
     def __init__(self, Wt, d_lanes, g, out, L: int, b0: int, lanes: int, work: torch.Tensor,
                  fused: int = FUSED_LEVELS):
@@ -158,14 +163,39 @@ class ChainScan:
         self.tensors = (Wt, d_lanes, g, out, work)  # kept alive while the kernel holds their addresses
         self.ptrs = [t.data_ptr() for t in self.tensors]
         self.shape = (n, B, b0, L, fused)
+        self.vl = 64 // d_lanes.element_size()
+        self.wide = library(H, self.vl, d_lanes.dtype) if lanes == 1 and self.blocks >= self.vl else None
+        c = min(fused, L)  # the last block is full when the chain reaches its end
+        self.full = self.blocks - (self.blocks and n + 1 < (self.blocks + 1) << c)
+
+    def _wide_end(self, j0: int, j1: int) -> int:
+        """Where the blocks [j0, j1) stop filling whole groups of full blocks for the wide kernel."""
+        if self.wide is None:
+            return j0
+        return j0 + max(0, min(j1, self.full) - j0) // self.vl * self.vl
+
+    def cuts(self, p: int) -> list[int]:
+        """Split points of range(blocks) into p parts (whole lane groups where the wide kernel runs)."""
+        unit = self.vl if self.wide is not None else 1
+        groups = -(-self.blocks // unit)
+        return [min(self.blocks, unit * (groups * i // p)) for i in range(p + 1)]
 
     def run(self) -> None:
-        Wt, d, g, out, work = self.ptrs
-        self.lib.chain_scan(Wt, d, g, out, *self.shape, work)
+        if self.wide is None:
+            Wt, d, g, out, work = self.ptrs
+            self.lib.chain_scan(Wt, d, g, out, *self.shape, work)
+            return
+        self.up(0, self.blocks)
+        self.middle()
+        self.down(0, self.blocks)
 
     def up(self, j0: int, j1: int) -> None:
         Wt, d, _, _, work = self.ptrs
-        self.lib.chain_up(Wt, d, *self.shape, j0, j1, work)
+        a = self._wide_end(j0, j1)
+        if a > j0:
+            self.wide.chain_up_lanes(Wt, d, *self.shape, j0, a, work)
+        if j1 > a:
+            self.lib.chain_up(Wt, d, *self.shape, a, j1, work)
 
     def middle(self) -> None:
         Wt, d, g, out, work = self.ptrs
@@ -173,7 +203,11 @@ class ChainScan:
 
     def down(self, j0: int, j1: int) -> None:
         Wt, d, _, out, work = self.ptrs
-        self.lib.chain_down(Wt, d, out, *self.shape, j0, j1, work)
+        a = self._wide_end(j0, j1)
+        if a > j0:
+            self.wide.chain_down_lanes(Wt, d, out, *self.shape, j0, a, work)
+        if j1 > a:
+            self.lib.chain_down(Wt, d, out, *self.shape, a, j1, work)
 
 
 def work_size(n: int, H: int, lanes: int, dtype: torch.dtype, L: int, fused: int = FUSED_LEVELS) -> int:
