@@ -224,12 +224,15 @@ int chain_scan(const real *Wt, const real *d, const real *g, real *out, long n, 
  * For a slice of a single batch element (B = 1, say) the lanes would hold one chain and the vector
  * units idle; these run LANES full blocks (2^c Jacobians each) of batch element b0 side by side
  * instead, reading and writing the one-lane layout ([H][H] and [H] per block) of the kernel built
- * for LANES = 1: work1 is that kernel's scratch, j0 .. j1 - 1 a multiple of LANES of full blocks. */
+ * for LANES = 1: work1 is that kernel's scratch, j0 .. j1 - 1 full blocks (a last group of fewer
+ * than LANES repeats its last block in the spare lanes and drops their results). */
 
-/* The lanes' d rows at offset off of their blocks: dst[m][q] = d_{lo_q + off}[m] of batch element b0. */
-static void gather_d(const real *d, long B, long b0, long j, int c, long off, real *dst) {
+/* The lanes' d rows at offset off of their blocks: dst[m][q] = d_{lo + off}[m] of batch element b0
+ * for block min(j + q, last). */
+static void gather_d(const real *d, long B, long b0, long j, long last, int c, long off, real *dst) {
     for (int q = 0; q < NL; ++q) {
-        const real *src = d + (((j + q + 1) * (1L << c) - 1 + off) * H) * B + b0;
+        long jq = j + q < last ? j + q : last;
+        const real *src = d + (((jq + 1) * (1L << c) - 1 + off) * H) * B + b0;
         for (int m = 0; m < H; ++m) dst[m * NL + q] = src[m * B];
     }
 }
@@ -239,14 +242,14 @@ void chain_up_lanes(const real *Wt, const real *d, long n, long B, long b0, int 
     if (c > L) c = L;
     real M[H * H * NL] __attribute__((aligned(64))), ds[H * NL] __attribute__((aligned(64)));
     long size = 1L << c;
-    for (long j = j0; j + NL <= j1; j += NL) {
-        gather_d(d, B, b0, j, c, size - 1, ds);
+    for (long j = j0; j < j1; j += NL) {
+        gather_d(d, B, b0, j, j1 - 1, c, size - 1, ds);
         jac_set(Wt, ds, NL, M);
         for (long off = size - 2; off >= 0; --off) {
-            gather_d(d, B, b0, j, c, off, ds);
+            gather_d(d, B, b0, j, j1 - 1, c, off, ds);
             mul_jac(M, Wt, ds, NL);
         }
-        for (int q = 0; q < NL; ++q)
+        for (int q = 0; q < NL && j + q < j1; ++q)
             for (int e = 0; e < H * H; ++e) work1[(j + q) * H * H + e] = M[e * NL + q];
     }
 }
@@ -258,20 +261,21 @@ void chain_down_lanes(const real *Wt, const real *d, real *out, long n, long B, 
     const real *Q = work1 + nc * H * H; /* the one-lane kernel's prefixes, [nc][H] */
     real v[H * NL] __attribute__((aligned(64))), u[H * NL] __attribute__((aligned(64))),
         ds[H * NL] __attribute__((aligned(64)));
-    for (long j = j0; j + NL <= j1; j += NL) {
+    for (long j = j0; j < j1; j += NL) {
+        int valid = j1 - j < NL ? (int)(j1 - j) : NL;
         for (int q = 0; q < NL; ++q)
-            for (int i = 0; i < H; ++i) v[i * NL + q] = Q[(j + q) * H + i];
+            for (int i = 0; i < H; ++i) v[i * NL + q] = Q[(j + (q < valid ? q : valid - 1)) * H + i];
         for (long off = 0; off < size - 1; ++off) {
-            gather_d(d, B, b0, j, c, off, ds);
+            gather_d(d, B, b0, j, j1 - 1, c, off, ds);
             jac_vec(Wt, ds, NL, v, u);
             memcpy(v, u, sizeof(v));
-            for (int q = 0; q < NL; ++q) {
+            for (int q = 0; q < valid; ++q) {
                 real *o = out + (((j + q + 1) * size - 1 + off + 1) * B + b0) * H;
                 for (int i = 0; i < H; ++i) o[i] = v[i * NL + q];
             }
         }
-        for (int q = 0; q < NL; ++q) { /* each block's own first position: its prefix */
-            if (j + q == 0) continue;  /* block 0's is the spine's end, written already */
+        for (int q = 0; q < valid; ++q) { /* each block's own first position: its prefix */
+            if (j + q == 0) continue;     /* block 0's is the spine's end, written already */
             real *o = out + (((j + q + 1) * size - 1) * B + b0) * H;
             for (int i = 0; i < H; ++i) o[i] = Q[(j + q) * H + i];
         }

@@ -28,7 +28,7 @@ import torch
 __all__ = ["available", "unavailable_reason", "library", "ChainScan", "work_size", "FUSED_LEVELS"]
 
 # Up-sweep levels computed per block in cache (blocks of 2^FUSED_LEVELS Jacobians), see chain_scan.c.
-FUSED_LEVELS = 3
+FUSED_LEVELS = 4
 
 _CTYPES = {torch.float32: ("float", ctypes.c_float), torch.float64: ("double", ctypes.c_double)}
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11"]
@@ -150,7 +150,8 @@ class ChainScan:
     :meth:`down` are its three phases, the first and last over any split of ``range(blocks)``.
 
     A one-lane slice (B = 1) runs the up and down phases of its full blocks ``VL`` at a time as the
-    lanes of the kernel built for ``VL`` lanes (a vector register's worth), where that builds."""
+    lanes of the kernel built for ``VL`` lanes (a vector register's worth), where that builds; only a
+    clipped last block takes the one-lane kernel."""
 
     def __init__(self, Wt, d_lanes, g, out, L: int, b0: int, lanes: int, work: torch.Tensor,
                  fused: int = FUSED_LEVELS):
@@ -164,15 +165,13 @@ class ChainScan:
         self.ptrs = [t.data_ptr() for t in self.tensors]
         self.shape = (n, B, b0, L, fused)
         self.vl = 64 // d_lanes.element_size()
-        self.wide = library(H, self.vl, d_lanes.dtype) if lanes == 1 and self.blocks >= self.vl else None
+        self.wide = library(H, self.vl, d_lanes.dtype) if lanes == 1 and self.blocks > 1 else None
         c = min(fused, L)  # the last block is full when the chain reaches its end
         self.full = self.blocks - (self.blocks and n + 1 < (self.blocks + 1) << c)
 
     def _wide_end(self, j0: int, j1: int) -> int:
-        """Where the blocks [j0, j1) stop filling whole groups of full blocks for the wide kernel."""
-        if self.wide is None:
-            return j0
-        return j0 + max(0, min(j1, self.full) - j0) // self.vl * self.vl
+        """Where the full blocks among [j0, j1), the wide kernel's, end."""
+        return j0 if self.wide is None else max(j0, min(j1, self.full))
 
     def cuts(self, p: int) -> list[int]:
         """Split points of range(blocks) into p parts (whole lane groups where the wide kernel runs)."""
