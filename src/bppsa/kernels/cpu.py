@@ -1,16 +1,19 @@
 """The CPU fast path of the BPPSA backward, and the compiled sequential backward it must beat.
 
-**The scan** (:func:`blelloch_scan`, reference twin :func:`bppsa.scan.blelloch_scan`): the same tree,
-the same ``L_m`` semantics, the same numbers.  Each level's products are stacked ``numpy.matmul``
-calls (OpenBLAS's small-GEMM kernels, GIL released) writing into the level's output; level d's input
-array is kept as is: its odd entries are the left operands the down-sweep needs (no copy, unlike the
-torch twin).  Threads split the batch (each runs the whole tree on its slice: one hand-off per scan)
-or, for a batch smaller than the thread count, each level's products.
-
 **The RNN's chain is never built** (:class:`RnnChain`, what the backend returns for the ``fused``
-layout): its level 0 is one GEMM from ``W_hh`` and ``1 - h²`` (:func:`_chain_scan`), and the levels
-above are the scan of that level's array.  Why these means and not explicit numba loops,
-``torch.bmm`` or a batch-interleaved layout is measured in the README's "CPU speed benchmark" section.
+layout: ``W_hh`` and ``1 - h²``).  Its scan is the compiled kernel of :mod:`.native`
+(``chain_scan.c``: the batch as the vector lanes, the lowest up-sweep levels fused per block), run
+by :func:`_native_chain_scan` on lane slices or block ranges spread over the threads; where no C
+compiler works, :func:`_chain_scan` (level 0 as one GEMM from the factors, the levels above as the
+scan of that level's array).  Why these means is measured in the README's "CPU speed benchmark".
+
+**The scan of a dense chain** (:func:`blelloch_scan`, reference twin :func:`bppsa.scan.blelloch_scan`;
+the GRU, the ``paper`` layout): the same tree, the same ``L_m`` semantics, the same numbers.  Each
+level's products are stacked ``numpy.matmul`` calls (OpenBLAS's small-GEMM kernels, GIL released)
+writing into the level's output; level d's input array is kept as is: its odd entries are the left
+operands the down-sweep needs (no copy, unlike the torch twin).  Threads split the batch (each runs
+the whole tree on its slice: one hand-off per scan) or, for a batch smaller than the thread count,
+each level's products.
 
 **The sequential rival** (:func:`linear_scan`, :func:`rnn_sequential_grad_preact`): back-propagation
 as a compiled (numba) loop of matrix-vector products, one step after another -- the strongest
@@ -108,6 +111,16 @@ def _numpy_blas_single_threaded() -> bool:
         return False
 
 
+def _spread(tasks) -> None:
+    """Run the callables, the first on this thread and the others on the pool's workers."""
+    if len(tasks) > 1:
+        _numpy_blas_single_threaded()
+    futures = [_executor(_threads()).submit(t) for t in tasks[1:]]
+    tasks[0]()
+    for f in futures:
+        f.result()
+
+
 def _parallel(fn, n: int, flop_per_item: float) -> None:
     """Run ``fn(a, b)`` over [0, n) in contiguous chunks, one per thread (the caller takes the first)."""
     _numpy_blas_single_threaded()
@@ -117,10 +130,7 @@ def _parallel(fn, n: int, flop_per_item: float) -> None:
             fn(0, n)
         return
     bounds = [n * i // p for i in range(p + 1)]
-    futures = [_executor(_threads()).submit(fn, bounds[i], bounds[i + 1]) for i in range(1, p)]
-    fn(bounds[0], bounds[1])
-    for f in futures:
-        f.result()
+    _spread([functools.partial(fn, bounds[i], bounds[i + 1]) for i in range(p)])
 
 
 # -- compiled sequential loops ----------------------------------------------------------------------
@@ -185,10 +195,9 @@ class RnnChain:
     of it: the compiled kernel reads each row's batch lanes side by side) instead of T·B dense H×H
     matrices: what :meth:`CpuBackend.rnn_jacobians_t` returns for the ``fused`` layout.
 
-    :func:`blelloch_scan` then never materialises the chain (26 MB at T = 1000, B = 16, fp32): level 0
-    of the up-sweep is one GEMM from ``d`` and level 0 of the down-sweep one GEMM with ``W_hh``
-    (:func:`_chain_scan`).  :meth:`dense` is the chain :func:`bppsa.jacobians.recurrent.rnn_jacobians_t`
-    builds, for the paths that need it.
+    :func:`blelloch_scan` then never materialises the chain (26 MB at T = 1000, B = 16, fp32)
+    (:func:`_native_chain_scan`, or :func:`_chain_scan` without the compiled kernel).  :meth:`dense` is
+    the chain :func:`bppsa.jacobians.recurrent.rnn_jacobians_t` builds, for the paths that need it.
     """
 
     def __init__(self, W_hh: torch.Tensor, d_lanes: torch.Tensor):
@@ -262,11 +271,7 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor | RnnChain, L_m: int | None =
         b0, b1 = bounds[i], bounds[i + 1]
         _tree(gn[b0:b1], A[:, b0:b1], on[:, b0:b1], L, ws, ("slice", i), _serial, g)
 
-    _numpy_blas_single_threaded()
-    futures = [_executor(_threads()).submit(run, i) for i in range(1, p)]
-    run(0)
-    for f in futures:
-        f.result()
+    _spread([functools.partial(run, i) for i in range(p)])
     return out
 
 
@@ -324,16 +329,6 @@ def _native_chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Works
             cuts = k.cuts(parts)
             _spread([functools.partial(phase, a, b) for a, b in zip(cuts, cuts[1:])])
     return out
-
-
-def _spread(tasks) -> None:
-    """Run the callables, the first on this thread and the others on the pool's workers."""
-    if len(tasks) > 1:
-        _numpy_blas_single_threaded()
-    futures = [_executor(_threads()).submit(t) for t in tasks[1:]]
-    tasks[0]()
-    for f in futures:
-        f.result()
 
 
 def _chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Workspace) -> torch.Tensor:

@@ -30,7 +30,7 @@ __all__ = ["available", "unavailable_reason", "library", "ChainScan", "work_size
 # Up-sweep levels computed per block in cache (blocks of 2^FUSED_LEVELS Jacobians), see chain_scan.c.
 FUSED_LEVELS = 4
 
-_CTYPES = {torch.float32: ("float", ctypes.c_float), torch.float64: ("double", ctypes.c_double)}
+_REAL = {torch.float32: "float", torch.float64: "double"}
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11"]
 
 
@@ -90,7 +90,9 @@ def _build(H: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
     if cc is None:
         _errors["cc"] = f"no C compiler ({compiler_name()!r} not on PATH)"
         return None
-    real, c_real = _CTYPES[dtype]
+    real = _REAL.get(dtype)
+    if real is None:  # e.g. half precision: the numpy path takes it
+        return None
     defs = [f"-DHID={H}", f"-DLANES={lanes}", f"-DREAL={real}"]
     src = _source()
     key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS + defs).encode(), _compiler_id(cc).encode(),
