@@ -418,8 +418,9 @@ def cpu_speed_claims(results: Path) -> list[Claim]:
                              f"{r.x_bound:.2f}× its {r.bound} bound ({r.scan_s * 1e3:.3g} ms against "
                              f"{r.bound_s * 1e3:.3g} ms; {r.achieved_gflops:.0f} GFLOP/s, {method})", label,
                              "holds" if ok else "not reproduced",
-                             ("" if ok else "one chain per batch element and ~H-fold arithmetic; see the README's "
-                              "CPU speed section") + ("; flagged noisy" if getattr(r, "noisy", False) else "")))
+                             ("" if ok else f"{r.batch} chain(s) of ~H-fold arithmetic, against a bound that assumes "
+                              "every core at the sgemm peak; see the README's CPU speed section")
+                             + ("; flagged noisy" if getattr(r, "noisy", False) else "")))
     for label, cx in _each(results, "rnn/scaling_crossover.csv"):
         for r in cx.itertuples(index=False):
             p = r.crossover_workers
