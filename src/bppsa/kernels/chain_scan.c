@@ -1,12 +1,13 @@
 /* The BPPSA scan over a tanh RNN's factored chain on a CPU, for one slice of batch lanes.
  *
  * Compiled at first use by bppsa.kernels.native (cc -O3 -march=native) once per hidden size HID,
- * lane count LANES and REAL type, and called through ctypes (the GIL released, one slice per thread).
+ * lane count LANES and REAL type, and called through ctypes (the GIL released; a thread runs a slice,
+ * or a range of a slice's blocks in the phases chain_up / chain_tree / chain_down).
  *
  * Layout: the LANES batch elements of a slice are the vector dimension of every operation: a
  * matrix is [H][H][LANES], a vector [H][LANES], so each of the H^3 multiply-adds of a product is
- * one vector FMA across independent chains, with no horizontal sums and no reordering of any sum
- * (the results per batch element are those of the plain loops).
+ * one vector FMA across independent chains, with no horizontal sums: each lane's sums run in the
+ * order of the plain loops.
  *
  * The chain (scan order, k = 0 .. n-1): J_k = W^T diag(d_k), kept as its factors Wt = W_hh^T and
  * d [n][H][B] (lane-major over the whole batch B; this slice reads lanes b0 .. b0 + LANES - 1).

@@ -314,7 +314,7 @@ def _native_chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Works
     Wt, g = chain.W_hh.t().contiguous(), g.contiguous()
     d_lanes = chain.d_lanes
     kernels = [[native.ChainScan(Wt, d_lanes, g, out, L, b0, w,
-                                 ws.get(("cpu", "native", b0, w), (native.work_size(n, H, w, g.dtype, L),), g))
+                                 lambda size, key=(b0, w): ws.get(("cpu", "native", *key), (size,), g))
                 for b0, w in gr] for gr in groups]
     if by_slice:
         _spread([lambda gr=gr: [k.run() for k in gr] for gr in kernels])

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "library", "ChainScan", "work_size", "FUSED_LEVELS"]
+__all__ = ["available", "unavailable_reason", "library", "ChainScan", "FUSED_LEVELS"]
 
 # Up-sweep levels computed per block in cache (blocks of 2^FUSED_LEVELS Jacobians), see chain_scan.c.
 FUSED_LEVELS = 4
@@ -135,7 +135,7 @@ def unavailable_reason() -> str | None:
     g = torch.randn(B, H, generator=gen, dtype=torch.float64)
     out = torch.empty(n, B, H, dtype=torch.float64)
     ChainScan(W.t().contiguous(), d.permute(0, 2, 1).contiguous(), g, out, L, 0, B,
-              torch.empty(work_size(n, H, B, torch.float64, L), dtype=torch.float64)).run()
+              lambda size: torch.empty(size, dtype=torch.float64)).run()
     ref = _scan.blelloch_scan(g, W.t() * d.unsqueeze(-2))
     err = ((out - ref).abs().max() / ref.abs().max()).item()
     return None if err <= 1e-12 else f"the compiled kernel disagrees with the reference scan (rel. err {err:.1e})"
@@ -148,21 +148,19 @@ def available() -> bool:
 class ChainScan:
     """The compiled scan of one lane slice ``[b0, b0 + lanes)`` of a factored chain: ``Wt`` [H, H] (W_hhᵀ),
     ``d_lanes`` [n, H, B], ``g`` [B, H] and ``out`` [n, B, H], all contiguous, ``L`` tree levels, ``fused``
-    of them per block.  :meth:`run` is the whole scan on this thread; :meth:`up`, :meth:`middle` and
-    :meth:`down` are its three phases, the first and last over any split of ``range(blocks)``.
+    of them per block; ``scratch(size)`` gives a contiguous tensor of d's dtype with ``size`` elements.
+    :meth:`run` is the whole scan on this thread; :meth:`up`, :meth:`middle` and :meth:`down` are its
+    three phases, the first and last over any split of ``range(blocks)``.
 
     A one-lane slice (B = 1) runs the up and down phases of its full blocks ``VL`` at a time as the
     lanes of the kernel built for ``VL`` lanes (a vector register's worth), where that builds; only a
     clipped last block takes the one-lane kernel."""
 
-    def __init__(self, Wt, d_lanes, g, out, L: int, b0: int, lanes: int, work: torch.Tensor,
-                 fused: int = FUSED_LEVELS):
+    def __init__(self, Wt, d_lanes, g, out, L: int, b0: int, lanes: int, scratch, fused: int = FUSED_LEVELS):
         n, H, B = d_lanes.shape
         self.lib = library(H, lanes, d_lanes.dtype)
         self.blocks = int(self.lib.chain_blocks(n, L, fused))
-        need = self.lib.chain_scan_work(n, L, fused)
-        if work.numel() < need:
-            raise ValueError(f"work holds {work.numel()} elements, the kernel needs {need}")
+        work = scratch(int(self.lib.chain_scan_work(n, L, fused)))
         self.tensors = (Wt, d_lanes, g, out, work)  # kept alive while the kernel holds their addresses
         self.ptrs = [t.data_ptr() for t in self.tensors]
         self.shape = (n, B, b0, L, fused)
@@ -209,7 +207,3 @@ class ChainScan:
             self.wide.chain_down_lanes(Wt, d, out, *self.shape, j0, a, work)
         if j1 > a:
             self.lib.chain_down(Wt, d, out, *self.shape, a, j1, work)
-
-
-def work_size(n: int, H: int, lanes: int, dtype: torch.dtype, L: int, fused: int = FUSED_LEVELS) -> int:
-    return int(library(H, lanes, dtype).chain_scan_work(n, L, fused))
