@@ -211,16 +211,6 @@ long chain_scan_work(long n, int L, int c) {
     return nc ? nc * MAT + nc * VEC + VEC + tree_work(nc, L - c) : 0;
 }
 
-/* All three phases on one thread: the scan of g [B][H] into out [n][B][H] for this lane slice. */
-int chain_scan(const real *Wt, const real *d, const real *g, real *out, long n, long B, long b0, int L, int c,
-               real *work) {
-    long nc = chain_blocks(n, L, c);
-    chain_up(Wt, d, n, B, b0, L, c, 0, nc, work);
-    chain_tree(Wt, d, g, out, n, B, b0, L, c, work);
-    chain_down(Wt, d, out, n, B, b0, L, c, 0, nc, work);
-    return 0;
-}
-
 /* -- one batch element, its blocks as the lanes ---------------------------------------------------
  * For a slice of a single batch element (B = 1, say) the lanes would hold one chain and the vector
  * units idle; these run LANES full blocks (2^c Jacobians each) of batch element b0 side by side

@@ -111,13 +111,13 @@ def _build(H: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
             os.replace(so_file, out)
     lib = ctypes.CDLL(str(out))
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-    for name, args in {"chain_scan": [p, p, p, p, l, l, l, i, i, p], "chain_up": [p, p, l, l, l, i, i, l, l, p],
+    for name, args in {"chain_up": [p, p, l, l, l, i, i, l, l, p],
                        "chain_tree": [p, p, p, p, l, l, l, i, i, p], "chain_down": [p, p, p, l, l, l, i, i, l, l, p],
                        "chain_up_lanes": [p, p, l, l, l, i, i, l, l, p],
                        "chain_down_lanes": [p, p, p, l, l, l, i, i, l, l, p],
                        "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i]}.items():
         f = getattr(lib, name)
-        f.argtypes, f.restype = args, {"chain_scan": i, "chain_scan_work": l, "chain_blocks": l}.get(name)
+        f.argtypes, f.restype = args, {"chain_scan_work": l, "chain_blocks": l}.get(name)
     return lib
 
 
@@ -166,8 +166,9 @@ class ChainScan:
         self.shape = (n, B, b0, L, fused)
         self.vl = 64 // d_lanes.element_size()
         self.wide = library(H, self.vl, d_lanes.dtype) if lanes == 1 and self.blocks > 1 else None
-        c = min(fused, L)  # the last block is full when the chain reaches its end
-        self.full = self.blocks - (self.blocks and n + 1 < (self.blocks + 1) << c)
+        size = 1 << min(fused, L)  # blocks hold `size` Jacobians; the last one may be clipped at J_{n-1}
+        clipped = self.blocks > 0 and n - (self.blocks * size - 1) < size
+        self.full = self.blocks - clipped
 
     def _wide_end(self, j0: int, j1: int) -> int:
         """Where the full blocks among [j0, j1), the wide kernel's, end."""
@@ -180,10 +181,6 @@ class ChainScan:
         return [min(self.blocks, unit * (groups * i // p)) for i in range(p + 1)]
 
     def run(self) -> None:
-        if self.wide is None:
-            Wt, d, g, out, work = self.ptrs
-            self.lib.chain_scan(Wt, d, g, out, *self.shape, work)
-            return
         self.up(0, self.blocks)
         self.middle()
         self.down(0, self.blocks)
