@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from bppsa import backends, scan
+from bppsa.jacobians.gru import gru_gate_grads, gru_gates, gru_jacobians_t
 from bppsa.jacobians.recurrent import rnn_grad_preact, rnn_jacobians_t
 from bppsa.kernels import cpu, native
 from bppsa.verify import verify
@@ -65,49 +66,71 @@ def chain_path(request, monkeypatch):
         pytest.skip(f"the compiled kernel is unavailable here: {native.unavailable_reason()}")
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(n=st.integers(1, 300), B=st.integers(1, 5), H=st.integers(1, 9),
-       L_m=st.one_of(st.none(), st.integers(0, 10)), dtype=st.sampled_from([torch.float64, torch.float32]),
-       seed=st.integers(0, 2 ** 16))
-def test_factored_rnn_chain_scan_equals_torch_twin(chunking, chain_path, n, B, H, L_m, dtype, seed):
-    """The RNN's chain kept as W_hh and 1 - h² (compiled kernel; numpy: level 0 as one GEMM) gives the
-    dense chain's scan."""
-    assume(n & (n + 1))
+def _factored(kind, T, B, H, seed, dtype, scale=1.0):
+    """A chain of ``kind`` built by the cpu backend, the torch twin's dense chain, and the model's
+    conversion of the scan into per-step gradients (what the kernel writes in its mode 1)."""
     gen = torch.Generator().manual_seed(seed)
-    h = torch.tanh(torch.randn(n, B, H, generator=gen, dtype=dtype))
-    W = torch.randn(H, H, generator=gen, dtype=dtype) / math.sqrt(H)
     g = torch.randn(B, H, generator=gen, dtype=dtype)
-    chain = cpu.CpuBackend().rnn_jacobians_t(h, W, "fused")
-    assert isinstance(chain, cpu.RnnChain) and chain.shape == (n, B, H, H)
-    dense = rnn_jacobians_t(h, W, "fused")
+    if kind == "gru":
+        cell = torch.nn.GRU(3, H).to(dtype)
+        with torch.no_grad():
+            for p in cell.parameters():
+                p.copy_(scale * torch.randn(p.shape, generator=gen, dtype=dtype) / math.sqrt(H))
+            x = torch.randn(T, B, 3, generator=gen, dtype=dtype)
+            h, _ = cell(x)
+            gates = gru_gates(x, h, cell.weight_ih_l0, cell.weight_hh_l0, cell.bias_ih_l0, cell.bias_hh_l0)
+        chain = cpu.CpuBackend().gru_jacobians_t(gates, cell.weight_hh_l0)
+        dense = gru_jacobians_t(gates, cell.weight_hh_l0)
+        return g, chain, dense, lambda out: gru_gate_grads(gates, out.flip(0))
+    h = torch.tanh(torch.randn(T, B, H, generator=gen, dtype=dtype))
+    W = scale * torch.randn(H, H, generator=gen, dtype=dtype) / math.sqrt(H)
+    layout = "fused" if kind == "rnn" else "paper"
+    chain = cpu.CpuBackend().rnn_jacobians_t(h, W, layout)
+    return g, chain, rnn_jacobians_t(h, W, layout), lambda out: rnn_grad_preact(out, h, layout)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["rnn", "paper", "gru"]), T=st.integers(1, 300), B=st.integers(1, 5),
+       H=st.integers(1, 9), L_m=st.one_of(st.none(), st.integers(0, 10)),
+       dtype=st.sampled_from([torch.float64, torch.float32]), seed=st.integers(0, 2 ** 16))
+def test_factored_chain_scan_equals_torch_twin(chunking, chain_path, kind, T, B, H, L_m, dtype, seed):
+    """Each chain kept as its weights and factors (compiled kernel; numpy: the RNN's level 0 as one GEMM,
+    the others their dense chain) gives the dense chain's scan, and the kernel's per-step gradients
+    equal the model's conversion of that scan."""
+    g, chain, dense, from_scan = _factored(kind, T, B, H, seed, dtype)
+    n = dense.shape[0]
+    assume(n & (n + 1))  # scan length N = n + 1 not a power of two
+    assert isinstance(chain, cpu.FactoredChain) and chain.shape == dense.shape
     assert torch.equal(chain.dense(), dense)
     ref = scan.blelloch_scan(g, dense.clone(), L_m)
     assume(torch.isfinite(ref).all())  # an fp32 chain that overflows has no relative error to check
-    got = cpu.blelloch_scan(g, chain, L_m)
-    assert _rel(got, ref) <= (1e-12 if dtype == torch.float64 else 1e-5)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert _rel(cpu.blelloch_scan(g, chain, L_m), ref) <= tol
+    assert _rel(cpu.step_grads(g, chain, L_m, scan.Workspace(), from_scan), from_scan(ref)) <= tol
 
 
 @pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
 @pytest.mark.parametrize("mode", ["slices", "blocks"])
-@pytest.mark.parametrize("n,B,H", [(1000, 16, 20), (999, 40, 20), (257, 7, 12), (2, 3, 20)])
+@pytest.mark.parametrize("n,B,H", [(1000, 16, 20), (999, 40, 20), (257, 7, 12), (2, 3, 20), (333, 1, 20)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_compiled_kernel_both_thread_splits(mode, n, B, H, dtype, monkeypatch):
-    """Threads taking whole lane slices, or splitting each slice's blocks: the same scan, at the sizes
-    the benchmarks run (full vector registers of lanes, several slices, hidden size 20)."""
+@pytest.mark.parametrize("kind", ["rnn", "paper", "gru"])
+def test_compiled_kernel_both_thread_splits(kind, mode, n, B, H, dtype, monkeypatch):
+    """Threads taking whole lane slices, or splitting each slice's blocks (B = 1: blocks as the lanes):
+    the same scan and per-step gradients, at the sizes the benchmarks run (full vector registers of
+    lanes, several slices, hidden size 20)."""
     monkeypatch.setattr(cpu, "MIN_CHUNK_FLOP", 1)
-    gen = torch.Generator().manual_seed(n)
-    h = torch.tanh(0.3 * torch.randn(n, B, H, generator=gen, dtype=dtype))
-    W = torch.linalg.qr(torch.randn(H, H, generator=gen, dtype=dtype))[0]  # orthogonal: a slow decay, no overflow
-    g = torch.randn(B, H, generator=gen, dtype=dtype)
-    chain = cpu.RnnChain.from_states(h, W)
+    g, chain, dense, from_scan = _factored(kind, n, B, H, n, dtype, scale=0.3)
     old = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
         for L_m in (None, 0, 2, native.FUSED_LEVELS + 1):
-            L = scan.tree_levels(n + 1, L_m)
+            L = scan.tree_levels(dense.shape[0] + 1, L_m)
+            ref = scan.blelloch_scan(g.double(), dense.double(), L_m)
+            tol = 1e-12 if dtype == torch.float64 else 1e-5
             got = cpu._native_chain_scan(g, chain, L, scan.Workspace(), mode)
-            ref = scan.blelloch_scan(g.double(), chain.dense().double(), L_m)
-            assert _rel(got.double(), ref) <= (1e-12 if dtype == torch.float64 else 1e-5), (L_m, mode)
+            assert _rel(got.double(), ref) <= tol, (L_m, mode)
+            got = cpu._native_chain_scan(g, chain, L, scan.Workspace(), mode, grads=True)
+            assert _rel(got.double(), from_scan(ref.to(dtype)).double()) <= tol, (L_m, mode)
     finally:
         torch.set_num_threads(old)
 
@@ -148,16 +171,11 @@ def test_kernel_builds_once_into_the_cache(tmp_path):
     for _ in range(2):
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert r.stdout.strip() == "True", r.stderr
-        (so,) = (tmp_path / "native").glob("chain_scan_double_H3_L2_*.so")
+        (so,) = (tmp_path / "native").glob("chain_scan_k0_double_H3_L2_*.so")
         if _ == 0:
             first = so.stat().st_mtime_ns
     assert so.stat().st_mtime_ns == first  # the second process loaded the first one's build
     assert not [p for p in (tmp_path / "native").iterdir() if p.is_dir()]  # no temporary left behind
-
-
-def test_paper_layout_keeps_the_dense_chain():
-    h, W = torch.rand(7, 2, 3, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
-    assert torch.equal(cpu.CpuBackend().rnn_jacobians_t(h, W, "paper"), rnn_jacobians_t(h, W, "paper"))
 
 
 def test_cli_shortens_the_openmp_spin_unless_set():

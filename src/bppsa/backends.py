@@ -1,9 +1,12 @@
 """Where the BPPSA backward runs: the torch backend (any device) or CuPy RawKernels (CUDA only).
 
-A backend provides two operations, both on torch tensors in the layout of :mod:`bppsa.scan`:
+A backend provides these operations, on torch tensors in the layout of :mod:`bppsa.scan`:
 
 * ``scan(g, J, L_m=None)``: the exclusive scan (a backend may overwrite ``J`` as workspace);
-* ``rnn_jacobians_t(h, W_hh, layout)``: the transposed Jacobians of a tanh RNN in scan order;
+* ``rnn_jacobians_t(h, W_hh, layout)``, ``gru_jacobians_t(gates, W_hh)``: the transposed Jacobians of
+  a tanh RNN or a GRU in scan order (dense ``[n, B, H, H]``, or a chain kept as its factors);
+* ``step_grads(g, J, L_m, from_scan)``: the model's per-step gradients, ``from_scan(scan(g, J, L_m))``
+  unless the backend computes them as it scans;
 
 and a ``workspace`` (:class:`bppsa.scan.Workspace`) into which a model may build Jacobians that
 the same step's scan consumes.
@@ -16,6 +19,7 @@ import warnings
 import torch
 
 from . import scan as _scan
+from .jacobians import gru as _gru
 from .jacobians import recurrent as _rec
 
 BACKENDS = ("auto", "torch", "cupy", "cpu")
@@ -37,6 +41,13 @@ class TorchBackend:
         T, B, H = h.shape
         shape = (_rec.num_jacobians(T, layout), B, H, H)
         return _rec.rnn_jacobians_t(h, W_hh, layout, out=self.workspace.get(("jacobians", layout), shape, h))
+
+    def gru_jacobians_t(self, gates, W_hh: torch.Tensor) -> torch.Tensor:
+        T, B, H = gates.r.shape
+        return _gru.gru_jacobians_t(gates, W_hh, out=self.workspace.get(("jacobians", "gru"), (T, B, H, H), gates.r))
+
+    def step_grads(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None, from_scan) -> torch.Tensor:
+        return from_scan(self.scan(g, J, L_m))
 
 
 _PROBE_KERNEL = ("rnn_jacobians.cu", "bppsa_rnn_jacobians_fused_f32")

@@ -64,18 +64,31 @@ def gru_jacobians_t(g: Gates, W_hh: torch.Tensor, out: torch.Tensor | None = Non
     return J
 
 
-def gru_param_grads(x: torch.Tensor, g: Gates, grad_h: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Every GRU parameter's gradient from ∇h_t (t = 1..T, total gradients) by reductions over t and b."""
+def gru_gate_grads(g: Gates, grad_h: torch.Tensor) -> torch.Tensor:
+    """The gradients of the gates' pre-activations from ∇h_t (t = 1..T, total gradients), ``[T, B, 4H]``:
+    (dR, dZ, dN, dM) -- R, Z, N as in the module docstring, M = W_hn h' + b_hn."""
     dn = grad_h * (1 - g.z)
     dZ = grad_h * (g.hp - g.n) * g.z * (1 - g.z)
     dN = dn * (1 - g.n * g.n)
     dM = dN * g.r
     dR = dN * g.M * g.r * (1 - g.r)
-    Gi = torch.cat([dR, dZ, dN], -1)  # ∂l/∂(W_ih x + b_ih), gate order r, z, n
-    Gh = torch.cat([dR, dZ, dM], -1)  # ∂l/∂(W_hh h' + b_hh)
+    return torch.cat([dR, dZ, dN, dM], -1)
+
+
+def gru_param_grads(x: torch.Tensor, h: torch.Tensor, G: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every GRU parameter's gradient from the gates' gradients ``G`` = (dR, dZ, dN, dM) ``[T, B, 4H]``
+    (:func:`gru_gate_grads`), as GEMMs over the T·B rows; h_0 = 0 adds nothing to ∂l/∂W_hh."""
+    T, B, H = h.shape
+    G2 = G.reshape(T * B, 4 * H)
+    Gi = G2[:, :3 * H]  # ∂l/∂(W_ih x + b_ih), gate order r, z, n
+    Gp, hp = G2[B:], h[:-1].reshape((T - 1) * B, H)  # steps 2..T and their h' = h_{t-1}
+    W_hh = G.new_empty((3 * H, H))
+    torch.mm(Gp[:, :2 * H].t(), hp, out=W_hh[:2 * H])  # ∂l/∂(W_hh h' + b_hh): (dR, dZ, dM)
+    torch.mm(Gp[:, 3 * H:].t(), hp, out=W_hh[2 * H:])
+    sums = G2.sum(0)
     return {
-        "weight_ih_l0": torch.einsum("tbg,tbi->gi", Gi, x),
-        "weight_hh_l0": torch.einsum("tbg,tbj->gj", Gh, g.hp),
-        "bias_ih_l0": Gi.sum((0, 1)),
-        "bias_hh_l0": Gh.sum((0, 1)),
+        "weight_ih_l0": Gi.t() @ x.reshape(T * B, -1),
+        "weight_hh_l0": W_hh,
+        "bias_ih_l0": sums[:3 * H],
+        "bias_hh_l0": torch.cat([sums[:2 * H], sums[3 * H:]]),
     }

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from .. import scan as _scan
+from ..backends import TorchBackend
 from ..jacobians.recurrent import num_jacobians
 
 __all__ = ["CupyBackend", "Launch", "scan_plan", "rnn_jacobians_launch", "block_threads", "SOURCES", "KERNEL_DIR"]
@@ -230,14 +231,15 @@ def _as_cupy(t: torch.Tensor):
     return _import_cupy().from_dlpack(t.detach())
 
 
-class CupyBackend:
-    """Same contract as :class:`bppsa.backends.TorchBackend`, on CUDA tensors."""
+class CupyBackend(TorchBackend):
+    """:class:`bppsa.backends.TorchBackend` with the scan and the RNN's Jacobians as CUDA kernels (the
+    GRU's Jacobians are built by torch, on the GPU)."""
 
     name = "cupy"
 
     def __init__(self):
         _import_cupy()
-        self.workspace = _scan.Workspace()  # for Jacobians built outside the kernels (the GRU's)
+        super().__init__()
 
     def scan(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> torch.Tensor:
         if g.dim() != 2 or J.dim() != 4 or J.shape[1:3] != g.shape or J.shape[2] != J.shape[3]:

@@ -1,24 +1,33 @@
-/* The BPPSA scan over a tanh RNN's factored chain on a CPU, for one slice of batch lanes.
+/* The BPPSA scan over a recurrent network's factored Jacobian chain on a CPU, for one slice of batch lanes.
  *
- * Compiled at first use by bppsa.kernels.native (cc -O3 -march=native) once per hidden size HID,
- * lane count LANES and REAL type, and called through ctypes (the GIL released; a thread runs a slice,
- * or a range of a slice's blocks in the phases chain_up / chain_tree / chain_down).
+ * Compiled at first use by bppsa.kernels.native (cc -O3 -march=native) once per chain KIND, hidden size
+ * HID, lane count LANES and REAL type, and called through ctypes (the GIL released; a thread runs a
+ * slice, or a range of a slice's blocks in the phases chain_up / chain_tree / chain_down).
  *
- * Layout: the LANES batch elements of a slice are the vector dimension of every operation: a
- * matrix is [H][H][LANES], a vector [H][LANES], so each of the H^3 multiply-adds of a product is
- * one vector FMA across independent chains, with no horizontal sums: each lane's sums run in the
- * order of the plain loops.
+ * Layout: the LANES batch elements of a slice are the vector dimension of every operation: a matrix is
+ * [H][H][LANES], a vector [H][LANES], so each of the H^3 multiply-adds of a product is one vector FMA
+ * across independent chains, with no horizontal sums: each lane's sums run in the order of the plain loops.
  *
- * The chain (scan order, k = 0 .. n-1): J_k = W^T diag(d_k), kept as its factors Wt = W_hh^T and
- * d [n][H][B] (lane-major over the whole batch B; this slice reads lanes b0 .. b0 + LANES - 1).
+ * The chains (scan order, positions s = 0 .. n-1), never stored as matrices: each is kept as its weights
+ * Wt (NW matrices W^T, [NW][H][H]) and per-step factors f [steps][NF][H][B] (lane-major over the whole
+ * batch B; this slice reads lanes b0 .. b0 + LANES - 1):
+ *   KIND 0, the RNN's fused layout:  J_s = Wt diag(d_s)                     (NF = 1: d = 1 - h^2; n = T)
+ *   KIND 1, the RNN's paper layout:  J_2k = diag(d_k), J_2k+1 = Wt          (NF = 1; n = 2T)
+ *   KIND 2, the GRU (Appendix E):    J_s = sum_g Wt_g diag(c_g,s) + diag(z_s)  (NF = 5: c_r, c_z, c_n, z, e
+ *                                    with e = (1 - z)(1 - n^2); Wt_g = W_hg^T for g = r, z, n)
  *
- * The scan is the tree of bppsa.scan.blelloch_scan with L up-sweep levels, its lowest c of them
- * computed per block instead of level by level: the entries of level c are products of 2^c
- * consecutive Jacobians (the last one clipped at J_{n-1}; the first block starts at J_{2^c - 1},
- * the 2^c - 1 before it are the spine), so each is accumulated in cache straight from the factors,
- * M <- M J_s = (M Wt) diag(d_s), and no lower level is ever stored; the down-sweep of those c levels
- * is, per block, the sequence of factored mat-vecs out[s+1] = Wt (d_s * out[s]) from the block's
- * prefix.  Levels c .. L-1 and the linear middle are the reference tree on the stored level-c array.
+ * The scan is the tree of bppsa.scan.blelloch_scan with L up-sweep levels, its lowest c of them computed
+ * per block instead of level by level: the entries of level c are products of 2^c consecutive Jacobians
+ * (the last one clipped at J_{n-1}; the first block starts at J_{2^c - 1}, the 2^c - 1 before it are the
+ * spine), so each is accumulated in cache straight from the factors, M <- M J_s, and no lower level is
+ * ever stored; the down-sweep of those c levels is, per block, the sequence of factored mat-vecs
+ * out[s+1] = J_s out[s] from the block's prefix.  Levels c .. L-1 and the linear middle are the reference
+ * tree on the stored level-c array.  L = 0 is the sequential backward: the spine is the whole chain.
+ *
+ * Output (runtime `mode`): 0 = the scan itself, out [n][B][H] in scan order; 1 = what the model's
+ * parameter gradients need, in time order (t = 0 .. T-1 for h_1 .. h_T): the RNN's grad of the
+ * pre-activation a_t, [T][B][H] (fused: out_k * d_k; paper: the odd positions); the GRU's gradients of
+ * the gates' pre-activations [T][B][4H] = (dR, dZ, dN, dM) = grad_h * (c_r, c_z, e, c_n).
  */
 #include <string.h>
 
@@ -34,8 +43,29 @@ typedef real vec __attribute__((vector_size(NL * sizeof(real)), aligned(sizeof(r
 #define LD(p) (*(const vec *)(p))
 #define ST(p) (*(vec *)(p))
 #define UNROLL _Pragma("GCC unroll 64")
+#define MAT ((long)H * H * NL)
+#define VEC ((long)H * NL)
 
-/* -- lane kernels (a row's H accumulators stay in registers) --------------------------------------- */
+#if KIND == 2
+#define NF 5
+#define NW 3
+#define OUTW (4 * H) /* width of a step's row in mode 1 */
+#else
+#define NF 1
+#define NW 1
+#define OUTW H
+#endif
+
+/* The factor step that position s reads (the paper layout's two positions per step share d_k). */
+static inline long fstep(long s) {
+#if KIND == 1
+    return s >> 1;
+#else
+    return s;
+#endif
+}
+
+/* -- dense lane kernels (a row's H accumulators stay in registers) ---------------------------------- */
 
 /* C = X Y, per lane. */
 static void mat_mat(const real *restrict X, const real *restrict Y, real *restrict C) {
@@ -60,26 +90,9 @@ static void mat_vec(const real *restrict A, const real *restrict q, real *restri
     }
 }
 
-/* v = J_s q = Wt (d_s * q), per lane; ds points at lane b0 of d_s, rows ldd apart. */
-static void jac_vec(const real *restrict Wt, const real *restrict ds, long ldd, const real *restrict q,
-                    real *restrict v) {
-    vec t[H];
-    UNROLL for (int m = 0; m < H; ++m) t[m] = LD(ds + m * ldd) * LD(q + m * NL);
-    for (int i = 0; i < H; ++i) {
-        vec acc = (vec){0};
-        UNROLL for (int m = 0; m < H; ++m) acc += Wt[i * H + m] * t[m];
-        ST(v + i * NL) = acc;
-    }
-}
-
-/* M = J_s = Wt diag(d_s). */
-static void jac_set(const real *restrict Wt, const real *restrict ds, long ldd, real *restrict M) {
-    for (int i = 0; i < H; ++i)
-        UNROLL for (int l = 0; l < H; ++l) ST(M + (i * H + l) * NL) = Wt[i * H + l] * LD(ds + l * ldd);
-}
-
-/* M <- M J_s = (M Wt) diag(d_s), in place row by row. */
-static void mul_jac(real *restrict M, const real *restrict Wt, const real *restrict ds, long ldd) {
+/* M <- M Wt (one of the weights, broadcast to every lane), in place row by row; then scaled by the
+ * columns' d where d is given. */
+static void mul_wt(real *restrict M, const real *restrict Wt, const real *restrict d, long ldd) {
     for (int i = 0; i < H; ++i) {
         vec acc[H];
         UNROLL for (int l = 0; l < H; ++l) acc[l] = (vec){0};
@@ -87,14 +100,141 @@ static void mul_jac(real *restrict M, const real *restrict Wt, const real *restr
             vec x = LD(M + (i * H + m) * NL);
             UNROLL for (int l = 0; l < H; ++l) acc[l] += x * Wt[m * H + l];
         }
-        UNROLL for (int l = 0; l < H; ++l) ST(M + (i * H + l) * NL) = acc[l] * LD(ds + l * ldd);
+        if (d) {
+            UNROLL for (int l = 0; l < H; ++l) ST(M + (i * H + l) * NL) = acc[l] * LD(d + l * ldd);
+        } else {
+            UNROLL for (int l = 0; l < H; ++l) ST(M + (i * H + l) * NL) = acc[l];
+        }
     }
 }
 
-/* -- the dense tree (bppsa.kernels.cpu._tree, per lane) ------------------------------------------ */
+/* v = Wt q (one weight, every lane). */
+static void wt_vec(const real *restrict Wt, const real *restrict q, real *restrict v) {
+    for (int i = 0; i < H; ++i) {
+        vec acc = (vec){0};
+        UNROLL for (int m = 0; m < H; ++m) acc += Wt[i * H + m] * LD(q + m * NL);
+        ST(v + i * NL) = acc;
+    }
+}
 
-#define MAT ((long)H * H * NL)
-#define VEC ((long)H * NL)
+/* -- the chain: J_s from the factors fs of its step (row r of the step's factors at fs + r * ld) ------ */
+
+/* M = J_s */
+static void jac_set(const real *restrict Wt, long s, const real *restrict fs, long ld, real *restrict M) {
+#if KIND == 0
+    (void)s;
+    for (int i = 0; i < H; ++i)
+        UNROLL for (int l = 0; l < H; ++l) ST(M + (i * H + l) * NL) = Wt[i * H + l] * LD(fs + l * ld);
+#elif KIND == 1
+    for (int i = 0; i < H; ++i)
+        UNROLL for (int l = 0; l < H; ++l) {
+            if (s & 1) ST(M + (i * H + l) * NL) = (vec){0} + Wt[i * H + l];
+            else ST(M + (i * H + l) * NL) = i == l ? LD(fs + l * ld) : (vec){0};
+        }
+#else
+    const real *W0 = Wt, *W1 = Wt + H * H, *W2 = Wt + 2 * H * H;
+    (void)s;
+    for (int i = 0; i < H; ++i)
+        UNROLL for (int l = 0; l < H; ++l) {
+            vec a = W0[i * H + l] * LD(fs + l * ld);
+            a += W1[i * H + l] * LD(fs + (H + l) * ld);
+            a += W2[i * H + l] * LD(fs + (2 * H + l) * ld);
+            if (i == l) a += LD(fs + (3 * H + l) * ld);
+            ST(M + (i * H + l) * NL) = a;
+        }
+#endif
+}
+
+/* M <- M J_s */
+static void mul_jac(real *restrict M, const real *restrict Wt, long s, const real *restrict fs, long ld) {
+#if KIND == 0
+    (void)s;
+    mul_wt(M, Wt, fs, ld);
+#elif KIND == 1
+    if (s & 1) {
+        mul_wt(M, Wt, 0, 0);
+    } else {
+        for (int i = 0; i < H; ++i)
+            UNROLL for (int l = 0; l < H; ++l) ST(M + (i * H + l) * NL) = LD(M + (i * H + l) * NL) * LD(fs + l * ld);
+    }
+#else
+    real J[H * H * NL] __attribute__((aligned(64)));
+    jac_set(Wt, s, fs, ld, J);
+    for (int i = 0; i < H; ++i) {
+        vec acc[H];
+        UNROLL for (int l = 0; l < H; ++l) acc[l] = (vec){0};
+        for (int m = 0; m < H; ++m) {
+            vec x = LD(M + (i * H + m) * NL);
+            const real *y = J + m * H * NL;
+            UNROLL for (int l = 0; l < H; ++l) acc[l] += x * LD(y + l * NL);
+        }
+        UNROLL for (int l = 0; l < H; ++l) ST(M + (i * H + l) * NL) = acc[l];
+    }
+#endif
+}
+
+/* v = J_s q (v must not alias q) */
+static void jac_vec(const real *restrict Wt, long s, const real *restrict fs, long ld, const real *restrict q,
+                    real *restrict v) {
+#if KIND == 0
+    (void)s;
+    vec t[H];
+    UNROLL for (int m = 0; m < H; ++m) t[m] = LD(fs + m * ld) * LD(q + m * NL);
+    for (int i = 0; i < H; ++i) {
+        vec acc = (vec){0};
+        UNROLL for (int m = 0; m < H; ++m) acc += Wt[i * H + m] * t[m];
+        ST(v + i * NL) = acc;
+    }
+#elif KIND == 1
+    if (s & 1) {
+        wt_vec(Wt, q, v);
+    } else {
+        UNROLL for (int m = 0; m < H; ++m) ST(v + m * NL) = LD(fs + m * ld) * LD(q + m * NL);
+    }
+#else
+    (void)s;
+    real t[3 * H * NL] __attribute__((aligned(64)));
+    for (int m = 0; m < 3 * H; ++m) ST(t + m * NL) = LD(fs + m * ld) * LD(q + (m % H) * NL);
+    for (int i = 0; i < H; ++i) {
+        vec acc = (vec){0};
+        for (int g = 0; g < 3; ++g) {
+            const real *w = Wt + g * H * H + i * H, *tg = t + g * H * NL;
+            UNROLL for (int m = 0; m < H; ++m) acc += w[m] * LD(tg + m * NL);
+        }
+        ST(v + i * NL) = acc + LD(fs + (3 * H + i) * ld) * LD(q + i * NL);
+    }
+#endif
+}
+
+/* The prefix v at position k, written as out[k] (mode 0) or as the model's per-step gradient (mode 1;
+ * fs, ld: position k's factors).  v is [H][NL], out rows are [B][OUTW] (mode 1) or [B][H]. */
+static void emit(real *out, int mode, long n, long B, long b0, long k, const real *v, const real *fs, long ld,
+                 int lanes) {
+    if (mode == 0) {
+        real *o = out + (k * B + b0) * H;
+        for (int b = 0; b < lanes; ++b)
+            for (int i = 0; i < H; ++i) o[b * H + i] = v[i * NL + b];
+        return;
+    }
+#if KIND == 0
+    real *o = out + ((n - 1 - k) * B + b0) * OUTW;
+    for (int b = 0; b < lanes; ++b)
+        for (int i = 0; i < H; ++i) o[b * OUTW + i] = v[i * NL + b] * fs[i * ld + b];
+#elif KIND == 1
+    if (!(k & 1)) return; /* grad of h_t; the odd position after it is grad of a_t */
+    real *o = out + ((n / 2 - 1 - k / 2) * B + b0) * OUTW;
+    for (int b = 0; b < lanes; ++b)
+        for (int i = 0; i < H; ++i) o[b * OUTW + i] = v[i * NL + b];
+#else
+    static const int src[4] = {0, 1, 4, 2}; /* dR, dZ, dN, dM from c_r, c_z, e, c_n */
+    real *o = out + ((n - 1 - k) * B + b0) * OUTW;
+    for (int b = 0; b < lanes; ++b)
+        for (int q = 0; q < 4; ++q)
+            for (int i = 0; i < H; ++i) o[b * OUTW + q * H + i] = v[i * NL + b] * fs[(src[q] * H + i) * ld + b];
+#endif
+}
+
+/* -- the dense tree above the fused levels (bppsa.kernels.cpu._tree, per lane) --------------------- */
 
 /* Scratch a tree over n entries with L levels uses (reals). */
 static long tree_work(long n, int L) {
@@ -126,12 +266,7 @@ static void tree(const real *spine, const real *A, real *out, long n, int L, rea
 
 /* -- the entry points ---------------------------------------------------------------------------- */
 
-/* Write v (lanes) as out[k][b0 + b][i] of the [n][B][H] output. */
-static void put(real *out, long k, long B, long b0, const real *v) {
-    real *o = out + (k * B + b0) * H;
-    for (int b = 0; b < NL; ++b)
-        for (int i = 0; i < H; ++i) o[b * H + i] = v[i * NL + b];
-}
+#define FAC(f, s, B) ((f) + fstep(s) * (long)NF * H * (B))
 
 /* The blocks of level c (0 where the tree has no levels); block j holds J_lo .. J_hi. */
 long chain_blocks(long n, int L, int c) { return L == 0 ? 0 : n >> (c < L ? c : L); }
@@ -147,60 +282,61 @@ static void block_range(long j, long n, int c, long *lo, long *hi) {
  * work (chain_scan_work reals) holds the blocks' products A, their prefixes Q and the tree's scratch. */
 
 /* Up: A[j] = J_hi ... J_lo for the blocks j0 .. j1 - 1, accumulated in cache from the factors. */
-void chain_up(const real *Wt, const real *d, long n, long B, long b0, int L, int c, long j0, long j1, real *work) {
+void chain_up(const real *Wt, const real *f, long n, long B, long b0, int L, int c, long j0, long j1, real *work) {
     if (c > L) c = L;
-    const long dstep = (long)H * B;
-    const real *dl = d + b0;
+    const real *fl = f + b0;
     for (long j = j0; j < j1; ++j) {
         long lo, hi;
         block_range(j, n, c, &lo, &hi);
         real *M = work + j * MAT;
-        jac_set(Wt, dl + hi * dstep, B, M);
-        for (long s = hi - 1; s >= lo; --s) mul_jac(M, Wt, dl + s * dstep, B);
+        jac_set(Wt, hi, FAC(fl, hi, B), B, M);
+        for (long s = hi - 1; s >= lo; --s) mul_jac(M, Wt, s, FAC(fl, s, B), B);
     }
 }
 
-/* Middle: out[0 .. 2^c - 1] (g, then the spine's mat-vecs) and the tree above level c: Q[j], the
+/* Middle: positions 0 .. 2^c - 1 (g, then the spine's mat-vecs) and the tree above level c: Q[j], the
  * prefix at each block's first position.  Without blocks the spine is the whole (sequential) scan. */
-void chain_tree(const real *Wt, const real *d, const real *g, real *out, long n, long B, long b0, int L, int c,
-                real *work) {
+void chain_tree(const real *Wt, const real *f, const real *g, real *out, int mode, long n, long B, long b0, int L,
+                int c, real *work) {
     if (n <= 0) return;
     if (c > L) c = L;
-    const long dstep = (long)H * B;
-    const real *dl = d + b0;
+    const real *fl = f + b0;
     real v[H * NL] __attribute__((aligned(64))), u[H * NL] __attribute__((aligned(64)));
     for (int i = 0; i < H; ++i)
         for (int b = 0; b < NL; ++b) v[i * NL + b] = g[(b0 + b) * H + i];
-    put(out, 0, B, b0, v);
     long nc = chain_blocks(n, L, c), spine_end = nc ? (1L << c) - 1 : n - 1;
     for (long s = 0; s < spine_end; ++s) {
-        jac_vec(Wt, dl + s * dstep, B, v, u);
+        const real *fs = FAC(fl, s, B);
+        emit(out, mode, n, B, b0, s, v, fs, B, NL);
+        jac_vec(Wt, s, fs, B, v, u);
         memcpy(v, u, sizeof(v));
-        put(out, s + 1, B, b0, v);
     }
-    if (nc == 0) return;
+    if (nc == 0) {
+        emit(out, mode, n, B, b0, n - 1, v, FAC(fl, n - 1, B), B, NL);
+        return;
+    }
     real *A = work, *Q = A + nc * MAT, *sp = Q + nc * VEC;
-    memcpy(sp, v, sizeof(v)); /* = out[2^c - 1], the first block's prefix */
+    memcpy(sp, v, sizeof(v)); /* the prefix at position 2^c - 1, the first block's, emitted by chain_down */
     tree(sp, A, Q, nc, L - c, sp + VEC);
 }
 
-/* Down: each block j0 .. j1 - 1 from its prefix, by the factored mat-vecs out[s+1] = Wt (d_s * out[s]). */
-void chain_down(const real *Wt, const real *d, real *out, long n, long B, long b0, int L, int c, long j0, long j1,
-                real *work) {
+/* Down: each block j0 .. j1 - 1 from its prefix, by the factored mat-vecs out[s+1] = J_s out[s]. */
+void chain_down(const real *Wt, const real *f, real *out, int mode, long n, long B, long b0, int L, int c, long j0,
+                long j1, real *work) {
     if (c > L) c = L;
-    const long dstep = (long)H * B;
-    const real *dl = d + b0, *Q = work + chain_blocks(n, L, c) * MAT;
+    const real *fl = f + b0, *Q = work + chain_blocks(n, L, c) * MAT;
     real v[H * NL] __attribute__((aligned(64))), u[H * NL] __attribute__((aligned(64)));
     for (long j = j0; j < j1; ++j) {
         long lo, hi;
         block_range(j, n, c, &lo, &hi);
         memcpy(v, Q + j * VEC, sizeof(v));
-        if (j > 0) put(out, lo, B, b0, v); /* block 0's prefix is the spine's end, written already */
         for (long s = lo; s < hi; ++s) {
-            jac_vec(Wt, dl + s * dstep, B, v, u);
+            const real *fs = FAC(fl, s, B);
+            emit(out, mode, n, B, b0, s, v, fs, B, NL);
+            jac_vec(Wt, s, fs, B, v, u);
             memcpy(v, u, sizeof(v));
-            put(out, s + 1, B, b0, v);
         }
+        emit(out, mode, n, B, b0, hi, v, FAC(fl, hi, B), B, NL);
     }
 }
 
@@ -216,59 +352,100 @@ long chain_scan_work(long n, int L, int c) {
  * units idle; these run LANES full blocks (2^c Jacobians each) of batch element b0 side by side
  * instead, reading and writing the one-lane layout ([H][H] and [H] per block) of the kernel built
  * for LANES = 1: work1 is that kernel's scratch, j0 .. j1 - 1 full blocks (a last group of fewer
- * than LANES repeats its last block in the spare lanes and drops their results). */
+ * than LANES repeats its last block in the spare lanes and drops their results).  Blocks have an even
+ * size, so every lane is at a position of the same parity (the paper layout's diag or Wt). */
 
-/* The lanes' d rows at offset off of their blocks: dst[m][q] = d_{lo + off}[m] of batch element b0
- * for block min(j + q, last). */
-static void gather_d(const real *d, long B, long b0, long j, long last, int c, long off, real *dst) {
+/* The lanes' factor rows at offset off of their blocks: dst[r][q] = row r of the factors of position
+ * lo + off of batch element b0, for block min(j + q, last). */
+static void gather_f(const real *f, long B, long b0, long j, long last, int c, long off, real *dst) {
     for (int q = 0; q < NL; ++q) {
         long jq = j + q < last ? j + q : last;
-        const real *src = d + (((jq + 1) * (1L << c) - 1 + off) * H) * B + b0;
-        for (int m = 0; m < H; ++m) dst[m * NL + q] = src[m * B];
+        const real *src = FAC(f, (jq + 1) * (1L << c) - 1 + off, B) + b0;
+        for (int r = 0; r < NF * H; ++r) dst[r * NL + q] = src[r * B];
     }
 }
 
-void chain_up_lanes(const real *Wt, const real *d, long n, long B, long b0, int L, int c, long j0, long j1,
+void chain_up_lanes(const real *Wt, const real *f, long n, long B, long b0, int L, int c, long j0, long j1,
                     real *work1) {
     if (c > L) c = L;
-    real M[H * H * NL] __attribute__((aligned(64))), ds[H * NL] __attribute__((aligned(64)));
+    real M[H * H * NL] __attribute__((aligned(64))), fs[NF * H * NL] __attribute__((aligned(64)));
     long size = 1L << c;
     for (long j = j0; j < j1; j += NL) {
-        gather_d(d, B, b0, j, j1 - 1, c, size - 1, ds);
-        jac_set(Wt, ds, NL, M);
+        /* position lo + off has the parity of size - 1 + off (blocks start at odd positions, size is even) */
+        gather_f(f, B, b0, j, j1 - 1, c, size - 1, fs);
+        jac_set(Wt, 2 * size - 2, fs, NL, M);
         for (long off = size - 2; off >= 0; --off) {
-            gather_d(d, B, b0, j, j1 - 1, c, off, ds);
-            mul_jac(M, Wt, ds, NL);
+            gather_f(f, B, b0, j, j1 - 1, c, off, fs);
+            mul_jac(M, Wt, size - 1 + off, fs, NL);
         }
         for (int q = 0; q < NL && j + q < j1; ++q)
             for (int e = 0; e < H * H; ++e) work1[(j + q) * H * H + e] = M[e * NL + q];
     }
 }
 
-void chain_down_lanes(const real *Wt, const real *d, real *out, long n, long B, long b0, int L, int c, long j0,
-                      long j1, real *work1) {
+void chain_down_lanes(const real *Wt, const real *f, real *out, int mode, long n, long B, long b0, int L, int c,
+                      long j0, long j1, real *work1) {
     if (c > L) c = L;
     long nc = chain_blocks(n, L, c), size = 1L << c;
     const real *Q = work1 + nc * H * H; /* the one-lane kernel's prefixes, [nc][H] */
     real v[H * NL] __attribute__((aligned(64))), u[H * NL] __attribute__((aligned(64))),
-        ds[H * NL] __attribute__((aligned(64)));
+        fs[NF * H * NL] __attribute__((aligned(64)));
     for (long j = j0; j < j1; j += NL) {
         int valid = j1 - j < NL ? (int)(j1 - j) : NL;
         for (int q = 0; q < NL; ++q)
             for (int i = 0; i < H; ++i) v[i * NL + q] = Q[(j + (q < valid ? q : valid - 1)) * H + i];
-        for (long off = 0; off < size - 1; ++off) {
-            gather_d(d, B, b0, j, j1 - 1, c, off, ds);
-            jac_vec(Wt, ds, NL, v, u);
-            memcpy(v, u, sizeof(v));
+        for (long off = 0; off < size; ++off) {
+            gather_f(f, B, b0, j, j1 - 1, c, off, fs);
+            /* emit lane by lane: lane q is block j + q's position lo + off of the one-lane layout */
             for (int q = 0; q < valid; ++q) {
-                real *o = out + (((j + q + 1) * size - 1 + off + 1) * B + b0) * H;
-                for (int i = 0; i < H; ++i) o[i] = v[i * NL + q];
+                long pos = (j + q + 1) * size - 1 + off;
+                real vq[H * NL] __attribute__((aligned(64))), fq[NF * H * NL] __attribute__((aligned(64)));
+                for (int i = 0; i < H; ++i) vq[i * NL] = v[i * NL + q];
+                for (int r = 0; r < NF * H; ++r) fq[r * NL] = fs[r * NL + q];
+                emit(out, mode, n, B, b0, pos, vq, fq, NL, 1);
+            }
+            if (off + 1 < size) {
+                jac_vec(Wt, size - 1 + off, fs, NL, v, u);
+                memcpy(v, u, sizeof(v));
             }
         }
-        for (int q = 0; q < valid; ++q) { /* each block's own first position: its prefix */
-            if (j + q == 0) continue;     /* block 0's is the spine's end, written already */
-            real *o = out + (((j + q + 1) * size - 1) * B + b0) * H;
-            for (int i = 0; i < H; ++i) o[i] = Q[(j + q) * H + i];
+    }
+}
+
+/* -- the factors, from the forward's states ------------------------------------------------------- */
+/* Without fused multiply-adds: each product rounded as torch's elementwise ops round it, so that the
+ * factors equal those of the dense chains bit for bit. */
+#define NO_FMA __attribute__((optimize("fp-contract=off")))
+
+/* The RNN's d [T][H][B] in scan order (step T first) from h [T][B][H]: d_k = 1 - h_{T-k}^2. */
+NO_FMA void rnn_factors(const real *h, long T, long B, real *d) {
+    for (long k = 0; k < T; ++k) {
+        const real *hk = h + (T - 1 - k) * B * H;
+        real *dk = d + k * H * B;
+        for (long b = 0; b < B; ++b)
+            for (int i = 0; i < H; ++i) dk[i * B + b] = 1 - hk[b * H + i] * hk[b * H + i];
+    }
+}
+
+/* The GRU's factors [T][5][H][B] in scan order from its gates r, z, n and h' = h_{t-1} ([T][B][H] each,
+ * time order) and M = W_hn h' + b_hn (rows ldm apart: a view of the recurrent affine map). */
+NO_FMA void gru_factors(const real *r, const real *z, const real *nn, const real *Mg, long ldm, const real *hp, long T,
+                 long B, real *f) {
+    for (long k = 0; k < T; ++k) {
+        long t = T - 1 - k;
+        real *fk = f + k * 5 * H * B;
+        for (long b = 0; b < B; ++b) {
+            long row = (t * B + b) * H;
+            const real *M = Mg + (t * B + b) * ldm;
+            for (int i = 0; i < H; ++i) {
+                real ri = r[row + i], zi = z[row + i], ni = nn[row + i];
+                real e = (1 - zi) * (1 - ni * ni);
+                fk[(0 * H + i) * B + b] = e * M[i] * ri * (1 - ri);
+                fk[(1 * H + i) * B + b] = (hp[row + i] - ni) * zi * (1 - zi);
+                fk[(2 * H + i) * B + b] = e * ri;
+                fk[(3 * H + i) * B + b] = zi;
+                fk[(4 * H + i) * B + b] = e;
+            }
         }
     }
 }

@@ -188,42 +188,125 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
 
 
-# -- the RNN chain, kept as its two factors ---------------------------------------------------------
-class RnnChain:
-    """The fused-layout chain of a tanh RNN, ``J_k = W_hhᵀ diag(d_k)`` (k = 0 .. T-1, scan order, d_k =
-    1 - h_{T-k}²), kept as its factors ``W_hh`` [H, H] and ``d_lanes`` [T, H, B] (``d`` [T, B, H] is a view
-    of it: the compiled kernel reads each row's batch lanes side by side) instead of T·B dense H×H
-    matrices: what :meth:`CpuBackend.rnn_jacobians_t` returns for the ``fused`` layout.
+# -- the chains, kept as their factors ---------------------------------------------------------------
+class FactoredChain:
+    """A chain of transposed Jacobians kept as its weights ``Wt`` [NW, H, H] (transposed) and per-step
+    factors ``f`` [steps, NF, H, B] (lane order: the compiled kernel reads each row's batch lanes side by
+    side), the kinds of ``chain_scan.c``, instead of n·B dense H×H matrices: what :class:`CpuBackend`
+    builds.  It stands where a dense chain ``[n, B, H, H]`` would (``shape``, ``dim()``); :meth:`dense`
+    is that chain, for the paths that need it."""
 
-    :func:`blelloch_scan` then never materialises the chain (26 MB at T = 1000, B = 16, fp32)
-    (:func:`_native_chain_scan`, or :func:`_chain_scan` without the compiled kernel).  :meth:`dense` is
-    the chain :func:`bppsa.jacobians.recurrent.rnn_jacobians_t` builds, for the paths that need it.
-    """
+    kind: str
 
-    def __init__(self, W_hh: torch.Tensor, d_lanes: torch.Tensor):
-        T, H, B = d_lanes.shape
-        if tuple(W_hh.shape) != (H, H) or W_hh.dtype != d_lanes.dtype:
-            raise ValueError(f"W_hh must be [{H}, {H}] of d's dtype {d_lanes.dtype}, "
-                             f"got {tuple(W_hh.shape)} {W_hh.dtype}")
-        self.W_hh, self.d_lanes = W_hh.detach().contiguous(), d_lanes.contiguous()
-        self.d = self.d_lanes.permute(0, 2, 1)  # [T, B, H], a view
-        self.shape = torch.Size((T, B, H, H))
-        self.dtype, self.device = d_lanes.dtype, d_lanes.device
-
-    @classmethod
-    def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor) -> RnnChain:
-        """From the forward's states ``h`` [T, B, H]: d_k = 1 - h_{T-k}², written straight in lane order."""
-        T, B, H = h.shape
-        hf = h.detach().flip(0)
-        d_lanes = h.new_empty((T, H, B))
-        torch.sub(torch.ones((), dtype=h.dtype), hf * hf, out=d_lanes.permute(0, 2, 1))  # as 1 - h * h, bit for bit
-        return cls(W_hh, d_lanes)
+    def __init__(self, Wt: torch.Tensor, f: torch.Tensor, n: int):
+        steps, _, H, B = f.shape
+        if tuple(Wt.shape[1:]) != (H, H) or Wt.dtype != f.dtype:
+            raise ValueError(f"the weights must be [k, {H}, {H}] of the factors' dtype {f.dtype}, "
+                             f"got {tuple(Wt.shape)} {Wt.dtype}")
+        self.Wt, self.f = Wt.detach().contiguous(), f
+        self.shape = torch.Size((n, B, H, H))
+        self.dtype, self.device = f.dtype, f.device
 
     def dim(self) -> int:
         return 4
 
+    def dense(self) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def _rnn_d(h: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """d_k = 1 - h_{T-k}² in scan order and lane order, [T, 1, H, B] (into ``out`` where given)."""
+    T, B, H = h.shape
+    h = h.detach().contiguous()
+    f = out if out is not None else h.new_empty((T, 1, H, B))
+    if native.available() and native.library("rnn", H, 1, h.dtype) is not None:
+        native.rnn_factors(h, f)
+    else:
+        hf = h.flip(0)
+        torch.sub(torch.ones((), dtype=h.dtype), hf * hf, out=f[:, 0].permute(0, 2, 1))  # as 1 - h * h, bit for bit
+    return f
+
+
+class RnnChain(FactoredChain):
+    """The fused-layout chain of a tanh RNN, ``J_k = W_hhᵀ diag(d_k)`` (k = 0 .. T-1, scan order, d_k =
+    1 - h_{T-k}²): ``W_hh`` and ``d_lanes`` [T, H, B] (``d`` [T, B, H] is a view of it).  :meth:`dense` is
+    the chain :func:`bppsa.jacobians.recurrent.rnn_jacobians_t` builds."""
+
+    kind = "rnn"
+
+    def __init__(self, W_hh: torch.Tensor, d_lanes: torch.Tensor):
+        T, H, B = d_lanes.shape
+        if tuple(W_hh.shape) != (H, H):
+            raise ValueError(f"W_hh must be [{H}, {H}], got {tuple(W_hh.shape)}")
+        super().__init__(W_hh.detach().t()[None], d_lanes.contiguous()[:, None], T)
+        self.W_hh = W_hh.detach()
+        self.d_lanes = self.f[:, 0]
+        self.d = self.d_lanes.permute(0, 2, 1)  # [T, B, H], a view
+
+    @classmethod
+    def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor, out: torch.Tensor | None = None) -> RnnChain:
+        """From the forward's states ``h`` [T, B, H] (``out``: a [T, 1, H, B] buffer for the factors)."""
+        return cls(W_hh, _rnn_d(h, out)[:, 0])
+
     def dense(self) -> torch.Tensor:
         return self.W_hh.t() * self.d.unsqueeze(-2)  # as rnn_jacobians_t(h, W_hh, "fused")
+
+
+class PaperChain(FactoredChain):
+    """The paper layout of a tanh RNN, two Jacobians per step: ``J_2k = diag(d_k)``, ``J_2k+1 = W_hhᵀ``
+    (the factors are the fused chain's d)."""
+
+    kind = "paper"
+
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor):
+        super().__init__(W_hh.detach().t()[None], f, 2 * f.shape[0])
+        self.W_hh = W_hh.detach()
+
+    @classmethod
+    def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor, out: torch.Tensor | None = None) -> PaperChain:
+        return cls(W_hh, _rnn_d(h, out))
+
+    def dense(self) -> torch.Tensor:
+        n, B, H, _ = self.shape
+        J = self.f.new_zeros((n // 2, 2, B, H, H))
+        J[:, 0].diagonal(dim1=-2, dim2=-1).copy_(self.f[:, 0].permute(0, 2, 1))
+        J[:, 1] = self.W_hh.t()
+        return J.view(n, B, H, H)  # as rnn_jacobians_t(h, W_hh, "paper")
+
+
+class GruChain(FactoredChain):
+    """The GRU's chain (Appendix E), ``J_k = Σ_g W_hgᵀ diag(c_g) + diag(z)`` for the gates g = r, z, n:
+    ``W_hh`` and the factors (c_r, c_z, c_n, z, e = (1 - z)(1 - n²)) [T, 5, H, B] in scan order; ``e``
+    and the c's also turn ∇h into the gates' gradients (the kernel's mode 1)."""
+
+    kind = "gru"
+
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor):
+        H = f.shape[2]
+        super().__init__(W_hh.detach().view(3, H, H).transpose(1, 2), f, f.shape[0])
+        self.W_hh = W_hh.detach()
+
+    @classmethod
+    def from_gates(cls, gates, W_hh: torch.Tensor, out: torch.Tensor | None = None) -> GruChain:
+        """From :class:`bppsa.jacobians.gru.Gates` (time order); ``out``: a [T, 5, H, B] buffer."""
+        T, B, H = gates.r.shape
+        f = out if out is not None else gates.r.new_empty((T, 5, H, B))
+        r, z, n, hp = (t.contiguous() for t in (gates.r, gates.z, gates.n, gates.hp))
+        if native.available() and native.library("gru", H, 1, r.dtype) is not None:
+            native.gru_factors(r, z, n, gates.M, hp, f)
+        else:
+            e = (1 - z) * (1 - n * n)
+            for i, t in enumerate((e * gates.M * r * (1 - r), (hp - n) * z * (1 - z), e * r, z, e)):
+                f[:, i].copy_(t.flip(0).permute(0, 2, 1))
+        return cls(W_hh, f)
+
+    def dense(self) -> torch.Tensor:
+        c = self.f.permute(0, 1, 3, 2).unsqueeze(-2)  # [T, 5, B, 1, H]: column scalings
+        J = torch.mul(self.Wt[0], c[:, 0])
+        J.addcmul_(self.Wt[1], c[:, 1])
+        J.addcmul_(self.Wt[2], c[:, 2])
+        J.diagonal(dim1=-2, dim2=-1).add_(self.f[:, 3].permute(0, 2, 1))
+        return J  # as bppsa.jacobians.gru.gru_jacobians_t
 
 
 def _serial(fn, n: int, flop_per_item: float) -> None:
@@ -233,13 +316,14 @@ def _serial(fn, n: int, flop_per_item: float) -> None:
 
 # -- the scan ---------------------------------------------------------------------------------------
 @torch.no_grad()
-def blelloch_scan(g: torch.Tensor, J: torch.Tensor | RnnChain, L_m: int | None = None,
+def blelloch_scan(g: torch.Tensor, J: torch.Tensor | FactoredChain, L_m: int | None = None,
                   workspace: _scan.Workspace | None = None) -> torch.Tensor:
     """The modified (heterogeneous) Blelloch scan of :func:`bppsa.scan.blelloch_scan`, multi-threaded.
 
-    ``J`` is the dense chain ``[n, B, H, H]`` or an :class:`RnnChain` (:func:`_chain_scan`).  With a
-    batch of at least one element per thread, each thread runs the whole tree on its own batch slice
-    (one hand-off per scan); otherwise the threads share each level's products (two per level)."""
+    ``J`` is the dense chain ``[n, B, H, H]`` or a :class:`FactoredChain` (the compiled kernel,
+    :func:`_native_chain_scan`; without it :func:`_chain_scan` for the RNN's chain, else the dense chain).
+    For a dense chain with a batch of at least one element per thread, each thread runs the whole tree
+    on its own batch slice (one hand-off per scan); otherwise the threads share each level's products."""
     if g.dim() != 2 or J.dim() != 4 or J.shape[1:3] != g.shape or J.shape[2] != J.shape[3]:
         raise ValueError(f"expected g [B, H] and J [n, B, H, H], got {tuple(g.shape)} and {tuple(J.shape)}")
     if g.dtype != J.dtype:
@@ -247,13 +331,13 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor | RnnChain, L_m: int | None =
     n, B, H = J.shape[0], g.shape[0], g.shape[1]
     L = _scan.tree_levels(n + 1, L_m)
     ws = workspace if workspace is not None else _scan.Workspace()
-    if isinstance(J, RnnChain):
+    if isinstance(J, FactoredChain):
         out = _native_chain_scan(g, J, L, ws)
         if out is not None:
             return out
-        if L > 0:
+        if isinstance(J, RnnChain) and L > 0:
             return _chain_scan(g, J, L, ws)
-        J = J.dense()  # L_m = 0: the sequential scan walks the dense chain
+        J = J.dense()
     out = g.new_empty((n, B, H))
     if n == 0:
         return out
@@ -294,26 +378,31 @@ def lane_slices(B: int, p: int, max_lanes: int) -> list[list[tuple[int, int]]]:
     return groups
 
 
-def _native_chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Workspace,
-                       mode: str = "auto") -> torch.Tensor | None:
-    """The scan over an :class:`RnnChain` by the compiled kernel (:mod:`.native`); None where it is
-    unavailable.  Lane slices as wide as one vector register; with at least one slice per thread the
-    threads take whole slices (one hand-off per scan), otherwise they split each slice's blocks in the
-    up phase and, where it carries enough work, the down phase."""
-    n, B, H = chain.d.shape
+def _native_chain_scan(g: torch.Tensor, chain: FactoredChain, L: int, ws: _scan.Workspace, mode: str = "auto",
+                       grads: bool = False) -> torch.Tensor | None:
+    """The scan over a :class:`FactoredChain` by the compiled kernel (:mod:`.native`); None where it is
+    unavailable.  ``grads``: return the model's per-step gradients in time order (the kernel's mode 1)
+    instead of the scan.  Lane slices as wide as one vector register; with at least one slice per thread
+    (or ``mode`` "slices") the threads take whole slices (one hand-off per scan), otherwise they split
+    each slice's blocks in the up phase and, where it carries enough work, the down phase."""
+    n, B, H, _ = chain.shape
     min_flop = KERNEL_SPEEDUP * MIN_CHUNK_FLOP  # the same hand-off, repaid only by more of the kernel's FLOP
     p = min(_threads(), max(1, int(n * B * 2 * H ** 3 // min_flop)))
+    if mode == "slices":
+        p = _threads()
     vl = 64 // g.element_size()
     by_slice = mode == "slices" or (mode == "auto" and -(-B // vl) >= p)
     groups = lane_slices(B, p if by_slice else 1, vl)
-    if not native.available() or any(native.library(H, w, g.dtype) is None for gr in groups for _, w in gr):
+    if not native.available() or any(native.library(chain.kind, H, w, g.dtype) is None for gr in groups for _, w in gr):
         return None
-    out = g.new_empty((n, B, H))
+    if grads:
+        out = g.new_empty((chain.f.shape[0], B, 4 * H if chain.kind == "gru" else H))
+    else:
+        out = g.new_empty((n, B, H))
     if n == 0:
         return out
-    Wt, g = chain.W_hh.t().contiguous(), g.contiguous()
-    d_lanes = chain.d_lanes
-    kernels = [[native.ChainScan(Wt, d_lanes, g, out, L, b0, w,
+    g = g.contiguous()
+    kernels = [[native.ChainScan(chain.kind, chain.Wt, chain.f, g, out, int(grads), L, b0, w,
                                  lambda size, key=(b0, w): ws.get(("cpu", "native", *key), (size,), g))
                 for b0, w in gr] for gr in groups]
     if by_slice:
@@ -329,6 +418,17 @@ def _native_chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Works
             cuts = k.cuts(parts)
             _spread([functools.partial(phase, a, b) for a, b in zip(cuts, cuts[1:])])
     return out
+
+
+@torch.no_grad()
+def step_grads(g: torch.Tensor, chain: FactoredChain, L_m: int | None, ws: _scan.Workspace, from_scan,
+               mode: str = "auto") -> torch.Tensor:
+    """The model's per-step gradients from the scan over ``chain``, in time order: written by the compiled
+    kernel as it goes (∇a_t for the RNN, the gates' gradients for the GRU), or ``from_scan(scan)`` without
+    it.  ``L_m = 0`` is the sequential backward over the same chain."""
+    L = _scan.tree_levels(chain.shape[0] + 1, L_m)
+    out = _native_chain_scan(g, chain, L, ws, mode, grads=True)
+    return out if out is not None else from_scan(blelloch_scan(g, chain, L_m, ws))
 
 
 def _chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Workspace) -> torch.Tensor:
@@ -437,18 +537,32 @@ def rnn_sequential_grad_preact(h: torch.Tensor, W_hh: torch.Tensor, grad_h_last:
 
 
 class CpuBackend(TorchBackend):
-    """The CPU fast path: the threaded scan; the RNN's fused chain stays factored (:class:`RnnChain`),
-    the other Jacobians are built as by the torch backend."""
+    """The CPU fast path: the recurrent chains stay factored (:class:`FactoredChain`), scanned by the
+    compiled kernel, which also writes the models' per-step gradients; dense chains take the threaded
+    numpy tree."""
 
     name = "cpu"
 
     def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str):
-        if layout == "fused" and h.device.type == "cpu":
-            return RnnChain.from_states(h, W_hh)
-        return super().rnn_jacobians_t(h, W_hh, layout)
+        if h.device.type != "cpu":
+            return super().rnn_jacobians_t(h, W_hh, layout)
+        cls = {"fused": RnnChain, "paper": PaperChain}[layout] if layout in ("fused", "paper") else None
+        if cls is None:
+            return super().rnn_jacobians_t(h, W_hh, layout)  # its error names the layouts
+        T, B, H = h.shape
+        return cls.from_states(h, W_hh, out=self.workspace.get(("factors", "rnn"), (T, 1, H, B), h))
+
+    def gru_jacobians_t(self, gates, W_hh: torch.Tensor):
+        T, B, H = gates.r.shape
+        return GruChain.from_gates(gates, W_hh, out=self.workspace.get(("factors", "gru"), (T, 5, H, B), gates.r))
 
     def scan(self, g: torch.Tensor, J, L_m: int | None = None) -> torch.Tensor:
         return blelloch_scan(g, J, L_m, self.workspace)
+
+    def step_grads(self, g: torch.Tensor, J, L_m, from_scan) -> torch.Tensor:
+        if isinstance(J, FactoredChain):
+            return step_grads(g, J, L_m, self.workspace, from_scan)
+        return from_scan(self.scan(g, J, L_m))
 
 
 def default_threads() -> int:

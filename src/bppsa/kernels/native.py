@@ -1,8 +1,8 @@
 """The compiled kernel of the CPU fast path (``chain_scan.c``): built at first use, loaded with ctypes.
 
 The C source is compiled by the system's C compiler (``$CC``, else ``cc``) with ``-O3 -march=native``
-once per (hidden size, lane count, dtype) -- constants let the compiler keep a product's row in
-registers and vectorise across the batch lanes -- into ``$BPPSA_CACHE_DIR`` (default
+once per (chain kind, hidden size, lane count, dtype) -- constants let the compiler keep a product's row
+in registers and vectorise across the batch lanes -- into ``$BPPSA_CACHE_DIR`` (default
 ``~/.cache/bppsa``), keyed by the source, the flags, the compiler and this CPU's model and flags, so
 nodes of a cluster sharing a home directory each get their own build.  A build is written to a
 temporary name and renamed: concurrent jobs never load half a file.
@@ -25,12 +25,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "library", "ChainScan", "FUSED_LEVELS"]
+__all__ = ["available", "unavailable_reason", "library", "ChainScan", "FUSED_LEVELS", "KINDS", "rnn_factors",
+           "gru_factors"]
 
 # Up-sweep levels computed per block in cache (blocks of 2^FUSED_LEVELS Jacobians), see chain_scan.c.
 FUSED_LEVELS = 4
 
 _REAL = {torch.float32: "float", torch.float64: "double"}
+# The chains the kernel runs (chain_scan.c's KIND): the RNN's fused and paper layouts, the GRU.
+KINDS = {"rnn": 0, "paper": 1, "gru": 2}
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11"]
 
 
@@ -75,17 +78,17 @@ _errors: dict = {}
 
 
 @functools.cache
-def library(H: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
-    """The kernel for hidden size H, ``lanes`` batch lanes and ``dtype``; None where it cannot be built
-    (why: :func:`unavailable_reason`)."""
+def library(kind: str, H: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
+    """The kernel for a chain ``kind`` (:data:`KINDS`), hidden size H, ``lanes`` batch lanes and ``dtype``;
+    None where it cannot be built (why: :func:`unavailable_reason`)."""
     try:
-        return _build(H, lanes, dtype)
+        return _build(KINDS[kind], H, lanes, dtype)
     except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, compiler killed, bad .so ...
         _errors["cc"] = f"{type(e).__name__}: {e}"
         return None
 
 
-def _build(H: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
+def _build(kind: int, H: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
     cc = _compiler()
     if cc is None:
         _errors["cc"] = f"no C compiler ({compiler_name()!r} not on PATH)"
@@ -93,11 +96,11 @@ def _build(H: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
     real = _REAL.get(dtype)
     if real is None:  # e.g. half precision: the numpy path takes it
         return None
-    defs = [f"-DHID={H}", f"-DLANES={lanes}", f"-DREAL={real}"]
+    defs = [f"-DKIND={kind}", f"-DHID={H}", f"-DLANES={lanes}", f"-DREAL={real}"]
     src = _source()
     key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS + defs).encode(), _compiler_id(cc).encode(),
                                      _cpu_id().encode()])).hexdigest()[:20]
-    out = cache_dir() / f"chain_scan_{real}_H{H}_L{lanes}_{key}.so"
+    out = cache_dir() / f"chain_scan_k{kind}_{real}_H{H}_L{lanes}_{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -112,10 +115,12 @@ def _build(H: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(out))
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     for name, args in {"chain_up": [p, p, l, l, l, i, i, l, l, p],
-                       "chain_tree": [p, p, p, p, l, l, l, i, i, p], "chain_down": [p, p, p, l, l, l, i, i, l, l, p],
+                       "chain_tree": [p, p, p, p, i, l, l, l, i, i, p],
+                       "chain_down": [p, p, p, i, l, l, l, i, i, l, l, p],
                        "chain_up_lanes": [p, p, l, l, l, i, i, l, l, p],
-                       "chain_down_lanes": [p, p, p, l, l, l, i, i, l, l, p],
-                       "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i]}.items():
+                       "chain_down_lanes": [p, p, p, i, l, l, l, i, i, l, l, p],
+                       "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i],
+                       "rnn_factors": [p, l, l, p], "gru_factors": [p, p, p, p, l, p, l, l, p]}.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, {"chain_scan_work": l, "chain_blocks": l}.get(name)
     return lib
@@ -124,7 +129,7 @@ def _build(H: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
 @functools.cache
 def unavailable_reason() -> str | None:
     """None when the kernel builds here and agrees with the reference scan on a small case, else why not."""
-    if library(3, 2, torch.float64) is None:
+    if library("rnn", 3, 2, torch.float64) is None:
         return _errors.get("cc", "the kernel could not be built")
     from .. import scan as _scan
 
@@ -134,7 +139,7 @@ def unavailable_reason() -> str | None:
     d = torch.rand(n, B, H, generator=gen, dtype=torch.float64)
     g = torch.randn(B, H, generator=gen, dtype=torch.float64)
     out = torch.empty(n, B, H, dtype=torch.float64)
-    ChainScan(W.t().contiguous(), d.permute(0, 2, 1).contiguous(), g, out, L, 0, B,
+    ChainScan("rnn", W.t().contiguous()[None], d.permute(0, 2, 1).contiguous()[:, None], g, out, 0, L, 0, B,
               lambda size: torch.empty(size, dtype=torch.float64)).run()
     ref = _scan.blelloch_scan(g, W.t() * d.unsqueeze(-2))
     err = ((out - ref).abs().max() / ref.abs().max()).item()
@@ -145,27 +150,48 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
+def rnn_factors(h: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` [T, 1, H, B] = the RNN's d_k = 1 - h_{T-k}^2 in scan order and lane order, from ``h`` [T, B, H]."""
+    T, B, H = h.shape
+    library("rnn", H, 1, h.dtype).rnn_factors(h.data_ptr(), T, B, out.data_ptr())
+
+
+def gru_factors(r, z, n, M, hp, out: torch.Tensor) -> None:
+    """``out`` [T, 5, H, B] = the GRU's (c_r, c_z, c_n, z, e) in scan order and lane order, from its gates
+    (``r, z, n, hp`` contiguous [T, B, H]; ``M`` [T, B, H] with unit column stride, rows M.stride(1) apart)."""
+    T, B, H = r.shape
+    if M.stride(2) != 1 or M.stride(0) != B * M.stride(1):
+        raise ValueError("gru_factors: M must have rows of unit stride, evenly spaced")
+    library("gru", H, 1, r.dtype).gru_factors(r.data_ptr(), z.data_ptr(), n.data_ptr(), M.data_ptr(), M.stride(1),
+                                              hp.data_ptr(), T, B, out.data_ptr())
+
+
 class ChainScan:
-    """The compiled scan of one lane slice ``[b0, b0 + lanes)`` of a factored chain: ``Wt`` [H, H] (W_hhᵀ),
-    ``d_lanes`` [n, H, B], ``g`` [B, H] and ``out`` [n, B, H], all contiguous, ``L`` tree levels, ``fused``
-    of them per block; ``scratch(size)`` gives a contiguous tensor of d's dtype with ``size`` elements.
-    :meth:`run` is the whole scan on this thread; :meth:`up`, :meth:`middle` and :meth:`down` are its
-    three phases, the first and last over any split of ``range(blocks)``.
+    """The compiled scan of one lane slice ``[b0, b0 + lanes)`` of a factored chain of ``kind``: ``Wt``
+    [NW, H, H] (the weights, transposed), ``f`` [steps, NF, H, B] (the per-step factors), ``g`` [B, H] and
+    ``out`` (``mode`` 0: the scan, [n, B, H]; 1: the model's per-step gradients in time order), all
+    contiguous, ``L`` tree levels, ``fused`` of them per block; ``scratch(size)`` gives a contiguous tensor
+    of f's dtype with ``size`` elements.  :meth:`run` is the whole scan on this thread; :meth:`up`,
+    :meth:`middle` and :meth:`down` are its three phases, the first and last over any split of
+    ``range(blocks)``.
 
     A one-lane slice (B = 1) runs the up and down phases of its full blocks ``VL`` at a time as the
     lanes of the kernel built for ``VL`` lanes (a vector register's worth), where that builds; only a
     clipped last block takes the one-lane kernel."""
 
-    def __init__(self, Wt, d_lanes, g, out, L: int, b0: int, lanes: int, scratch, fused: int = FUSED_LEVELS):
-        n, H, B = d_lanes.shape
-        self.lib = library(H, lanes, d_lanes.dtype)
+    def __init__(self, kind: str, Wt, f, g, out, mode: int, L: int, b0: int, lanes: int, scratch,
+                 fused: int = FUSED_LEVELS):
+        B, H = g.shape
+        n = f.shape[0] * (2 if kind == "paper" else 1)
+        self.lib = library(kind, H, lanes, f.dtype)
         self.blocks = int(self.lib.chain_blocks(n, L, fused))
         work = scratch(int(self.lib.chain_scan_work(n, L, fused)))
-        self.tensors = (Wt, d_lanes, g, out, work)  # kept alive while the kernel holds their addresses
+        self.tensors = (Wt, f, g, out, work)  # kept alive while the kernel holds their addresses
         self.ptrs = [t.data_ptr() for t in self.tensors]
+        self.mode = mode
         self.shape = (n, B, b0, L, fused)
-        self.vl = 64 // d_lanes.element_size()
-        self.wide = library(H, self.vl, d_lanes.dtype) if lanes == 1 and self.blocks > 1 else None
+        self.vl = 64 // f.element_size()
+        self.wide = library(kind, H, self.vl, f.dtype) if lanes == 1 and self.blocks > 1 else None
         size = 1 << min(fused, L)  # blocks hold `size` Jacobians; the last one may be clipped at J_{n-1}
         clipped = self.blocks > 0 and n - (self.blocks * size - 1) < size
         self.full = self.blocks - clipped
@@ -186,21 +212,21 @@ class ChainScan:
         self.down(0, self.blocks)
 
     def up(self, j0: int, j1: int) -> None:
-        Wt, d, _, _, work = self.ptrs
+        Wt, f, _, _, work = self.ptrs
         a = self._wide_end(j0, j1)
         if a > j0:
-            self.wide.chain_up_lanes(Wt, d, *self.shape, j0, a, work)
+            self.wide.chain_up_lanes(Wt, f, *self.shape, j0, a, work)
         if j1 > a:
-            self.lib.chain_up(Wt, d, *self.shape, a, j1, work)
+            self.lib.chain_up(Wt, f, *self.shape, a, j1, work)
 
     def middle(self) -> None:
-        Wt, d, g, out, work = self.ptrs
-        self.lib.chain_tree(Wt, d, g, out, *self.shape, work)
+        Wt, f, g, out, work = self.ptrs
+        self.lib.chain_tree(Wt, f, g, out, self.mode, *self.shape, work)
 
     def down(self, j0: int, j1: int) -> None:
-        Wt, d, _, out, work = self.ptrs
+        Wt, f, _, out, work = self.ptrs
         a = self._wide_end(j0, j1)
         if a > j0:
-            self.wide.chain_down_lanes(Wt, d, out, *self.shape, j0, a, work)
+            self.wide.chain_down_lanes(Wt, f, out, self.mode, *self.shape, j0, a, work)
         if j1 > a:
-            self.lib.chain_down(Wt, d, out, *self.shape, a, j1, work)
+            self.lib.chain_down(Wt, f, out, self.mode, *self.shape, a, j1, work)

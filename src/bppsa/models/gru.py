@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..jacobians.gru import Gates, gru_gates, gru_jacobians_t, gru_param_grads
+from ..jacobians.gru import Gates, gru_gate_grads, gru_gates, gru_param_grads
 from .recurrent import RecurrentClassifier
 
 
@@ -12,8 +12,8 @@ class GRUClassifier(RecurrentClassifier):
         super().__init__()
         self.cell = nn.GRU(input_size, hidden)
         self.head = nn.Linear(hidden, classes)
-        # The gates recomputed for the Jacobians are reused by the parameter gradients of the same
-        # step (keyed by the identity of h), so the backward does not pay for them a second time.
+        # The gates recomputed for the Jacobians are reused for the gates' gradients of the same step
+        # (keyed by the identity of h), so the backward does not pay for them a second time.
         self._gates: tuple[object, Gates] | None = None
 
     @staticmethod
@@ -32,16 +32,12 @@ class GRUClassifier(RecurrentClassifier):
 
     def jacobians_t(self, x, h, layout, backend):
         self._check_layout(layout)
-        T, B, H = h.shape
-        buf = backend.workspace.get(("jacobians", "gru"), (T, B, H, H), h)  # consumed by this step's scan
-        return gru_jacobians_t(self._gates_for(x, h), self.cell.weight_hh_l0, out=buf)
+        return backend.gru_jacobians_t(self._gates_for(x, h), self.cell.weight_hh_l0)
 
-    def grad_hidden(self, scan_out, x, h, layout, J=None):
+    def grads_from_scan(self, scan_out, x, h, layout):
         self._check_layout(layout)
-        return scan_out.flip(0)  # the scan yields ∇h_T .. ∇h_1
+        return gru_gate_grads(self._gates_for(x, h), scan_out.flip(0))  # the scan yields ∇h_T .. ∇h_1
 
-    def cell_param_grads(self, x, h, grad_h):
-        try:
-            return gru_param_grads(x, self._gates_for(x, h), grad_h)
-        finally:
-            self._gates = None  # the step is over; do not keep [T, B, H] tensors alive
+    def cell_param_grads(self, x, h, gate_grads):
+        self._gates = None  # the step is over; do not keep [T, B, H] tensors alive
+        return gru_param_grads(x, h, gate_grads)

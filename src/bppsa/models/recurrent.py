@@ -2,9 +2,10 @@
 
 A subclass supplies the cell (``self.cell``, a torch.nn.RNN/GRU with one layer, time-major), the
 head (``self.head``), and three methods: ``jacobians_t`` (the transposed Jacobians from the
-forward's states), ``grad_hidden`` (turn the scan's output into ∇h_t for t = 1..T; it may reuse
-the Jacobians, which it gets too) and
-``cell_param_grads`` (every cell parameter's gradient by batched reductions).
+forward's states, built by the backend), ``grads_from_scan`` (turn the scan's output into the per-step
+gradients the parameters need, in time order: ∇a_t for the RNN, the gates' gradients for the GRU; a
+backend that computes them as it scans does not call it) and ``cell_param_grads`` (every cell
+parameter's gradient from those, by GEMMs over the T·B rows).
 """
 from __future__ import annotations
 
@@ -43,10 +44,10 @@ class RecurrentClassifier(nn.Module):
     def jacobians_t(self, x, h, layout, backend):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def grad_hidden(self, scan_out, x, h, layout, J=None):  # pragma: no cover - abstract
+    def grads_from_scan(self, scan_out, x, h, layout):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def cell_param_grads(self, x, h, grad_h) -> dict[str, torch.Tensor]:  # pragma: no cover
+    def cell_param_grads(self, x, h, step_grads) -> dict[str, torch.Tensor]:  # pragma: no cover
         raise NotImplementedError
 
     # -- the two training steps -------------------------------------------------------------------
@@ -75,10 +76,10 @@ class RecurrentClassifier(nn.Module):
         with phase("backward"):
             loss.backward()  # the head's parameters, and ∇h_T
             with torch.no_grad():
-                out = backend.scan(h_last.grad, J, L_m)
-                grad_h = self.grad_hidden(out, x, h, layout, J)
-                del J, out
-                for name, g in self.cell_param_grads(x, h, grad_h).items():
+                grads = backend.step_grads(h_last.grad, J, L_m,
+                                           lambda out: self.grads_from_scan(out, x, h, layout))
+                del J
+                for name, g in self.cell_param_grads(x, h, grads).items():
                     p = getattr(self.cell, name)
                     p.grad = g if p.grad is None else p.grad + g
         return loss.detach()

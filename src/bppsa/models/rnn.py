@@ -16,13 +16,8 @@ class RNNClassifier(RecurrentClassifier):
     def jacobians_t(self, x, h, layout, backend):
         return backend.rnn_jacobians_t(h, self.cell.weight_hh_l0, layout)
 
-    def grad_hidden(self, scan_out, x, h, layout, J=None):
-        # For the RNN the useful per-step gradient is ∇a_t (pre-activation).  A chain kept as its
-        # factors (bppsa.kernels.cpu.RnnChain) has 1 - h² already, in scan order: the same products.
-        d = getattr(J, "d", None)
-        if layout == "fused" and d is not None:
-            return (scan_out * d).flip(0)
-        return rnn_grad_preact(scan_out, h, layout)
+    def grads_from_scan(self, scan_out, x, h, layout):
+        return rnn_grad_preact(scan_out, h, layout)  # for the RNN the useful per-step gradient is ∇a_t
 
     def cell_param_grads(self, x, h, grad_a):
         # Sums over every step and batch element: single GEMMs over the T·B rows (h_0 = 0 adds nothing).
