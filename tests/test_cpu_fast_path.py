@@ -12,9 +12,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from bppsa import backends, scan
-from bppsa.jacobians.gru import gru_gate_grads, gru_gates, gru_jacobians_t
+from bppsa.jacobians.gru import gru_gate_grads, gru_gates, gru_jacobians_t, gru_param_grads
 from bppsa.jacobians.recurrent import rnn_grad_preact, rnn_jacobians_t
 from bppsa.kernels import cpu, native
+from bppsa.models.rnn import RNNClassifier
 from bppsa.verify import verify
 
 
@@ -66,38 +67,46 @@ def chain_path(request, monkeypatch):
         pytest.skip(f"the compiled kernel is unavailable here: {native.unavailable_reason()}")
 
 
-def _factored(kind, T, B, H, seed, dtype, scale=1.0):
-    """A chain of ``kind`` built by the cpu backend, the torch twin's dense chain, and the model's
-    conversion of the scan into per-step gradients (what the kernel writes in its mode 1)."""
+def _factored(kind, T, B, H, seed, dtype, scale=1.0, I=2):
+    """A chain of ``kind`` built by the cpu backend (with inputs of size I), the torch twin's dense chain,
+    and the reference parameter gradients from a scan's output (what the kernel accumulates in mode 1)."""
     gen = torch.Generator().manual_seed(seed)
     g = torch.randn(B, H, generator=gen, dtype=dtype)
+    x = torch.randn(T, B, I, generator=gen, dtype=dtype)
     if kind == "gru":
-        cell = torch.nn.GRU(3, H).to(dtype)
+        cell = torch.nn.GRU(I, H).to(dtype)
         with torch.no_grad():
             for p in cell.parameters():
                 p.copy_(scale * torch.randn(p.shape, generator=gen, dtype=dtype) / math.sqrt(H))
-            x = torch.randn(T, B, 3, generator=gen, dtype=dtype)
             h, _ = cell(x)
             gates = gru_gates(x, h, cell.weight_ih_l0, cell.weight_hh_l0, cell.bias_ih_l0, cell.bias_hh_l0)
-        chain = cpu.CpuBackend().gru_jacobians_t(gates, cell.weight_hh_l0)
+        chain = cpu.CpuBackend().gru_jacobians_t(gates, cell.weight_hh_l0, x)
         dense = gru_jacobians_t(gates, cell.weight_hh_l0)
-        return g, chain, dense, lambda out: gru_gate_grads(gates, out.flip(0))
+        return g, chain, dense, lambda out: gru_param_grads(x, h, gru_gate_grads(gates, out.flip(0)))
     h = torch.tanh(torch.randn(T, B, H, generator=gen, dtype=dtype))
     W = scale * torch.randn(H, H, generator=gen, dtype=dtype) / math.sqrt(H)
     layout = "fused" if kind == "rnn" else "paper"
-    chain = cpu.CpuBackend().rnn_jacobians_t(h, W, layout)
-    return g, chain, rnn_jacobians_t(h, W, layout), lambda out: rnn_grad_preact(out, h, layout)
+    chain = cpu.CpuBackend().rnn_jacobians_t(h, W, layout, x)
+    model = RNNClassifier(I, H)
+    return g, chain, rnn_jacobians_t(h, W, layout), lambda out: model.cell_param_grads(x, h, rnn_grad_preact(out, h, layout))
+
+
+def _rel_grads(got: dict, ref: dict) -> float:
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert got[k].shape == ref[k].shape, k
+    return max(_rel(got[k].double(), ref[k].double()) for k in ref)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["rnn", "paper", "gru"]), T=st.integers(1, 300), B=st.integers(1, 5),
-       H=st.integers(1, 9), L_m=st.one_of(st.none(), st.integers(0, 10)),
+       H=st.integers(1, 9), I=st.integers(1, 3), L_m=st.one_of(st.none(), st.integers(0, 10)),
        dtype=st.sampled_from([torch.float64, torch.float32]), seed=st.integers(0, 2 ** 16))
-def test_factored_chain_scan_equals_torch_twin(chunking, chain_path, kind, T, B, H, L_m, dtype, seed):
+def test_factored_chain_scan_equals_torch_twin(chunking, chain_path, kind, T, B, H, I, L_m, dtype, seed):
     """Each chain kept as its weights and factors (compiled kernel; numpy: the RNN's level 0 as one GEMM,
-    the others their dense chain) gives the dense chain's scan, and the kernel's per-step gradients
-    equal the model's conversion of that scan."""
-    g, chain, dense, from_scan = _factored(kind, T, B, H, seed, dtype)
+    the others their dense chain) gives the dense chain's scan, and the parameter gradients the kernel
+    accumulates equal those of the model's own reductions over that scan."""
+    g, chain, dense, ref_grads = _factored(kind, T, B, H, seed, dtype, I=I)
     n = dense.shape[0]
     assume(n & (n + 1))  # scan length N = n + 1 not a power of two
     assert isinstance(chain, cpu.FactoredChain) and chain.shape == dense.shape
@@ -106,7 +115,7 @@ def test_factored_chain_scan_equals_torch_twin(chunking, chain_path, kind, T, B,
     assume(torch.isfinite(ref).all())  # an fp32 chain that overflows has no relative error to check
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     assert _rel(cpu.blelloch_scan(g, chain, L_m), ref) <= tol
-    assert _rel(cpu.step_grads(g, chain, L_m, scan.Workspace(), from_scan), from_scan(ref)) <= tol
+    assert _rel_grads(cpu.param_grads(g, chain, L_m, scan.Workspace(), ref_grads), ref_grads(ref)) <= tol
 
 
 @pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
@@ -116,10 +125,10 @@ def test_factored_chain_scan_equals_torch_twin(chunking, chain_path, kind, T, B,
 @pytest.mark.parametrize("kind", ["rnn", "paper", "gru"])
 def test_compiled_kernel_both_thread_splits(kind, mode, n, B, H, dtype, monkeypatch):
     """Threads taking whole lane slices, or splitting each slice's blocks (B = 1: blocks as the lanes):
-    the same scan and per-step gradients, at the sizes the benchmarks run (full vector registers of
+    the same scan and parameter gradients, at the sizes the benchmarks run (full vector registers of
     lanes, several slices, hidden size 20)."""
     monkeypatch.setattr(cpu, "MIN_CHUNK_FLOP", 1)
-    g, chain, dense, from_scan = _factored(kind, n, B, H, n, dtype, scale=0.3)
+    g, chain, dense, ref_grads = _factored(kind, n, B, H, n, dtype, scale=0.3, I=12 if kind == "gru" else 1)
     old = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
@@ -130,7 +139,7 @@ def test_compiled_kernel_both_thread_splits(kind, mode, n, B, H, dtype, monkeypa
             got = cpu._native_chain_scan(g, chain, L, scan.Workspace(), mode)
             assert _rel(got.double(), ref) <= tol, (L_m, mode)
             got = cpu._native_chain_scan(g, chain, L, scan.Workspace(), mode, grads=True)
-            assert _rel(got.double(), from_scan(ref.to(dtype)).double()) <= tol, (L_m, mode)
+            assert _rel_grads(got, ref_grads(ref.to(dtype))) <= tol, (L_m, mode)
     finally:
         torch.set_num_threads(old)
 
@@ -171,7 +180,7 @@ def test_kernel_builds_once_into_the_cache(tmp_path):
     for _ in range(2):
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert r.stdout.strip() == "True", r.stderr
-        (so,) = (tmp_path / "native").glob("chain_scan_k0_double_H3_L2_*.so")
+        (so,) = (tmp_path / "native").glob("chain_scan_k0_double_H3_I0_L2_*.so")
         if _ == 0:
             first = so.stat().st_mtime_ns
     assert so.stat().st_mtime_ns == first  # the second process loaded the first one's build

@@ -3,10 +3,11 @@
 A backend provides these operations, on torch tensors in the layout of :mod:`bppsa.scan`:
 
 * ``scan(g, J, L_m=None)``: the exclusive scan (a backend may overwrite ``J`` as workspace);
-* ``rnn_jacobians_t(h, W_hh, layout)``, ``gru_jacobians_t(gates, W_hh)``: the transposed Jacobians of
-  a tanh RNN or a GRU in scan order (dense ``[n, B, H, H]``, or a chain kept as its factors);
-* ``step_grads(g, J, L_m, from_scan)``: the model's per-step gradients, ``from_scan(scan(g, J, L_m))``
-  unless the backend computes them as it scans;
+* ``rnn_jacobians_t(h, W_hh, layout, x=None)``, ``gru_jacobians_t(gates, W_hh, x=None)``: the
+  transposed Jacobians of a tanh RNN or a GRU in scan order (dense ``[n, B, H, H]``, or a chain kept as
+  its factors, which also keeps the inputs ``x`` for the parameter gradients);
+* ``cell_grads(g, J, L_m, from_scan)``: the cell's parameter gradients, ``from_scan(scan(g, J, L_m))``
+  unless the backend accumulates them as it scans;
 
 and a ``workspace`` (:class:`bppsa.scan.Workspace`) into which a model may build Jacobians that
 the same step's scan consumes.
@@ -36,17 +37,17 @@ class TorchBackend:
     def scan(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> torch.Tensor:
         return _scan.blelloch_scan(g, J, L_m, self.workspace)
 
-    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str) -> torch.Tensor:
+    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x=None) -> torch.Tensor:
         # the Jacobians are consumed by the scan of the same step, so their buffer can be reused
         T, B, H = h.shape
         shape = (_rec.num_jacobians(T, layout), B, H, H)
         return _rec.rnn_jacobians_t(h, W_hh, layout, out=self.workspace.get(("jacobians", layout), shape, h))
 
-    def gru_jacobians_t(self, gates, W_hh: torch.Tensor) -> torch.Tensor:
+    def gru_jacobians_t(self, gates, W_hh: torch.Tensor, x=None) -> torch.Tensor:
         T, B, H = gates.r.shape
         return _gru.gru_jacobians_t(gates, W_hh, out=self.workspace.get(("jacobians", "gru"), (T, B, H, H), gates.r))
 
-    def step_grads(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None, from_scan) -> torch.Tensor:
+    def cell_grads(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None, from_scan) -> dict:
         return from_scan(self.scan(g, J, L_m))
 
 

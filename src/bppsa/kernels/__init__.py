@@ -267,7 +267,7 @@ class CupyBackend(TorchBackend):
                 _launch("blelloch.cu", launch, g.dtype, dev, ptrs)
         return P
 
-    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str) -> torch.Tensor:
+    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x=None) -> torch.Tensor:
         if h.dim() != 3 or W_hh.shape != (h.shape[2], h.shape[2]):
             raise ValueError(f"expected h [T, B, H] and W_hh [H, H], got {tuple(h.shape)} and {tuple(W_hh.shape)}")
         T, B, H = h.shape

@@ -24,10 +24,15 @@
  * out[s+1] = J_s out[s] from the block's prefix.  Levels c .. L-1 and the linear middle are the reference
  * tree on the stored level-c array.  L = 0 is the sequential backward: the spine is the whole chain.
  *
- * Output (runtime `mode`): 0 = the scan itself, out [n][B][H] in scan order; 1 = what the model's
- * parameter gradients need, in time order (t = 0 .. T-1 for h_1 .. h_T): the RNN's grad of the
- * pre-activation a_t, [T][B][H] (fused: out_k * d_k; paper: the odd positions); the GRU's gradients of
- * the gates' pre-activations [T][B][4H] = (dR, dZ, dN, dM) = grad_h * (c_r, c_z, e, c_n).
+ * Each step's factors also hold what the parameter gradients need beside the step's gradient: x_t (INP rows)
+ * and h' = h_{t-1} (H rows), so f is [steps][NR][B] with NR = NF*H + INP + H rows.
+ *
+ * Output (runtime `mode`): 0 = the scan itself, out [n][B][H] in scan order; 1 = the cell's parameter
+ * gradients, accumulated per lane as the prefixes come out (groups of GRP positions, register tiles), into
+ * acc [NA][NBV][LANES]: rows a = the step's gradient w.r.t. the pre-activations (the RNN: grad a_t =
+ * out_k * d_k, H rows, at the fused layout's every position or the paper layout's odd ones; the GRU: (dR, dZ,
+ * dN, dM) = grad_h * (c_r, c_z, e, c_n), 4H rows), columns c = (x_t, 1, h'): so acc holds the sums over t and
+ * the lanes of the weight and bias gradients, which the caller adds over lanes and slices.
  */
 #include <string.h>
 
@@ -49,12 +54,17 @@ typedef real vec __attribute__((vector_size(NL * sizeof(real)), aligned(sizeof(r
 #if KIND == 2
 #define NF 5
 #define NW 3
-#define OUTW (4 * H) /* width of a step's row in mode 1 */
+#define NA (4 * H)
 #else
 #define NF 1
 #define NW 1
-#define OUTW H
+#define NA H
 #endif
+#define NI INP
+#define NBV (NI + 1 + H)          /* the accumulated columns: x_t, 1, h' */
+#define NR (NF * H + NI + H)      /* rows of a step's factors */
+#define XROW (NF * H)             /* where x_t starts among them, then h' */
+#define GRP 16                    /* positions per accumulation group */
 
 /* The factor step that position s reads (the paper layout's two positions per step share d_k). */
 static inline long fstep(long s) {
@@ -206,32 +216,91 @@ static void jac_vec(const real *restrict Wt, long s, const real *restrict fs, lo
 #endif
 }
 
-/* The prefix v at position k, written as out[k] (mode 0) or as the model's per-step gradient (mode 1;
- * fs, ld: position k's factors).  v is [H][NL], out rows are [B][OUTW] (mode 1) or [B][H]. */
-static void emit(real *out, int mode, long n, long B, long b0, long k, const real *v, const real *fs, long ld,
-                 int lanes) {
+/* -- the parameter gradients (mode 1) --------------------------------------------------------------- */
+
+/* A group of up to GRP positions: each position's gradient rows A [NA][NL] and columns Bv [NBV][NL]. */
+typedef struct {
+    int np;
+    real A[GRP][NA * NL] __attribute__((aligned(64)));
+    real Bv[GRP][NBV * NL] __attribute__((aligned(64)));
+} group;
+
+/* acc[a][c] += sum_p A_p[a] Bv_p[c] for a in [a0, a1), c in [c0, c1): register tiles of 4 x 6. */
+static void acc_range(real *restrict acc, const group *restrict gp, int a0, int a1, int c0, int c1) {
+    int c = c0;
+    for (; c + 6 <= c1; c += 6) {
+        int a = a0;
+        for (; a + 4 <= a1; a += 4) {
+            vec t[4][6];
+            UNROLL for (int i = 0; i < 4; ++i) UNROLL for (int j = 0; j < 6; ++j) t[i][j] = LD(acc + ((a + i) * NBV + c + j) * NL);
+            for (int p = 0; p < gp->np; ++p) {
+                vec b[6];
+                UNROLL for (int j = 0; j < 6; ++j) b[j] = LD(gp->Bv[p] + (c + j) * NL);
+                UNROLL for (int i = 0; i < 4; ++i) {
+                    vec x = LD(gp->A[p] + (a + i) * NL);
+                    UNROLL for (int j = 0; j < 6; ++j) t[i][j] += x * b[j];
+                }
+            }
+            UNROLL for (int i = 0; i < 4; ++i) UNROLL for (int j = 0; j < 6; ++j) ST(acc + ((a + i) * NBV + c + j) * NL) = t[i][j];
+        }
+        for (; a < a1; ++a)
+            for (int j = 0; j < 6; ++j) {
+                vec t = LD(acc + (a * NBV + c + j) * NL);
+                for (int p = 0; p < gp->np; ++p) t += LD(gp->A[p] + a * NL) * LD(gp->Bv[p] + (c + j) * NL);
+                ST(acc + (a * NBV + c + j) * NL) = t;
+            }
+    }
+    for (; c < c1; ++c)
+        for (int a = a0; a < a1; ++a) {
+            vec t = LD(acc + (a * NBV + c) * NL);
+            for (int p = 0; p < gp->np; ++p) t += LD(gp->A[p] + a * NL) * LD(gp->Bv[p] + c * NL);
+            ST(acc + (a * NBV + c) * NL) = t;
+        }
+}
+
+static void grp_flush(group *gp, real *acc) {
+    if (!gp->np) return;
+#if KIND == 2
+    acc_range(acc, gp, 0, 2 * H, 0, NBV);          /* dR, dZ: with x, 1 and h' */
+    acc_range(acc, gp, 2 * H, 3 * H, 0, NI + 1);   /* dN: with x and 1 */
+    acc_range(acc, gp, 3 * H, 4 * H, NI, NBV);     /* dM: with 1 and h' */
+#else
+    acc_range(acc, gp, 0, H, 0, NBV);
+#endif
+    gp->np = 0;
+}
+
+/* The prefix v at position k (fs, ld: position k's factors; mask: 1 in the lanes that count, 0 in spare
+ * ones), written as out[k] (mode 0, the first `lanes` lanes) or added to the group (mode 1). */
+static void take(real *out, int mode, group *gp, real *acc, long B, long b0, long k, const real *v, const real *fs,
+                 long ld, int lanes, vec mask) {
     if (mode == 0) {
         real *o = out + (k * B + b0) * H;
         for (int b = 0; b < lanes; ++b)
             for (int i = 0; i < H; ++i) o[b * H + i] = v[i * NL + b];
         return;
     }
-#if KIND == 0
-    real *o = out + ((n - 1 - k) * B + b0) * OUTW;
-    for (int b = 0; b < lanes; ++b)
-        for (int i = 0; i < H; ++i) o[b * OUTW + i] = v[i * NL + b] * fs[i * ld + b];
-#elif KIND == 1
+#if KIND == 1
     if (!(k & 1)) return; /* grad of h_t; the odd position after it is grad of a_t */
-    real *o = out + ((n / 2 - 1 - k / 2) * B + b0) * OUTW;
-    for (int b = 0; b < lanes; ++b)
-        for (int i = 0; i < H; ++i) o[b * OUTW + i] = v[i * NL + b];
-#else
-    static const int src[4] = {0, 1, 4, 2}; /* dR, dZ, dN, dM from c_r, c_z, e, c_n */
-    real *o = out + ((n - 1 - k) * B + b0) * OUTW;
-    for (int b = 0; b < lanes; ++b)
-        for (int q = 0; q < 4; ++q)
-            for (int i = 0; i < H; ++i) o[b * OUTW + q * H + i] = v[i * NL + b] * fs[(src[q] * H + i) * ld + b];
 #endif
+    real *A = gp->A[gp->np], *Bv = gp->Bv[gp->np];
+    for (int i = 0; i < H; ++i) {
+        vec q = LD(v + i * NL) * mask;
+#if KIND == 0
+        ST(A + i * NL) = q * LD(fs + i * ld);
+#elif KIND == 1
+        ST(A + i * NL) = q;
+#else
+        ST(A + i * NL) = q * LD(fs + i * ld);                    /* dR = grad_h c_r */
+        ST(A + (H + i) * NL) = q * LD(fs + (H + i) * ld);        /* dZ = grad_h c_z */
+        ST(A + (2 * H + i) * NL) = q * LD(fs + (4 * H + i) * ld); /* dN = grad_h e */
+        ST(A + (3 * H + i) * NL) = q * LD(fs + (2 * H + i) * ld); /* dM = grad_h c_n */
+#endif
+    }
+    for (int j = 0; j < NI; ++j) ST(Bv + j * NL) = LD(fs + (XROW + j) * ld);
+    ST(Bv + NI * NL) = (vec){0} + 1;
+    for (int j = 0; j < H; ++j) ST(Bv + (NI + 1 + j) * NL) = LD(fs + (XROW + NI + j) * ld);
+    if (++gp->np == GRP) grp_flush(gp, acc);
 }
 
 /* -- the dense tree above the fused levels (bppsa.kernels.cpu._tree, per lane) --------------------- */
@@ -266,7 +335,8 @@ static void tree(const real *spine, const real *A, real *out, long n, int L, rea
 
 /* -- the entry points ---------------------------------------------------------------------------- */
 
-#define FAC(f, s, B) ((f) + fstep(s) * (long)NF * H * (B))
+#define FAC(f, s, B) ((f) + fstep(s) * (long)NR * (B))
+#define ALL ((vec){0} + 1)
 
 /* The blocks of level c (0 where the tree has no levels); block j holds J_lo .. J_hi. */
 long chain_blocks(long n, int L, int c) { return L == 0 ? 0 : n >> (c < L ? c : L); }
@@ -297,34 +367,37 @@ void chain_up(const real *Wt, const real *f, long n, long B, long b0, int L, int
 /* Middle: positions 0 .. 2^c - 1 (g, then the spine's mat-vecs) and the tree above level c: Q[j], the
  * prefix at each block's first position.  Without blocks the spine is the whole (sequential) scan. */
 void chain_tree(const real *Wt, const real *f, const real *g, real *out, int mode, long n, long B, long b0, int L,
-                int c, real *work) {
+                int c, real *work, real *acc) {
     if (n <= 0) return;
     if (c > L) c = L;
     const real *fl = f + b0;
+    group gp;
+    gp.np = 0;
     real v[H * NL] __attribute__((aligned(64))), u[H * NL] __attribute__((aligned(64)));
     for (int i = 0; i < H; ++i)
         for (int b = 0; b < NL; ++b) v[i * NL + b] = g[(b0 + b) * H + i];
     long nc = chain_blocks(n, L, c), spine_end = nc ? (1L << c) - 1 : n - 1;
     for (long s = 0; s < spine_end; ++s) {
         const real *fs = FAC(fl, s, B);
-        emit(out, mode, n, B, b0, s, v, fs, B, NL);
+        take(out, mode, &gp, acc, B, b0, s, v, fs, B, NL, ALL);
         jac_vec(Wt, s, fs, B, v, u);
         memcpy(v, u, sizeof(v));
     }
-    if (nc == 0) {
-        emit(out, mode, n, B, b0, n - 1, v, FAC(fl, n - 1, B), B, NL);
-        return;
-    }
+    if (nc == 0) take(out, mode, &gp, acc, B, b0, n - 1, v, FAC(fl, n - 1, B), B, NL, ALL);
+    grp_flush(&gp, acc);
+    if (nc == 0) return;
     real *A = work, *Q = A + nc * MAT, *sp = Q + nc * VEC;
-    memcpy(sp, v, sizeof(v)); /* the prefix at position 2^c - 1, the first block's, emitted by chain_down */
+    memcpy(sp, v, sizeof(v)); /* the prefix at position 2^c - 1, the first block's, taken by chain_down */
     tree(sp, A, Q, nc, L - c, sp + VEC);
 }
 
 /* Down: each block j0 .. j1 - 1 from its prefix, by the factored mat-vecs out[s+1] = J_s out[s]. */
 void chain_down(const real *Wt, const real *f, real *out, int mode, long n, long B, long b0, int L, int c, long j0,
-                long j1, real *work) {
+                long j1, real *work, real *acc) {
     if (c > L) c = L;
     const real *fl = f + b0, *Q = work + chain_blocks(n, L, c) * MAT;
+    group gp;
+    gp.np = 0;
     real v[H * NL] __attribute__((aligned(64))), u[H * NL] __attribute__((aligned(64)));
     for (long j = j0; j < j1; ++j) {
         long lo, hi;
@@ -332,12 +405,13 @@ void chain_down(const real *Wt, const real *f, real *out, int mode, long n, long
         memcpy(v, Q + j * VEC, sizeof(v));
         for (long s = lo; s < hi; ++s) {
             const real *fs = FAC(fl, s, B);
-            emit(out, mode, n, B, b0, s, v, fs, B, NL);
+            take(out, mode, &gp, acc, B, b0, s, v, fs, B, NL, ALL);
             jac_vec(Wt, s, fs, B, v, u);
             memcpy(v, u, sizeof(v));
         }
-        emit(out, mode, n, B, b0, hi, v, FAC(fl, hi, B), B, NL);
+        take(out, mode, &gp, acc, B, b0, hi, v, FAC(fl, hi, B), B, NL, ALL);
     }
+    grp_flush(&gp, acc);
 }
 
 /* Scratch (in reals) for n Jacobians, L levels, c of them fused. */
@@ -361,14 +435,14 @@ static void gather_f(const real *f, long B, long b0, long j, long last, int c, l
     for (int q = 0; q < NL; ++q) {
         long jq = j + q < last ? j + q : last;
         const real *src = FAC(f, (jq + 1) * (1L << c) - 1 + off, B) + b0;
-        for (int r = 0; r < NF * H; ++r) dst[r * NL + q] = src[r * B];
+        for (int r = 0; r < NR; ++r) dst[r * NL + q] = src[r * B];
     }
 }
 
 void chain_up_lanes(const real *Wt, const real *f, long n, long B, long b0, int L, int c, long j0, long j1,
                     real *work1) {
     if (c > L) c = L;
-    real M[H * H * NL] __attribute__((aligned(64))), fs[NF * H * NL] __attribute__((aligned(64)));
+    real M[H * H * NL] __attribute__((aligned(64))), fs[NR * NL] __attribute__((aligned(64)));
     long size = 1L << c;
     for (long j = j0; j < j1; j += NL) {
         /* position lo + off has the parity of size - 1 + off (blocks start at odd positions, size is even) */
@@ -384,25 +458,30 @@ void chain_up_lanes(const real *Wt, const real *f, long n, long B, long b0, int 
 }
 
 void chain_down_lanes(const real *Wt, const real *f, real *out, int mode, long n, long B, long b0, int L, int c,
-                      long j0, long j1, real *work1) {
+                      long j0, long j1, real *work1, real *acc) {
     if (c > L) c = L;
     long nc = chain_blocks(n, L, c), size = 1L << c;
     const real *Q = work1 + nc * H * H; /* the one-lane kernel's prefixes, [nc][H] */
+    group gp;
+    gp.np = 0;
     real v[H * NL] __attribute__((aligned(64))), u[H * NL] __attribute__((aligned(64))),
-        fs[NF * H * NL] __attribute__((aligned(64)));
+        fs[NR * NL] __attribute__((aligned(64)));
     for (long j = j0; j < j1; j += NL) {
         int valid = j1 - j < NL ? (int)(j1 - j) : NL;
+        real m[NL] __attribute__((aligned(64)));
+        for (int q = 0; q < NL; ++q) m[q] = q < valid;
+        vec mask = LD(m);
         for (int q = 0; q < NL; ++q)
             for (int i = 0; i < H; ++i) v[i * NL + q] = Q[(j + (q < valid ? q : valid - 1)) * H + i];
         for (long off = 0; off < size; ++off) {
             gather_f(f, B, b0, j, j1 - 1, c, off, fs);
-            /* emit lane by lane: lane q is block j + q's position lo + off of the one-lane layout */
-            for (int q = 0; q < valid; ++q) {
-                long pos = (j + q + 1) * size - 1 + off;
-                real vq[H * NL] __attribute__((aligned(64))), fq[NF * H * NL] __attribute__((aligned(64)));
-                for (int i = 0; i < H; ++i) vq[i * NL] = v[i * NL + q];
-                for (int r = 0; r < NF * H; ++r) fq[r * NL] = fs[r * NL + q];
-                emit(out, mode, n, B, b0, pos, vq, fq, NL, 1);
+            if (mode == 0) { /* lane q is block j + q's position lo + off of the one-lane layout */
+                for (int q = 0; q < valid; ++q) {
+                    real *o = out + (((j + q + 1) * size - 1 + off) * B + b0) * H;
+                    for (int i = 0; i < H; ++i) o[i] = v[i * NL + q];
+                }
+            } else {
+                take(out, mode, &gp, acc, B, b0, size - 1 + off, v, fs, NL, NL, mask); /* k: the parity */
             }
             if (off + 1 < size) {
                 jac_vec(Wt, size - 1 + off, fs, NL, v, u);
@@ -410,6 +489,7 @@ void chain_down_lanes(const real *Wt, const real *f, real *out, int mode, long n
             }
         }
     }
+    grp_flush(&gp, acc);
 }
 
 /* -- the factors, from the forward's states ------------------------------------------------------- */
@@ -417,23 +497,31 @@ void chain_down_lanes(const real *Wt, const real *f, real *out, int mode, long n
  * factors equal those of the dense chains bit for bit. */
 #define NO_FMA __attribute__((optimize("fp-contract=off")))
 
-/* The RNN's d [T][H][B] in scan order (step T first) from h [T][B][H]: d_k = 1 - h_{T-k}^2. */
-NO_FMA void rnn_factors(const real *h, long T, long B, real *d) {
+/* The RNN's factors [T][NR][B] in scan order (step T first) from h and x ([T][B][H], [T][B][INP]): rows
+ * d_k = 1 - h_{T-k}^2, then x_{T-k} and h_{T-k-1} (0 for the first step). */
+#if KIND != 2
+NO_FMA void rnn_factors(const real *h, const real *x, long T, long B, real *f) {
     for (long k = 0; k < T; ++k) {
-        const real *hk = h + (T - 1 - k) * B * H;
-        real *dk = d + k * H * B;
-        for (long b = 0; b < B; ++b)
-            for (int i = 0; i < H; ++i) dk[i * B + b] = 1 - hk[b * H + i] * hk[b * H + i];
+        long t = T - 1 - k;
+        const real *ht = h + t * B * H;
+        real *fk = f + k * NR * B;
+        for (long b = 0; b < B; ++b) {
+            for (int i = 0; i < H; ++i) fk[i * B + b] = 1 - ht[b * H + i] * ht[b * H + i];
+            for (int j = 0; j < NI; ++j) fk[(XROW + j) * B + b] = x[(t * B + b) * NI + j];
+            for (int i = 0; i < H; ++i) fk[(XROW + NI + i) * B + b] = t ? h[((t - 1) * B + b) * H + i] : 0;
+        }
     }
 }
 
-/* The GRU's factors [T][5][H][B] in scan order from its gates r, z, n and h' = h_{t-1} ([T][B][H] each,
- * time order) and M = W_hn h' + b_hn (rows ldm apart: a view of the recurrent affine map). */
-NO_FMA void gru_factors(const real *r, const real *z, const real *nn, const real *Mg, long ldm, const real *hp, long T,
-                 long B, real *f) {
+#else
+/* The GRU's factors [T][NR][B] in scan order from its gates r, z, n and h' = h_{t-1} ([T][B][H] each,
+ * time order), M = W_hn h' + b_hn (rows ldm apart: a view of the recurrent affine map) and x ([T][B][INP]):
+ * rows c_r, c_z, c_n, z, e, then x_t and h'. */
+NO_FMA void gru_factors(const real *r, const real *z, const real *nn, const real *Mg, long ldm, const real *hp,
+                        const real *x, long T, long B, real *f) {
     for (long k = 0; k < T; ++k) {
         long t = T - 1 - k;
-        real *fk = f + k * 5 * H * B;
+        real *fk = f + k * NR * B;
         for (long b = 0; b < B; ++b) {
             long row = (t * B + b) * H;
             const real *M = Mg + (t * B + b) * ldm;
@@ -445,7 +533,10 @@ NO_FMA void gru_factors(const real *r, const real *z, const real *nn, const real
                 fk[(2 * H + i) * B + b] = e * ri;
                 fk[(3 * H + i) * B + b] = zi;
                 fk[(4 * H + i) * B + b] = e;
+                fk[(XROW + NI + i) * B + b] = hp[row + i];
             }
+            for (int j = 0; j < NI; ++j) fk[(XROW + j) * B + b] = x[(t * B + b) * NI + j];
         }
     }
 }
+#endif

@@ -191,122 +191,169 @@ def _np(t: torch.Tensor) -> np.ndarray:
 # -- the chains, kept as their factors ---------------------------------------------------------------
 class FactoredChain:
     """A chain of transposed Jacobians kept as its weights ``Wt`` [NW, H, H] (transposed) and per-step
-    factors ``f`` [steps, NF, H, B] (lane order: the compiled kernel reads each row's batch lanes side by
+    factors ``f`` [steps, NR, B] (lane order: the compiled kernel reads each row's batch lanes side by
     side), the kinds of ``chain_scan.c``, instead of n·B dense H×H matrices: what :class:`CpuBackend`
-    builds.  It stands where a dense chain ``[n, B, H, H]`` would (``shape``, ``dim()``); :meth:`dense`
-    is that chain, for the paths that need it."""
+    builds.  The last I + H rows of a step are x_t and h' = h_{t-1}, for the parameter gradients the
+    kernel accumulates as it scans (zero rows where the chain was built without x, ``I = 0``).  It stands
+    where a dense chain ``[n, B, H, H]`` would (``shape``, ``dim()``); :meth:`dense` is that chain."""
 
     kind: str
+    NF: int  # rows of H factors per step before x and h'
 
-    def __init__(self, Wt: torch.Tensor, f: torch.Tensor, n: int):
-        steps, _, H, B = f.shape
-        if tuple(Wt.shape[1:]) != (H, H) or Wt.dtype != f.dtype:
-            raise ValueError(f"the weights must be [k, {H}, {H}] of the factors' dtype {f.dtype}, "
-                             f"got {tuple(Wt.shape)} {Wt.dtype}")
-        self.Wt, self.f = Wt.detach().contiguous(), f
+    def __init__(self, W_hh: torch.Tensor, Wt: torch.Tensor, f: torch.Tensor, n: int, I: int):
+        steps, rows, B = f.shape
+        H = Wt.shape[-1]
+        if rows != self.NF * H + I + H or Wt.dtype != f.dtype:
+            raise ValueError(f"{type(self).__name__}: factors {tuple(f.shape)} {f.dtype} do not fit weights "
+                             f"{tuple(Wt.shape)} {Wt.dtype} and input size {I}")
+        self.W_hh, self.Wt, self.f, self.I = W_hh.detach(), Wt.detach().contiguous(), f, I
         self.shape = torch.Size((n, B, H, H))
         self.dtype, self.device = f.dtype, f.device
 
     def dim(self) -> int:
         return 4
 
+    def lanes(self, i: int) -> torch.Tensor:
+        """Factor i ([steps, H, B]) of every step."""
+        H = self.shape[2]
+        return self.f[:, i * H:(i + 1) * H]
+
     def dense(self) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def param_grads(self, acc: torch.Tensor) -> dict[str, torch.Tensor]:  # pragma: no cover - abstract
+        """The cell's parameter gradients from the kernel's sums ``acc`` [NA, I + 1 + H] (summed over lanes)."""
+        raise NotImplementedError
 
-def _rnn_d(h: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """d_k = 1 - h_{T-k}² in scan order and lane order, [T, 1, H, B] (into ``out`` where given)."""
+    @staticmethod
+    def _fill(f: torch.Tensor, NF: int, H: int, x: torch.Tensor | None, h: torch.Tensor) -> None:
+        """The x and h' rows of ``f`` in torch (the compiled kernel's factor builders write them otherwise)."""
+        T, _, B = f.shape
+        I = 0 if x is None else x.shape[2]
+        if I:
+            f[:, NF * H:NF * H + I].copy_(x.flip(0).permute(0, 2, 1))
+        hp = f[:, NF * H + I:]
+        hp[-1].zero_()
+        hp[:-1].copy_(h[:-1].flip(0).permute(0, 2, 1))
+
+
+def _factor_buffer(h: torch.Tensor, rows: int, out: torch.Tensor | None) -> torch.Tensor:
+    T, B, _ = h.shape
+    return out if out is not None and tuple(out.shape) == (T, rows, B) else h.new_empty((T, rows, B))
+
+
+def _rnn_factors(h: torch.Tensor, x: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    """d_k = 1 - h_{T-k}², then x and h' in scan order and lane order, [T, 2H + I, B]."""
     T, B, H = h.shape
     h = h.detach().contiguous()
-    f = out if out is not None else h.new_empty((T, 1, H, B))
-    if native.available() and native.library("rnn", H, 1, h.dtype) is not None:
-        native.rnn_factors(h, f)
-    else:
-        hf = h.flip(0)
-        torch.sub(torch.ones((), dtype=h.dtype), hf * hf, out=f[:, 0].permute(0, 2, 1))  # as 1 - h * h, bit for bit
+    I = 0 if x is None else x.shape[2]
+    f = _factor_buffer(h, 2 * H + I, out)
+    if native.available() and native.library("rnn", H, I, 1, h.dtype) is not None:
+        native.rnn_factors(h, (x if x is not None else h[:, :, :0]).detach().contiguous(), f)
+        return f
+    hf = h.flip(0)
+    torch.sub(torch.ones((), dtype=h.dtype), hf * hf, out=f[:, :H].permute(0, 2, 1))  # as 1 - h * h, bit for bit
+    FactoredChain._fill(f, 1, H, x, h)
     return f
 
 
-class RnnChain(FactoredChain):
+class _RnnParams:
+    """The tanh RNN's parameter gradients from the kernel's sums: rows ∇a, columns (x, 1, h')."""
+
+    def param_grads(self, acc: torch.Tensor) -> dict[str, torch.Tensor]:
+        I = self.I
+        return {"weight_ih_l0": acc[:, :I].contiguous(), "bias_ih_l0": acc[:, I].contiguous(),
+                "bias_hh_l0": acc[:, I].clone(), "weight_hh_l0": acc[:, I + 1:].contiguous()}
+
+
+class RnnChain(_RnnParams, FactoredChain):
     """The fused-layout chain of a tanh RNN, ``J_k = W_hhᵀ diag(d_k)`` (k = 0 .. T-1, scan order, d_k =
     1 - h_{T-k}²): ``W_hh`` and ``d_lanes`` [T, H, B] (``d`` [T, B, H] is a view of it).  :meth:`dense` is
     the chain :func:`bppsa.jacobians.recurrent.rnn_jacobians_t` builds."""
 
-    kind = "rnn"
+    kind, NF = "rnn", 1
 
-    def __init__(self, W_hh: torch.Tensor, d_lanes: torch.Tensor):
-        T, H, B = d_lanes.shape
-        if tuple(W_hh.shape) != (H, H):
-            raise ValueError(f"W_hh must be [{H}, {H}], got {tuple(W_hh.shape)}")
-        super().__init__(W_hh.detach().t()[None], d_lanes.contiguous()[:, None], T)
-        self.W_hh = W_hh.detach()
-        self.d_lanes = self.f[:, 0]
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0):
+        super().__init__(W_hh, W_hh.detach().t()[None], f, f.shape[0], I)
+        self.d_lanes = self.lanes(0)
         self.d = self.d_lanes.permute(0, 2, 1)  # [T, B, H], a view
 
     @classmethod
-    def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor, out: torch.Tensor | None = None) -> RnnChain:
-        """From the forward's states ``h`` [T, B, H] (``out``: a [T, 1, H, B] buffer for the factors)."""
-        return cls(W_hh, _rnn_d(h, out)[:, 0])
+    def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> RnnChain:
+        """From the forward's states ``h`` [T, B, H] and inputs ``x`` [T, B, I] (None: the scan only);
+        ``out``: a buffer for the factors, used where its shape fits."""
+        return cls(W_hh, _rnn_factors(h, x, out), 0 if x is None else x.shape[2])
 
     def dense(self) -> torch.Tensor:
         return self.W_hh.t() * self.d.unsqueeze(-2)  # as rnn_jacobians_t(h, W_hh, "fused")
 
 
-class PaperChain(FactoredChain):
+class PaperChain(_RnnParams, FactoredChain):
     """The paper layout of a tanh RNN, two Jacobians per step: ``J_2k = diag(d_k)``, ``J_2k+1 = W_hhᵀ``
-    (the factors are the fused chain's d)."""
+    (the factors are the fused chain's)."""
 
-    kind = "paper"
+    kind, NF = "paper", 1
 
-    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor):
-        super().__init__(W_hh.detach().t()[None], f, 2 * f.shape[0])
-        self.W_hh = W_hh.detach()
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0):
+        super().__init__(W_hh, W_hh.detach().t()[None], f, 2 * f.shape[0], I)
 
     @classmethod
-    def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor, out: torch.Tensor | None = None) -> PaperChain:
-        return cls(W_hh, _rnn_d(h, out))
+    def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> PaperChain:
+        return cls(W_hh, _rnn_factors(h, x, out), 0 if x is None else x.shape[2])
 
     def dense(self) -> torch.Tensor:
         n, B, H, _ = self.shape
         J = self.f.new_zeros((n // 2, 2, B, H, H))
-        J[:, 0].diagonal(dim1=-2, dim2=-1).copy_(self.f[:, 0].permute(0, 2, 1))
+        J[:, 0].diagonal(dim1=-2, dim2=-1).copy_(self.lanes(0).permute(0, 2, 1))
         J[:, 1] = self.W_hh.t()
         return J.view(n, B, H, H)  # as rnn_jacobians_t(h, W_hh, "paper")
 
 
 class GruChain(FactoredChain):
     """The GRU's chain (Appendix E), ``J_k = Σ_g W_hgᵀ diag(c_g) + diag(z)`` for the gates g = r, z, n:
-    ``W_hh`` and the factors (c_r, c_z, c_n, z, e = (1 - z)(1 - n²)) [T, 5, H, B] in scan order; ``e``
-    and the c's also turn ∇h into the gates' gradients (the kernel's mode 1)."""
+    ``W_hh`` and the factors (c_r, c_z, c_n, z, e = (1 - z)(1 - n²)) in scan order; ``e`` and the c's
+    also turn ∇h into the gates' gradients (dR, dZ, dN, dM), the rows of the kernel's sums."""
 
-    kind = "gru"
+    kind, NF = "gru", 5
 
-    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor):
-        H = f.shape[2]
-        super().__init__(W_hh.detach().view(3, H, H).transpose(1, 2), f, f.shape[0])
-        self.W_hh = W_hh.detach()
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0):
+        H = W_hh.shape[1]
+        super().__init__(W_hh, W_hh.detach().view(3, H, H).transpose(1, 2), f, f.shape[0], I)
 
     @classmethod
-    def from_gates(cls, gates, W_hh: torch.Tensor, out: torch.Tensor | None = None) -> GruChain:
-        """From :class:`bppsa.jacobians.gru.Gates` (time order); ``out``: a [T, 5, H, B] buffer."""
+    def from_gates(cls, gates, W_hh: torch.Tensor, x: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> GruChain:
+        """From :class:`bppsa.jacobians.gru.Gates` (time order) and the inputs ``x`` (None: the scan only)."""
         T, B, H = gates.r.shape
-        f = out if out is not None else gates.r.new_empty((T, 5, H, B))
+        I = 0 if x is None else x.shape[2]
+        f = _factor_buffer(gates.r, 6 * H + I, out)
         r, z, n, hp = (t.contiguous() for t in (gates.r, gates.z, gates.n, gates.hp))
-        if native.available() and native.library("gru", H, 1, r.dtype) is not None:
-            native.gru_factors(r, z, n, gates.M, hp, f)
+        if native.available() and native.library("gru", H, I, 1, r.dtype) is not None:
+            native.gru_factors(r, z, n, gates.M, hp, (x if x is not None else r[:, :, :0]).detach().contiguous(), f)
         else:
             e = (1 - z) * (1 - n * n)
             for i, t in enumerate((e * gates.M * r * (1 - r), (hp - n) * z * (1 - z), e * r, z, e)):
-                f[:, i].copy_(t.flip(0).permute(0, 2, 1))
-        return cls(W_hh, f)
+                f[:, i * H:(i + 1) * H].copy_(t.flip(0).permute(0, 2, 1))
+            if I:
+                f[:, 5 * H:5 * H + I].copy_(x.flip(0).permute(0, 2, 1))
+            f[:, 5 * H + I:].copy_(hp.flip(0).permute(0, 2, 1))
+        return cls(W_hh, f, I)
 
     def dense(self) -> torch.Tensor:
-        c = self.f.permute(0, 1, 3, 2).unsqueeze(-2)  # [T, 5, B, 1, H]: column scalings
-        J = torch.mul(self.Wt[0], c[:, 0])
-        J.addcmul_(self.Wt[1], c[:, 1])
-        J.addcmul_(self.Wt[2], c[:, 2])
-        J.diagonal(dim1=-2, dim2=-1).add_(self.f[:, 3].permute(0, 2, 1))
+        c = [self.lanes(i).permute(0, 2, 1).unsqueeze(-2) for i in range(4)]  # [T, B, 1, H]: column scalings
+        J = torch.mul(self.Wt[0], c[0])
+        J.addcmul_(self.Wt[1], c[1])
+        J.addcmul_(self.Wt[2], c[2])
+        J.diagonal(dim1=-2, dim2=-1).add_(self.lanes(3).permute(0, 2, 1))
         return J  # as bppsa.jacobians.gru.gru_jacobians_t
+
+    def param_grads(self, acc: torch.Tensor) -> dict[str, torch.Tensor]:
+        H, I = self.shape[2], self.I
+        rzm = torch.cat([acc[:2 * H], acc[3 * H:]])  # (dR, dZ, dM): the recurrent affine map's gradient
+        return {"weight_ih_l0": acc[:3 * H, :I].contiguous(), "bias_ih_l0": acc[:3 * H, I].contiguous(),
+                "weight_hh_l0": rzm[:, I + 1:].contiguous(), "bias_hh_l0": rzm[:, I].contiguous()}
 
 
 def _serial(fn, n: int, flop_per_item: float) -> None:
@@ -379,55 +426,57 @@ def lane_slices(B: int, p: int, max_lanes: int) -> list[list[tuple[int, int]]]:
 
 
 def _native_chain_scan(g: torch.Tensor, chain: FactoredChain, L: int, ws: _scan.Workspace, mode: str = "auto",
-                       grads: bool = False) -> torch.Tensor | None:
+                       grads: bool = False):
     """The scan over a :class:`FactoredChain` by the compiled kernel (:mod:`.native`); None where it is
-    unavailable.  ``grads``: return the model's per-step gradients in time order (the kernel's mode 1)
-    instead of the scan.  Lane slices as wide as one vector register; with at least one slice per thread
-    (or ``mode`` "slices") the threads take whole slices (one hand-off per scan), otherwise they split
-    each slice's blocks in the up phase and, where it carries enough work, the down phase."""
+    unavailable.  ``grads``: instead of the scan, the cell's parameter gradients (a dict), accumulated by
+    the kernel as the prefixes come out (the chain must have been built with x).  Lane slices as wide as
+    one vector register; with at least one slice per thread (or ``mode`` "slices") the threads take whole
+    slices (one hand-off per scan), otherwise they split each slice's blocks in the up phase and, where it
+    carries enough work, the down phase."""
     n, B, H, _ = chain.shape
     min_flop = KERNEL_SPEEDUP * MIN_CHUNK_FLOP  # the same hand-off, repaid only by more of the kernel's FLOP
-    p = min(_threads(), max(1, int(n * B * 2 * H ** 3 // min_flop)))
-    if mode == "slices":
-        p = _threads()
+    p = _threads() if mode == "slices" else min(_threads(), max(1, int(n * B * 2 * H ** 3 // min_flop)))
     vl = 64 // g.element_size()
     by_slice = mode == "slices" or (mode == "auto" and -(-B // vl) >= p)
     groups = lane_slices(B, p if by_slice else 1, vl)
-    if not native.available() or any(native.library(chain.kind, H, w, g.dtype) is None for gr in groups for _, w in gr):
+    if not native.available() or any(native.library(chain.kind, H, chain.I, w, g.dtype) is None
+                                     for gr in groups for _, w in gr):
         return None
-    if grads:
-        out = g.new_empty((chain.f.shape[0], B, 4 * H if chain.kind == "gru" else H))
-    else:
-        out = g.new_empty((n, B, H))
+    out = None if grads else g.new_empty((n, B, H))
     if n == 0:
         return out
     g = g.contiguous()
-    kernels = [[native.ChainScan(chain.kind, chain.Wt, chain.f, g, out, int(grads), L, b0, w,
-                                 lambda size, key=(b0, w): ws.get(("cpu", "native", *key), (size,), g))
+    # the down phase is ~H times lighter than the up phase: split only where it repays a hand-off
+    p_down = 1 if by_slice else min(p, max(1, int(n * B * (2 * H * H + H) // min_flop)))
+    kernels = [[native.ChainScan(chain.kind, chain.Wt, chain.f, chain.I, g, out, L, b0, w,
+                                 lambda size, key=(b0, w): ws.get(("cpu", "native", *key), (size,), g), p_down)
                 for b0, w in gr] for gr in groups]
     if by_slice:
         _spread([lambda gr=gr: [k.run() for k in gr] for gr in kernels])
+    else:
+        for k in kernels[0]:
+            for phase, parts in ((k.up, p), (k.middle, 0), (k.down, p_down)):
+                if not parts:
+                    phase()
+                    continue
+                cuts = k.cuts(parts)
+                if phase == k.down:
+                    _spread([functools.partial(phase, a, b, i) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))])
+                else:
+                    _spread([functools.partial(phase, a, b) for a, b in zip(cuts, cuts[1:])])
+    if not grads:
         return out
-    # the down phase is ~H times lighter than the up phase: split only where it repays a hand-off
-    p_down = min(p, max(1, int(n * B * (2 * H * H + H) // min_flop)))
-    for k in kernels[0]:
-        for phase, parts in ((k.up, p), (k.middle, 0), (k.down, p_down)):
-            if not parts:
-                phase()
-                continue
-            cuts = k.cuts(parts)
-            _spread([functools.partial(phase, a, b) for a, b in zip(cuts, cuts[1:])])
-    return out
+    return chain.param_grads(sum(a.sum(-1) for gr in kernels for k in gr for a in k.accumulators()))
 
 
 @torch.no_grad()
-def step_grads(g: torch.Tensor, chain: FactoredChain, L_m: int | None, ws: _scan.Workspace, from_scan,
-               mode: str = "auto") -> torch.Tensor:
-    """The model's per-step gradients from the scan over ``chain``, in time order: written by the compiled
-    kernel as it goes (∇a_t for the RNN, the gates' gradients for the GRU), or ``from_scan(scan)`` without
-    it.  ``L_m = 0`` is the sequential backward over the same chain."""
+def param_grads(g: torch.Tensor, chain: FactoredChain, L_m: int | None, ws: _scan.Workspace, from_scan,
+                mode: str = "auto") -> dict[str, torch.Tensor]:
+    """The cell's parameter gradients from the scan over ``chain``: accumulated by the compiled kernel as
+    the prefixes come out, or ``from_scan(scan)`` without it (or for a chain built without x).
+    ``L_m = 0`` is the sequential backward over the same chain."""
     L = _scan.tree_levels(chain.shape[0] + 1, L_m)
-    out = _native_chain_scan(g, chain, L, ws, mode, grads=True)
+    out = _native_chain_scan(g, chain, L, ws, mode, grads=True) if chain.I else None
     return out if out is not None else from_scan(blelloch_scan(g, chain, L_m, ws))
 
 
@@ -538,30 +587,30 @@ def rnn_sequential_grad_preact(h: torch.Tensor, W_hh: torch.Tensor, grad_h_last:
 
 class CpuBackend(TorchBackend):
     """The CPU fast path: the recurrent chains stay factored (:class:`FactoredChain`), scanned by the
-    compiled kernel, which also writes the models' per-step gradients; dense chains take the threaded
-    numpy tree."""
+    compiled kernel, which also accumulates the cell's parameter gradients; dense chains take the
+    threaded numpy tree."""
 
     name = "cpu"
 
-    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str):
-        if h.device.type != "cpu":
-            return super().rnn_jacobians_t(h, W_hh, layout)
-        cls = {"fused": RnnChain, "paper": PaperChain}[layout] if layout in ("fused", "paper") else None
-        if cls is None:
-            return super().rnn_jacobians_t(h, W_hh, layout)  # its error names the layouts
+    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x: torch.Tensor | None = None):
+        if h.device.type != "cpu" or layout not in ("fused", "paper"):
+            return super().rnn_jacobians_t(h, W_hh, layout, x)  # its error names the layouts
         T, B, H = h.shape
-        return cls.from_states(h, W_hh, out=self.workspace.get(("factors", "rnn"), (T, 1, H, B), h))
+        rows = 2 * H + (0 if x is None else x.shape[2])
+        cls = RnnChain if layout == "fused" else PaperChain
+        return cls.from_states(h, W_hh, x, out=self.workspace.get(("factors", "rnn"), (T, rows, B), h))
 
-    def gru_jacobians_t(self, gates, W_hh: torch.Tensor):
+    def gru_jacobians_t(self, gates, W_hh: torch.Tensor, x: torch.Tensor | None = None):
         T, B, H = gates.r.shape
-        return GruChain.from_gates(gates, W_hh, out=self.workspace.get(("factors", "gru"), (T, 5, H, B), gates.r))
+        rows = 6 * H + (0 if x is None else x.shape[2])
+        return GruChain.from_gates(gates, W_hh, x, out=self.workspace.get(("factors", "gru"), (T, rows, B), gates.r))
 
     def scan(self, g: torch.Tensor, J, L_m: int | None = None) -> torch.Tensor:
         return blelloch_scan(g, J, L_m, self.workspace)
 
-    def step_grads(self, g: torch.Tensor, J, L_m, from_scan) -> torch.Tensor:
+    def cell_grads(self, g: torch.Tensor, J, L_m, from_scan) -> dict[str, torch.Tensor]:
         if isinstance(J, FactoredChain):
-            return step_grads(g, J, L_m, self.workspace, from_scan)
+            return param_grads(g, J, L_m, self.workspace, from_scan)
         return from_scan(self.scan(g, J, L_m))
 
 

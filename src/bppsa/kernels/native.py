@@ -1,7 +1,7 @@
 """The compiled kernel of the CPU fast path (``chain_scan.c``): built at first use, loaded with ctypes.
 
 The C source is compiled by the system's C compiler (``$CC``, else ``cc``) with ``-O3 -march=native``
-once per (chain kind, hidden size, lane count, dtype) -- constants let the compiler keep a product's row
+once per (chain kind, hidden size, input size, lane count, dtype) -- constants let the compiler keep a product's row
 in registers and vectorise across the batch lanes -- into ``$BPPSA_CACHE_DIR`` (default
 ``~/.cache/bppsa``), keyed by the source, the flags, the compiler and this CPU's model and flags, so
 nodes of a cluster sharing a home directory each get their own build.  A build is written to a
@@ -78,17 +78,17 @@ _errors: dict = {}
 
 
 @functools.cache
-def library(kind: str, H: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
-    """The kernel for a chain ``kind`` (:data:`KINDS`), hidden size H, ``lanes`` batch lanes and ``dtype``;
-    None where it cannot be built (why: :func:`unavailable_reason`)."""
+def library(kind: str, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
+    """The kernel for a chain ``kind`` (:data:`KINDS`), hidden size H, input size I, ``lanes`` batch lanes
+    and ``dtype``; None where it cannot be built (why: :func:`unavailable_reason`)."""
     try:
-        return _build(KINDS[kind], H, lanes, dtype)
+        return _build(KINDS[kind], H, I, lanes, dtype)
     except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, compiler killed, bad .so ...
         _errors["cc"] = f"{type(e).__name__}: {e}"
         return None
 
 
-def _build(kind: int, H: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
+def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
     cc = _compiler()
     if cc is None:
         _errors["cc"] = f"no C compiler ({compiler_name()!r} not on PATH)"
@@ -96,11 +96,11 @@ def _build(kind: int, H: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | N
     real = _REAL.get(dtype)
     if real is None:  # e.g. half precision: the numpy path takes it
         return None
-    defs = [f"-DKIND={kind}", f"-DHID={H}", f"-DLANES={lanes}", f"-DREAL={real}"]
+    defs = [f"-DKIND={kind}", f"-DHID={H}", f"-DINP={I}", f"-DLANES={lanes}", f"-DREAL={real}"]
     src = _source()
     key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS + defs).encode(), _compiler_id(cc).encode(),
                                      _cpu_id().encode()])).hexdigest()[:20]
-    out = cache_dir() / f"chain_scan_k{kind}_{real}_H{H}_L{lanes}_{key}.so"
+    out = cache_dir() / f"chain_scan_k{kind}_{real}_H{H}_I{I}_L{lanes}_{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -114,13 +114,13 @@ def _build(kind: int, H: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | N
             os.replace(so_file, out)
     lib = ctypes.CDLL(str(out))
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    factors = {"gru_factors": [p, p, p, p, l, p, p, l, l, p]} if kind == KINDS["gru"] else {"rnn_factors": [p, p, l, l, p]}
     for name, args in {"chain_up": [p, p, l, l, l, i, i, l, l, p],
-                       "chain_tree": [p, p, p, p, i, l, l, l, i, i, p],
-                       "chain_down": [p, p, p, i, l, l, l, i, i, l, l, p],
+                       "chain_tree": [p, p, p, p, i, l, l, l, i, i, p, p],
+                       "chain_down": [p, p, p, i, l, l, l, i, i, l, l, p, p],
                        "chain_up_lanes": [p, p, l, l, l, i, i, l, l, p],
-                       "chain_down_lanes": [p, p, p, i, l, l, l, i, i, l, l, p],
-                       "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i],
-                       "rnn_factors": [p, l, l, p], "gru_factors": [p, p, p, p, l, p, l, l, p]}.items():
+                       "chain_down_lanes": [p, p, p, i, l, l, l, i, i, l, l, p, p],
+                       "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i], **factors}.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, {"chain_scan_work": l, "chain_blocks": l}.get(name)
     return lib
@@ -129,7 +129,7 @@ def _build(kind: int, H: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | N
 @functools.cache
 def unavailable_reason() -> str | None:
     """None when the kernel builds here and agrees with the reference scan on a small case, else why not."""
-    if library("rnn", 3, 2, torch.float64) is None:
+    if library("rnn", 3, 0, 2, torch.float64) is None:
         return _errors.get("cc", "the kernel could not be built")
     from .. import scan as _scan
 
@@ -139,7 +139,8 @@ def unavailable_reason() -> str | None:
     d = torch.rand(n, B, H, generator=gen, dtype=torch.float64)
     g = torch.randn(B, H, generator=gen, dtype=torch.float64)
     out = torch.empty(n, B, H, dtype=torch.float64)
-    ChainScan("rnn", W.t().contiguous()[None], d.permute(0, 2, 1).contiguous()[:, None], g, out, 0, L, 0, B,
+    f = torch.cat([d.permute(0, 2, 1), torch.zeros(n, H, B, dtype=torch.float64)], 1)  # d, then h' (here unused)
+    ChainScan("rnn", W.t().contiguous()[None], f, 0, g, out, L, 0, B,
               lambda size: torch.empty(size, dtype=torch.float64)).run()
     ref = _scan.blelloch_scan(g, W.t() * d.unsqueeze(-2))
     err = ((out - ref).abs().max() / ref.abs().max()).item()
@@ -150,51 +151,67 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
-def rnn_factors(h: torch.Tensor, out: torch.Tensor) -> None:
-    """``out`` [T, 1, H, B] = the RNN's d_k = 1 - h_{T-k}^2 in scan order and lane order, from ``h`` [T, B, H]."""
+def rnn_factors(h: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` [T, H + I + H, B] = the RNN's d_k = 1 - h_{T-k}^2, x_{T-k} and h_{T-k-1} (scan order, lane
+    order) from ``h`` [T, B, H] and ``x`` [T, B, I], all contiguous."""
     T, B, H = h.shape
-    library("rnn", H, 1, h.dtype).rnn_factors(h.data_ptr(), T, B, out.data_ptr())
+    library("rnn", H, x.shape[2], 1, h.dtype).rnn_factors(h.data_ptr(), x.data_ptr(), T, B, out.data_ptr())
 
 
-def gru_factors(r, z, n, M, hp, out: torch.Tensor) -> None:
-    """``out`` [T, 5, H, B] = the GRU's (c_r, c_z, c_n, z, e) in scan order and lane order, from its gates
-    (``r, z, n, hp`` contiguous [T, B, H]; ``M`` [T, B, H] with unit column stride, rows M.stride(1) apart)."""
+def gru_factors(r, z, n, M, hp, x, out: torch.Tensor) -> None:
+    """``out`` [T, 5H + I + H, B] = the GRU's (c_r, c_z, c_n, z, e), x and h' in scan order and lane order,
+    from its gates (``r, z, n, hp`` contiguous [T, B, H]; ``M`` [T, B, H] with unit column stride, rows
+    M.stride(1) apart) and ``x`` [T, B, I] contiguous."""
     T, B, H = r.shape
     if M.stride(2) != 1 or M.stride(0) != B * M.stride(1):
         raise ValueError("gru_factors: M must have rows of unit stride, evenly spaced")
-    library("gru", H, 1, r.dtype).gru_factors(r.data_ptr(), z.data_ptr(), n.data_ptr(), M.data_ptr(), M.stride(1),
-                                              hp.data_ptr(), T, B, out.data_ptr())
+    library("gru", H, x.shape[2], 1, r.dtype).gru_factors(r.data_ptr(), z.data_ptr(), n.data_ptr(), M.data_ptr(),
+                                                           M.stride(1), hp.data_ptr(), x.data_ptr(), T, B,
+                                                           out.data_ptr())
 
 
 class ChainScan:
     """The compiled scan of one lane slice ``[b0, b0 + lanes)`` of a factored chain of ``kind``: ``Wt``
-    [NW, H, H] (the weights, transposed), ``f`` [steps, NF, H, B] (the per-step factors), ``g`` [B, H] and
-    ``out`` (``mode`` 0: the scan, [n, B, H]; 1: the model's per-step gradients in time order), all
-    contiguous, ``L`` tree levels, ``fused`` of them per block; ``scratch(size)`` gives a contiguous tensor
-    of f's dtype with ``size`` elements.  :meth:`run` is the whole scan on this thread; :meth:`up`,
-    :meth:`middle` and :meth:`down` are its three phases, the first and last over any split of
-    ``range(blocks)``.
+    [NW, H, H] (the weights, transposed), ``f`` [steps, NR, B] (the per-step factors, then x_t and h' over
+    ``I`` + H rows), ``g`` [B, H], all contiguous, ``L`` tree levels, ``fused`` of them per block;
+    ``scratch(size)`` gives a contiguous tensor of f's dtype with ``size`` elements.  ``out`` is the scan
+    [n, B, H] (mode 0) or None: then each part of the down phase (and the middle, with part 0) accumulates
+    the parameter gradients into its own ``acc[part]`` (mode 1, :meth:`accumulators`).  :meth:`run` is the
+    whole scan on this thread; :meth:`up`, :meth:`middle` and :meth:`down` are its three phases, the first
+    and last over any split of ``range(blocks)``.
 
     A one-lane slice (B = 1) runs the up and down phases of its full blocks ``VL`` at a time as the
     lanes of the kernel built for ``VL`` lanes (a vector register's worth), where that builds; only a
     clipped last block takes the one-lane kernel."""
 
-    def __init__(self, kind: str, Wt, f, g, out, mode: int, L: int, b0: int, lanes: int, scratch,
+    def __init__(self, kind: str, Wt, f, I: int, g, out, L: int, b0: int, lanes: int, scratch, parts: int = 1,
                  fused: int = FUSED_LEVELS):
         B, H = g.shape
         n = f.shape[0] * (2 if kind == "paper" else 1)
-        self.lib = library(kind, H, lanes, f.dtype)
+        self.lib = library(kind, H, I, lanes, f.dtype)
         self.blocks = int(self.lib.chain_blocks(n, L, fused))
         work = scratch(int(self.lib.chain_scan_work(n, L, fused)))
-        self.tensors = (Wt, f, g, out, work)  # kept alive while the kernel holds their addresses
-        self.ptrs = [t.data_ptr() for t in self.tensors]
-        self.mode = mode
-        self.shape = (n, B, b0, L, fused)
         self.vl = 64 // f.element_size()
-        self.wide = library(kind, H, self.vl, f.dtype) if lanes == 1 and self.blocks > 1 else None
+        self.wide = library(kind, H, I, self.vl, f.dtype) if lanes == 1 and self.blocks > 1 else None
+        self.mode = int(out is None)
+        na = 4 * H if kind == "gru" else H
+        # mode 1: per part, the accumulators of this slice's kernel and of the wide one
+        self.acc = [(f.new_zeros((na, I + 1 + H, lanes)), f.new_zeros((na, I + 1 + H, self.vl)))
+                    for _ in range(parts)] if self.mode else [(None, None)] * parts
+        self.tensors = (Wt, f, g, out if out is not None else g, work)  # kept alive while the kernel holds them
+        self.ptrs = [t.data_ptr() for t in self.tensors]
+        self.shape = (n, B, b0, L, fused)
         size = 1 << min(fused, L)  # blocks hold `size` Jacobians; the last one may be clipped at J_{n-1}
         clipped = self.blocks > 0 and n - (self.blocks * size - 1) < size
         self.full = self.blocks - clipped
+
+    def accumulators(self) -> list[torch.Tensor]:
+        """Mode 1: every accumulator, [NA, I + 1 + H, lanes] each."""
+        return [a for pair in self.acc for a in pair if a is not None]
+
+    def _acc(self, part: int, wide: bool = False) -> int | None:
+        a = self.acc[part][wide]
+        return None if a is None else a.data_ptr()
 
     def _wide_end(self, j0: int, j1: int) -> int:
         """Where the full blocks among [j0, j1), the wide kernel's, end."""
@@ -221,12 +238,12 @@ class ChainScan:
 
     def middle(self) -> None:
         Wt, f, g, out, work = self.ptrs
-        self.lib.chain_tree(Wt, f, g, out, self.mode, *self.shape, work)
+        self.lib.chain_tree(Wt, f, g, out, self.mode, *self.shape, work, self._acc(0))
 
-    def down(self, j0: int, j1: int) -> None:
+    def down(self, j0: int, j1: int, part: int = 0) -> None:
         Wt, f, _, out, work = self.ptrs
         a = self._wide_end(j0, j1)
         if a > j0:
-            self.wide.chain_down_lanes(Wt, f, out, self.mode, *self.shape, j0, a, work)
+            self.wide.chain_down_lanes(Wt, f, out, self.mode, *self.shape, j0, a, work, self._acc(part, True))
         if j1 > a:
-            self.lib.chain_down(Wt, f, out, self.mode, *self.shape, a, j1, work)
+            self.lib.chain_down(Wt, f, out, self.mode, *self.shape, a, j1, work, self._acc(part))

@@ -2,10 +2,10 @@
 
 A subclass supplies the cell (``self.cell``, a torch.nn.RNN/GRU with one layer, time-major), the
 head (``self.head``), and three methods: ``jacobians_t`` (the transposed Jacobians from the
-forward's states, built by the backend), ``grads_from_scan`` (turn the scan's output into the per-step
-gradients the parameters need, in time order: ∇a_t for the RNN, the gates' gradients for the GRU; a
-backend that computes them as it scans does not call it) and ``cell_param_grads`` (every cell
-parameter's gradient from those, by GEMMs over the T·B rows).
+forward's states and inputs, built by the backend), ``grads_from_scan`` (turn the scan's output into the
+per-step gradients the parameters need, in time order: ∇a_t for the RNN, the gates' gradients for the
+GRU) and ``cell_param_grads`` (every cell parameter's gradient from those, by GEMMs over the T·B rows).
+A backend that accumulates the parameter gradients as it scans (the CPU fast path) calls neither.
 """
 from __future__ import annotations
 
@@ -76,10 +76,10 @@ class RecurrentClassifier(nn.Module):
         with phase("backward"):
             loss.backward()  # the head's parameters, and ∇h_T
             with torch.no_grad():
-                grads = backend.step_grads(h_last.grad, J, L_m,
-                                           lambda out: self.grads_from_scan(out, x, h, layout))
+                grads = backend.cell_grads(
+                    h_last.grad, J, L_m, lambda out: self.cell_param_grads(x, h, self.grads_from_scan(out, x, h, layout)))
                 del J
-                for name, g in self.cell_param_grads(x, h, grads).items():
+                for name, g in grads.items():
                     p = getattr(self.cell, name)
                     p.grad = g if p.grad is None else p.grad + g
         return loss.detach()

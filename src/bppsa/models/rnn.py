@@ -14,7 +14,7 @@ class RNNClassifier(RecurrentClassifier):
         self.head = nn.Linear(hidden, classes)
 
     def jacobians_t(self, x, h, layout, backend):
-        return backend.rnn_jacobians_t(h, self.cell.weight_hh_l0, layout)
+        return backend.rnn_jacobians_t(h, self.cell.weight_hh_l0, layout, x)
 
     def grads_from_scan(self, scan_out, x, h, layout):
         return rnn_grad_preact(scan_out, h, layout)  # for the RNN the useful per-step gradient is ∇a_t
