@@ -203,15 +203,13 @@ static void jac_vec(const real *restrict Wt, long s, const real *restrict fs, lo
     }
 #else
     (void)s;
-    real t[3 * H * NL] __attribute__((aligned(64)));
-    for (int m = 0; m < 3 * H; ++m) ST(t + m * NL) = LD(fs + m * ld) * LD(q + (m % H) * NL);
+    vec t[3 * H];
+    UNROLL for (int g = 0; g < 3; ++g) UNROLL for (int m = 0; m < H; ++m)
+        t[g * H + m] = LD(fs + (g * H + m) * ld) * LD(q + m * NL);
     for (int i = 0; i < H; ++i) {
-        vec acc = (vec){0};
-        for (int g = 0; g < 3; ++g) {
-            const real *w = Wt + g * H * H + i * H, *tg = t + g * H * NL;
-            UNROLL for (int m = 0; m < H; ++m) acc += w[m] * LD(tg + m * NL);
-        }
-        ST(v + i * NL) = acc + LD(fs + (3 * H + i) * ld) * LD(q + i * NL);
+        vec acc = LD(fs + (3 * H + i) * ld) * LD(q + i * NL);
+        UNROLL for (int g = 0; g < 3; ++g) UNROLL for (int m = 0; m < H; ++m) acc += Wt[(g * H + i) * H + m] * t[g * H + m];
+        ST(v + i * NL) = acc;
     }
 #endif
 }
@@ -226,10 +224,10 @@ typedef struct {
 } group;
 
 /* acc[a][c] += sum_p A_p[a] Bv_p[c] for a in [a0, a1), c in [c0, c1): register tiles of 4 x 6. */
-static void acc_range(real *restrict acc, const group *restrict gp, int a0, int a1, int c0, int c1) {
-    int c = c0;
+static void acc_range(real *restrict acc, const group *restrict gp, long a0, long a1, long c0, long c1) {
+    long c = c0;
     for (; c + 6 <= c1; c += 6) {
-        int a = a0;
+        long a = a0;
         for (; a + 4 <= a1; a += 4) {
             vec t[4][6];
             UNROLL for (int i = 0; i < 4; ++i) UNROLL for (int j = 0; j < 6; ++j) t[i][j] = LD(acc + ((a + i) * NBV + c + j) * NL);
@@ -244,14 +242,14 @@ static void acc_range(real *restrict acc, const group *restrict gp, int a0, int 
             UNROLL for (int i = 0; i < 4; ++i) UNROLL for (int j = 0; j < 6; ++j) ST(acc + ((a + i) * NBV + c + j) * NL) = t[i][j];
         }
         for (; a < a1; ++a)
-            for (int j = 0; j < 6; ++j) {
+            for (long j = 0; j < 6; ++j) {
                 vec t = LD(acc + (a * NBV + c + j) * NL);
                 for (int p = 0; p < gp->np; ++p) t += LD(gp->A[p] + a * NL) * LD(gp->Bv[p] + (c + j) * NL);
                 ST(acc + (a * NBV + c + j) * NL) = t;
             }
     }
     for (; c < c1; ++c)
-        for (int a = a0; a < a1; ++a) {
+        for (long a = a0; a < a1; ++a) {
             vec t = LD(acc + (a * NBV + c) * NL);
             for (int p = 0; p < gp->np; ++p) t += LD(gp->A[p] + a * NL) * LD(gp->Bv[p] + c * NL);
             ST(acc + (a * NBV + c) * NL) = t;
@@ -500,8 +498,8 @@ void chain_down_lanes(const real *Wt, const real *f, real *out, int mode, long n
 /* The RNN's factors [T][NR][B] in scan order (step T first) from h and x ([T][B][H], [T][B][INP]): rows
  * d_k = 1 - h_{T-k}^2, then x_{T-k} and h_{T-k-1} (0 for the first step). */
 #if KIND != 2
-NO_FMA void rnn_factors(const real *h, const real *x, long T, long B, real *f) {
-    for (long k = 0; k < T; ++k) {
+NO_FMA void rnn_factors(const real *h, const real *x, long T, long B, long k0, long k1, real *f) {
+    for (long k = k0; k < k1; ++k) {
         long t = T - 1 - k;
         const real *ht = h + t * B * H;
         real *fk = f + k * NR * B;
@@ -516,10 +514,10 @@ NO_FMA void rnn_factors(const real *h, const real *x, long T, long B, real *f) {
 #else
 /* The GRU's factors [T][NR][B] in scan order from its gates r, z, n and h' = h_{t-1} ([T][B][H] each,
  * time order), M = W_hn h' + b_hn (rows ldm apart: a view of the recurrent affine map) and x ([T][B][INP]):
- * rows c_r, c_z, c_n, z, e, then x_t and h'. */
+ * rows c_r, c_z, c_n, z, e, then x_t and h'; steps k0 .. k1 - 1. */
 NO_FMA void gru_factors(const real *r, const real *z, const real *nn, const real *Mg, long ldm, const real *hp,
-                        const real *x, long T, long B, real *f) {
-    for (long k = 0; k < T; ++k) {
+                        const real *x, long T, long B, long k0, long k1, real *f) {
+    for (long k = k0; k < k1; ++k) {
         long t = T - 1 - k;
         real *fk = f + k * NR * B;
         for (long b = 0; b < B; ++b) {

@@ -55,6 +55,7 @@ except Exception as e:  # noqa: BLE001 - any failure means "use the numpy loops"
 # rate of numpy's small GEMMs (~50 GFLOP/s); the compiled kernel runs ~KERNEL_SPEEDUP times faster.
 MIN_CHUNK_FLOP = 2_000_000
 KERNEL_SPEEDUP = 5
+FACTOR_FLOP = 50  # a factor builder's cost per value written (~1 ns, a strided store), in those FLOP
 
 
 def numba_available() -> bool:
@@ -249,7 +250,8 @@ def _rnn_factors(h: torch.Tensor, x: torch.Tensor | None, out: torch.Tensor | No
     I = 0 if x is None else x.shape[2]
     f = _factor_buffer(h, 2 * H + I, out)
     if native.available() and native.library("rnn", H, I, 1, h.dtype) is not None:
-        native.rnn_factors(h, (x if x is not None else h[:, :, :0]).detach().contiguous(), f)
+        xc = (x if x is not None else h[:, :, :0]).detach().contiguous()
+        _parallel(lambda a, b: native.rnn_factors(h, xc, f, a, b), T, FACTOR_FLOP * B * f.shape[1])
         return f
     hf = h.flip(0)
     torch.sub(torch.ones((), dtype=h.dtype), hf * hf, out=f[:, :H].permute(0, 2, 1))  # as 1 - h * h, bit for bit
@@ -331,7 +333,8 @@ class GruChain(FactoredChain):
         f = _factor_buffer(gates.r, 6 * H + I, out)
         r, z, n, hp = (t.contiguous() for t in (gates.r, gates.z, gates.n, gates.hp))
         if native.available() and native.library("gru", H, I, 1, r.dtype) is not None:
-            native.gru_factors(r, z, n, gates.M, hp, (x if x is not None else r[:, :, :0]).detach().contiguous(), f)
+            xc = (x if x is not None else r[:, :, :0]).detach().contiguous()
+            _parallel(lambda a, b: native.gru_factors(r, z, n, gates.M, hp, xc, f, a, b), T, FACTOR_FLOP * B * f.shape[1])
         else:
             e = (1 - z) * (1 - n * n)
             for i, t in enumerate((e * gates.M * r * (1 - r), (hp - n) * z * (1 - z), e * r, z, e)):
@@ -436,7 +439,7 @@ def _native_chain_scan(g: torch.Tensor, chain: FactoredChain, L: int, ws: _scan.
     n, B, H, _ = chain.shape
     min_flop = KERNEL_SPEEDUP * MIN_CHUNK_FLOP  # the same hand-off, repaid only by more of the kernel's FLOP
     p = _threads() if mode == "slices" else min(_threads(), max(1, int(n * B * 2 * H ** 3 // min_flop)))
-    vl = 64 // g.element_size()
+    vl = native.lane_width(chain.kind, g.dtype)
     by_slice = mode == "slices" or (mode == "auto" and -(-B // vl) >= p)
     groups = lane_slices(B, p if by_slice else 1, vl)
     if not native.available() or any(native.library(chain.kind, H, chain.I, w, g.dtype) is None
