@@ -88,7 +88,8 @@ def _factored(kind, T, B, H, seed, dtype, scale=1.0, I=2):
     layout = "fused" if kind == "rnn" else "paper"
     chain = cpu.CpuBackend().rnn_jacobians_t(h, W, layout, x)
     model = RNNClassifier(I, H)
-    return g, chain, rnn_jacobians_t(h, W, layout), lambda out: model.cell_param_grads(x, h, rnn_grad_preact(out, h, layout))
+    return (g, chain, rnn_jacobians_t(h, W, layout),
+            lambda out: model.cell_param_grads(x, h, rnn_grad_preact(out, h, layout)))
 
 
 def _rel_grads(got: dict, ref: dict) -> float:

@@ -462,7 +462,7 @@ def test_auto_picks_cupy_once_a_kernel_compiles(fresh_probe, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert backends.get_backend("auto", torch.device("cuda")).name == "cupy"
-        assert backends.get_backend("auto", torch.device("cpu")).name == "torch"  # CPU: no probe, no warning
+        assert backends.get_backend("auto", torch.device("cpu")).name in ("cpu", "torch")  # CPU: no CuPy probe
 
 
 def test_probe_without_cuda_says_why():

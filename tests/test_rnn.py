@@ -1,5 +1,6 @@
 """After a BPPSA backward every .grad equals the autograd baseline's, same weights and batch."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -83,5 +84,17 @@ def test_unknown_layout_and_backend_are_rejected():
         get_backend("cupy")
 
 
-def test_auto_backend_is_torch_on_cpu():
-    assert get_backend("auto", torch.device("cpu")).name == "torch"
+def test_auto_backend_is_the_cpu_fast_path_on_cpu(monkeypatch):
+    """'auto' on a CPU is the compiled fast path; where its kernel cannot be built, the torch twin, with a
+    warning that gives the reason."""
+    from bppsa.kernels import native
+
+    if native.available():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert get_backend("auto", torch.device("cpu")).name == "cpu"
+            assert get_backend("auto").name == "cpu"
+    monkeypatch.setattr(native, "unavailable_reason", lambda: "no C compiler ('cc' not on PATH)")
+    with pytest.warns(RuntimeWarning, match=r"uses torch: .*no C compiler \('cc' not on PATH\).*bppsa doctor"):
+        assert get_backend("auto", torch.device("cpu")).name == "torch"
+    assert get_backend("cpu", torch.device("cpu")).name == "cpu"  # asked for by name: its numpy fallback

@@ -86,32 +86,41 @@ def _probe_cuda(index: int) -> tuple[bool, str]:
     return True, f"CuPy {cp.__version__} compiled and loaded the kernels on cuda:{index}"
 
 
-def _cpu_backend(device):
-    """The CPU fast path (bppsa.kernels.cpu); the torch backend, with a warning saying why, where it cannot load."""
+def _cpu_backend(device, fallback_reason: bool = False):
+    """The CPU fast path (bppsa.kernels.cpu); the torch backend, with a warning saying why, where it cannot load
+    (``fallback_reason``: also where its compiled kernel cannot be built, what ``auto`` asks)."""
     if device is not None and torch.device(device).type != "cpu":
         raise RuntimeError(f"backend 'cpu' runs on CPU tensors only (device {device}); use --device cpu")
     try:
+        from .kernels import native
         from .kernels.cpu import CpuBackend
     except Exception as e:  # noqa: BLE001 - any failure to load means "use the reference"
         warnings.warn(f"backend 'cpu' unavailable ({type(e).__name__}: {e}); using the torch backend", stacklevel=3)
+        return TorchBackend()
+    why = native.unavailable_reason() if fallback_reason else None
+    if why is not None:
+        warnings.warn(f"backend 'auto' uses torch: the CPU fast path's compiled kernel is unavailable ({why}); "
+                      "`bppsa doctor` says how to fix it", RuntimeWarning, stacklevel=3)
         return TorchBackend()
     return CpuBackend()
 
 
 def get_backend(name: str = "auto", device: torch.device | None = None):
     """Resolve a backend name. 'auto' is cupy on a CUDA device where the kernels compile and load
-    (:func:`cupy_probe`), else torch, with a warning that says why when a CUDA device was asked for."""
+    (:func:`cupy_probe`), else torch, with a warning that says why; on a CPU (or no device given) it is
+    the CPU fast path where its compiled kernel builds, else torch, with a warning that says why."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend '{name}' (choose from {', '.join(BACKENDS)})")
     on_cuda = device is not None and torch.device(device).type == "cuda"
+    if name == "auto" and not on_cuda:
+        return _cpu_backend(device, fallback_reason=True)
     if name == "auto":
         name = "torch"
-        if on_cuda:
-            ok, why = cupy_probe(device)
-            if ok:
-                name = "cupy"
-            else:
-                warnings.warn(f"backend 'auto' uses torch: {why}", RuntimeWarning, stacklevel=2)
+        ok, why = cupy_probe(device)
+        if ok:
+            name = "cupy"
+        else:
+            warnings.warn(f"backend 'auto' uses torch: {why}", RuntimeWarning, stacklevel=2)
     if name == "torch":
         return TorchBackend()
     if name == "cpu":

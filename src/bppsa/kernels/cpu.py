@@ -334,7 +334,8 @@ class GruChain(FactoredChain):
         r, z, n, hp = (t.contiguous() for t in (gates.r, gates.z, gates.n, gates.hp))
         if native.available() and native.library("gru", H, I, 1, r.dtype) is not None:
             xc = (x if x is not None else r[:, :, :0]).detach().contiguous()
-            _parallel(lambda a, b: native.gru_factors(r, z, n, gates.M, hp, xc, f, a, b), T, FACTOR_FLOP * B * f.shape[1])
+            _parallel(lambda a, b: native.gru_factors(r, z, n, gates.M, hp, xc, f, a, b), T,
+                      FACTOR_FLOP * B * f.shape[1])
         else:
             e = (1 - z) * (1 - n * n)
             for i, t in enumerate((e * gates.M * r * (1 - r), (hp - n) * z * (1 - z), e * r, z, e)):

@@ -76,8 +76,8 @@ class RecurrentClassifier(nn.Module):
         with phase("backward"):
             loss.backward()  # the head's parameters, and ∇h_T
             with torch.no_grad():
-                grads = backend.cell_grads(
-                    h_last.grad, J, L_m, lambda out: self.cell_param_grads(x, h, self.grads_from_scan(out, x, h, layout)))
+                from_scan = lambda out: self.cell_param_grads(x, h, self.grads_from_scan(out, x, h, layout))  # noqa: E731
+                grads = backend.cell_grads(h_last.grad, J, L_m, from_scan)
                 del J
                 for name, g in grads.items():
                     p = getattr(self.cell, name)
