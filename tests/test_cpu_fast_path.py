@@ -1,4 +1,5 @@
 """The CPU fast path (backend 'cpu', bppsa.kernels.cpu) held to its torch reference twin."""
+import copy
 import json
 import math
 import os
@@ -15,6 +16,7 @@ from bppsa import backends, scan
 from bppsa.jacobians.gru import gru_gate_grads, gru_gates, gru_jacobians_t, gru_param_grads
 from bppsa.jacobians.recurrent import rnn_grad_preact, rnn_jacobians_t
 from bppsa.kernels import cpu, native
+from bppsa.models import build
 from bppsa.models.rnn import RNNClassifier
 from bppsa.verify import verify
 
@@ -199,9 +201,9 @@ def test_cli_shortens_the_openmp_spin_unless_set():
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 100, 1000])
-def test_compiled_linear_scan_equals_torch(chunking, n):
+def test_dense_linear_scan_equals_torch(chunking, n):
     g, J = _chain(n, 4, 20, n)
-    assert _rel(cpu.linear_scan(g, J), scan.linear_scan(g, J)) <= 1e-12
+    assert _rel(cpu.blelloch_scan(g, J, 0), scan.linear_scan(g, J)) <= 1e-12
 
 
 def test_workspace_reuse_gives_the_same_result():
@@ -216,26 +218,22 @@ def test_float32_scan_matches(chunking):
     assert _rel(cpu.blelloch_scan(g, J), scan.linear_scan(g.double(), J.double()).float()) <= 1e-4
 
 
-@pytest.mark.parametrize("T,B", [(1, 1), (37, 3), (1000, 2)])
-def test_sequential_rnn_backward_equals_the_scan(chunking, T, B):
+@pytest.mark.parametrize("model", ["rnn", "gru"])
+@pytest.mark.parametrize("T,B", [(1, 1), (37, 3), (1000, 16)])
+def test_sequential_rival_equals_autograd(chunking, model, T, B):
+    """The sequential rival (the linear scan of the same factored chain, batch split over threads) gives
+    autograd's gradients."""
+    from bppsa.verify import grad_errors
+
     torch.manual_seed(T)
-    h = torch.randn(T, B, 20, dtype=torch.float64).tanh()
-    W = torch.randn(20, 20, dtype=torch.float64) / 20 ** 0.5
-    g = torch.randn(B, 20, dtype=torch.float64)
-    J = backends.TorchBackend().rnn_jacobians_t(h, W, "fused")
-    ref = rnn_grad_preact(scan.linear_scan(g, J), h, "fused")
-    assert _rel(cpu.rnn_sequential_grad_preact(h, W, g), ref) <= 1e-12
-
-
-def test_numpy_loops_when_numba_is_missing(monkeypatch):
-    g, J = _chain(50, 2, 5, 0)
-    h = torch.randn(30, 2, 5, dtype=torch.float64).tanh()
-    W = torch.randn(5, 5, dtype=torch.float64)
-    with_numba = cpu.blelloch_scan(g, J, 2), cpu.rnn_sequential_grad_preact(h, W, g)
-    monkeypatch.setattr(cpu, "numba", None)
-    without = cpu.blelloch_scan(g, J, 2), cpu.rnn_sequential_grad_preact(h, W, g)
-    for a, b in zip(with_numba, without):
-        assert _rel(a, b) <= 1e-12
+    net = build(model, input_size=3).double()
+    x, y = torch.randn(T, B, 3, dtype=torch.float64), torch.randint(0, 10, (B,))
+    ref = copy.deepcopy(net)
+    ref.baseline_step(x, y)
+    seq = cpu.CpuBackend(sequential=True)
+    assert seq.name == "cpu-sequential"
+    net.bppsa_step(x, y, seq)
+    assert max(grad_errors(ref, net).values()) <= 1e-10
 
 
 @pytest.mark.parametrize("model,layouts", [("rnn", ["fused", "paper"]), ("gru", ["fused"])])

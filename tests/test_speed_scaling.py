@@ -34,7 +34,7 @@ def test_summary_pairs_iterations_and_reports_intervals():
                       + _rows(16, "backward", "bppsa-cpu-fused", [b / 2 for b in bp], "jacobian")
                       + _rows(16, "backward", "bppsa-cpu-fused", [b / 2 for b in bp])
                       + _rows(16, "backward", "autograd", [9.9] * n, "forward")  # never counted
-                      + _rows(16, "scan", "scan-linear-compiled", [3.0] * n, "total")
+                      + _rows(16, "scan", "scan-sequential", [3.0] * n, "total")
                       + _rows(16, "scan", "scan-cpu", [1.0] * n, "total"))
     s = speed.summary(df).set_index("ratio")
     assert list(s.columns[:6]) == ["batch", "median", "ci_low", "ci_high", "n", "noisy"]
@@ -43,7 +43,7 @@ def test_summary_pairs_iterations_and_reports_intervals():
     assert r["n"] == n and not r["noisy"]
     assert s.loc["sequential / bppsa-cpu-fused", "median"] == pytest.approx(1.0)
     assert bool(s.loc["sequential / bppsa-cpu-fused", "noisy"])  # a noisy side marks the ratio
-    assert s.loc["scan-linear-compiled / scan-cpu", "median"] == pytest.approx(3.0)
+    assert s.loc["scan-sequential / scan-cpu", "median"] == pytest.approx(3.0)
 
 
 @pytest.mark.parametrize("n,B,H,L_m", [(1, 1, 3, None), (9, 2, 4, None), (1000, 16, 20, None), (77, 3, 5, 2),
@@ -75,20 +75,29 @@ def test_chain_scan_cost_counts_the_compiled_scan():
     but moves a fraction of its bytes (no level below the fused ones is stored)."""
     dense, chain = roofline.scan_cost(1000, 16, 20), roofline.chain_scan_cost(1000, 16, 20)
     assert 0.9 < chain["flop"] / dense["flop"] < 1.1 and chain["bytes"] * 5 < dense["bytes"]
-    assert roofline.chain_scan_cost(1000, 16, 20, 0)["flop"] == 999 * (2 * 20 * 20 + 20) * 16  # sequential
+    seq = roofline.chain_scan_cost(1000, 16, 20, 0)
+    assert seq["flop"] == 999 * (2 * 20 * 20 + 20) * 16  # sequential: n - 1 factored mat-vecs
+    assert seq["depth"] == 999 * (2 + 5)  # a scaling, the products, a balanced sum of 20 terms
+    gru = roofline.chain_scan_cost(1000, 16, 20, kind="gru")
+    assert 1.0 < gru["flop"] / chain["flop"] < 1.3  # J_s built from three gates' weights before each product
+    paper = roofline.chain_scan_cost(2000, 16, 20, kind="paper")
+    assert 0.9 < paper["flop"] / chain["flop"] < 1.15  # two positions per step, one H^3 product per step
     assert roofline.chain_scan_cost(1000, 16, 20, None, 8)["bytes"] == 2 * chain["bytes"]
     rows = roofline.roofline_rows({"scan-cpu-chain": [0.01] * 5}, 1000, 16, 20, None, torch.float32, 100e9, 10e9)
     assert rows[0]["flop"] == chain["flop"] and rows[0]["bound"] == "compute"
 
 
-def test_roofline_rows_against_both_bounds():
-    rows = roofline.roofline_rows({"scan-cpu": [0.02] * 7, "scan-linear-compiled": [0.01] * 7}, 1000, 16, 20, None,
-                                  torch.float32, peak=100e9, bandwidth=10e9)
+def test_roofline_rows_against_all_bounds():
+    rows = roofline.roofline_rows({"scan-cpu": [0.02] * 7, "scan-sequential": [0.01] * 7}, 1000, 1, 20, None,
+                                  torch.float32, peak=100e9, bandwidth=10e9, t_fma=1e-8, threads=2)
     r = {x["method"]: x for x in rows}
-    c = roofline.scan_cost(1000, 16, 20)
+    c = roofline.scan_cost(1000, 1, 20)
     assert r["scan-cpu"]["bound_s"] == pytest.approx(max(c["flop"] / 100e9, c["bytes"] / 10e9))
     assert r["scan-cpu"]["x_bound"] == pytest.approx(0.02 / r["scan-cpu"]["bound_s"])
-    assert r["scan-linear-compiled"]["L_m"] == 0 and r["scan-linear-compiled"]["flop"] < c["flop"]
+    seq = r["scan-sequential"]
+    assert seq["L_m"] == 0 and seq["flop"] < c["flop"]
+    assert seq["t_compute_s"] == pytest.approx(seq["flop"] / 50e9)  # one chain: one of the two cores
+    assert seq["t_latency_s"] == pytest.approx(999 * 7 * 1e-8) and seq["bound"] == "latency"
 
 
 def test_fit_and_crossover():
@@ -121,13 +130,36 @@ def test_speed_run_tiny_end_to_end():
     rows = speed.run(9, [2], hidden=4, rule=TINY, backends=("cpu", "torch"))
     df = pd.DataFrame(rows)
     assert set(df["method"]) == {"autograd", "sequential", "bppsa-cpu-fused", "bppsa-torch-fused", "scan-cpu",
-                                 "scan-cpu-chain", "scan-torch", "scan-linear-compiled", "scan-linear-torch"}
+                                 "scan-cpu-chain", "scan-torch", "scan-sequential", "scan-linear-torch"}
     assert (df.groupby("method")["iter"].nunique() == 6).all()
     s = speed.summary(df)
-    want = {"autograd / bppsa-cpu-fused", "sequential / bppsa-cpu-fused", "scan-linear-compiled / scan-cpu",
-            "scan-linear-compiled / scan-cpu-chain"}
+    want = {"autograd / bppsa-cpu-fused", "sequential / bppsa-cpu-fused", "scan-sequential / scan-cpu",
+            "scan-sequential / scan-cpu-chain"}
     assert want <= set(s.ratio)
     assert (s["median"] > 0).all() and (s["ci_low"] <= s["median"]).all() and (s["median"] <= s["ci_high"]).all()
+
+
+def _mfcc_file(path, N=4, T=13, F=6, classes=11):
+    rng = np.random.default_rng(0)
+    np.savez(path, X=rng.standard_normal((N, T, F)).astype(np.float32), y=rng.integers(0, classes, N),
+             classes=np.array([f"c{i}" for i in range(classes)]), source=np.array("test"))
+    return path
+
+
+def test_speed_runs_the_gru_on_a_dataset(tmp_path):
+    """The GRU's speed benchmark reads its batches from an MFCC file; its sequential rival and BPPSA run the
+    GRU's factored chain; the GRU has no paper layout and needs --data."""
+    data = _mfcc_file(tmp_path / "mfcc.npz")
+    rows = speed.run(None, [3], hidden=4, rule=TINY, backends=("cpu",), model="gru", data=str(data))
+    df = pd.DataFrame(rows)
+    assert set(df["method"]) == {"autograd", "sequential", "bppsa-cpu-fused", "scan-cpu", "scan-cpu-chain",
+                                 "scan-sequential", "scan-linear-torch"}
+    assert set(df["model"]) == {"gru"} and set(df["seq_len"]) == {13} and set(df["input_size"]) == {6}
+    assert set(df.loc[df["method"] == "sequential", "backend"]) == {"cpu-sequential"}
+    with pytest.raises(ValueError, match="--data"):
+        speed.run(None, [3], model="gru")
+    assert main(["speed", "--device", "cpu", "--model", "gru", "--data", str(data), "--layouts", "paper",
+                 "--out", str(tmp_path / "x.csv")]) == 2
 
 
 def test_scan_methods_refuse_a_wrong_scan(monkeypatch):
@@ -150,7 +182,7 @@ def test_commands_write_csvs_and_figure(tmp_path):
     assert main(["roofline", "--device", "cpu", "--seq-len", "9", "--batches", "2", "--hidden", "4", "--gemm-n", "64",
                  "--copy-mib", "1", *rule, "--out", str(rf)]) == 0
     roof = pd.read_csv(rf)
-    assert set(roof["method"]) == {"scan-cpu", "scan-cpu-chain", "scan-torch", "scan-linear-compiled"}
+    assert set(roof["method"]) == {"scan-cpu", "scan-cpu-chain", "scan-torch", "scan-sequential"}
     assert (roof["peak_gflops"] > 0).all() and (roof["copy_gbs"] > 0).all() and (roof["x_bound"] > 0).all()
     assert main(["scaling", "--device", "cpu", "--seq-lens", "9", "--batches", "2", "--hidden", "4",
                  "--max-threads", "2", *rule, "--out", str(sc)]) == 0

@@ -50,7 +50,7 @@ def test_rnn_workflow_end_to_end(tmp_path):
 
     report = build(tmp_path / "results")
     assert "## RNN (Fig 8)" in report and "largest backward speedup" in report and "backward-nobp" in report
-    assert "| cpu | rnn | float32 | torch | fused |" in report  # the verify results, per group
+    assert "| cpu | rnn | float32 | cpu | fused |" in report  # the verify results, per group: auto is the fast path
     assert "No GRU benchmarks." in report
 
     from bppsa.claims import collect, render

@@ -1,5 +1,6 @@
 """Scaling with workers: the backward of autograd, of BPPSA (CPU fast path) and of the compiled
-sequential loop, timed with 1, 2, ... p threads (:mod:`.protocol`, interleaved per thread count).
+sequential rival (:mod:`.speed`), timed with 1, 2, ... p threads (:mod:`.protocol`, interleaved per
+thread count).
 
 The paper's model: BPPSA's scan takes Θ(n/p + log p) steps on p workers, back-propagation Θ(n).
 :func:`fit` summarises the measurement per (T, B, method) by medians with intervals and fits
@@ -17,29 +18,28 @@ import pandas as pd
 import torch
 from scipy.optimize import nnls
 
-from ..models.rnn import RNNClassifier
 from .protocol import StopRule, median_ci
-from .speed import AUTOGRAD, SEQUENTIAL, backward_methods, backward_seconds, bitstream_batch, measure
+from .speed import AUTOGRAD, SEQUENTIAL, backward_methods, backward_seconds, measure, setup
 
 BPPSA = "bppsa-cpu-fused"
 
 
-def run(seq_lens, batches, threads, hidden: int = 20, rule: StopRule | None = None, seed: int = 0,
-        dtype=torch.float32, backend: str = "cpu") -> list[dict]:
+def run(seq_lens, batches, threads, hidden: int | None = None, rule: StopRule | None = None, seed: int = 0,
+        dtype=torch.float32, backend: str = "cpu", model: str = "rnn", data: str | None = None) -> list[dict]:
+    """Every method at every thread count, per (T, B); the RNN on bitstreams of each T, or a model on a
+    dataset file's batches (``data``; ``seq_lens`` is then ignored)."""
     rule = rule or StopRule()
     rows = []
     old = torch.get_num_threads()
     try:
-        for T in seq_lens:
+        for T in seq_lens if data is None else [None]:
             for B in batches:
-                torch.manual_seed(seed)
-                model = RNNClassifier(hidden=hidden).to(dtype)
-                x, y = bitstream_batch(T, B, seed, dtype)
-                methods = backward_methods(model, x, y, backends=(backend,))
+                net, x, y = setup(model, B, seed, dtype, T, hidden, data)
+                methods = backward_methods(net, x, y, backends=(backend,))
                 for p in threads:
                     torch.set_num_threads(p)
                     rows += measure(methods, rule, AUTOGRAD, backward_seconds, group="backward", threads=p,
-                                    batch=B, seq_len=T, hidden=hidden)
+                                    model=model, batch=B, seq_len=x.shape[0], hidden=net.cell.hidden_size)
     finally:
         torch.set_num_threads(old)
     return rows

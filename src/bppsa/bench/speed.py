@@ -1,19 +1,19 @@
-"""The CPU speed benchmark of the RNN backward, on the shared timing protocol (:mod:`.protocol`).
+"""The CPU speed benchmark of the recurrent backward (RNN or GRU), on the shared timing protocol (:mod:`.protocol`).
 
-Per batch size, on the same weights, batch and Jacobian chain, two interleaved groups of methods
-(every method one iteration per round, so each ratio is a median of *paired* iterations):
+Per batch size, on the same weights, batch and chain, two interleaved groups of methods (every method
+one iteration per round, so each ratio is a median of *paired* iterations):
 
 ``backward`` group (metric: Jacobian generation + backward, what BPPSA replaces):
-* ``autograd``: ``loss.backward()`` of the baseline nn.RNN (eager autograd);
-* ``sequential``: the compiled sequential backward (:func:`bppsa.kernels.cpu.rnn_sequential_grad_preact`,
-  a numba loop of mat-vecs with W_hhᵀ, no Jacobians) plus the same parameter gradients -- the
-  strongest sequential rival, the one a reader should compare BPPSA with;
+* ``autograd``: ``loss.backward()`` of the baseline nn.RNN / nn.GRU (eager autograd);
+* ``sequential``: the strongest sequential rival, built with BPPSA's care
+  (``bppsa.kernels.cpu.CpuBackend(sequential=True)``): the same forward, head and factored chain, the same
+  compiled kernel, but T dependent mat-vecs and no matrix products, the batch split over the threads;
 * ``bppsa-<backend>-<layout>[-L<L_m>]``: the BPPSA backward (Jacobians + scan + parameter gradients).
 
-``scan`` group (metric: the call): the scan alone over the real fused chain --
-``scan-<backend>`` (Blelloch over the dense chain), ``scan-cpu-chain`` (the fast path's scan over the
-chain kept as its factors, what ``bppsa-cpu-fused`` runs), ``scan-linear-compiled`` (the numba
-sequential loop over the dense Jacobians) and ``scan-linear-torch``.
+``scan`` group (metric: the call): the scan alone over the real chain -- ``scan-sequential`` (the
+compiled linear scan of the factored chain, what ``sequential`` runs), ``scan-cpu-chain`` (the fast
+path's scan of the factored chain, what ``bppsa-cpu-fused`` runs), ``scan-<backend>`` (Blelloch over
+the dense chain) and ``scan-linear-torch`` (the torch twin's sequential scan).
 
 Rows: ``batch, group, method, iter, phase, seconds`` plus the method's ``backend, layout, L_m`` and
 its ``noisy`` flag; :func:`summary` turns them into paired ratios with intervals.
@@ -27,15 +27,18 @@ import time
 import numpy as np
 import pandas as pd
 import torch
+import torch.nn.functional as F
 
 from ..backends import get_backend
+from ..data.sequences import open_dataset
 from ..kernels import cpu as _cpu
-from ..models.rnn import RNNClassifier
+from ..models import build
 from ..scan import linear_scan
 from .protocol import StopRule, interleave, ratio_ci
 from .timing import PhaseTimer
 
 SEQUENTIAL, AUTOGRAD = "sequential", "autograd"
+SCAN_SEQUENTIAL = "scan-sequential"
 
 
 def backward_seconds(phases) -> float | None:
@@ -60,23 +63,27 @@ def bitstream_batch(seq_len: int, B: int, seed: int, dtype) -> tuple[torch.Tenso
     return torch.from_numpy(x).to(dtype), torch.from_numpy(c.astype(np.int64))
 
 
-def sequential_step(model: RNNClassifier, x, y, phase) -> torch.Tensor:
-    """The RNN's backward as a compiled sequential loop (same forward and parameter gradients as BPPSA)."""
-    import torch.nn.functional as F
+def setup(model: str, B: int, seed: int, dtype, seq_len: int | None = None, hidden: int | None = None,
+          data: str | None = None):
+    """(model, x, y) for one configuration: the RNN on a bitstream batch of ``seq_len``; a model on the
+    first B samples of a dataset file (``data``, e.g. an MFCC set for the GRU)."""
+    if data is None:
+        if model != "rnn" or seq_len is None:
+            raise ValueError(f"the {model.upper()} speed benchmark reads its inputs from a dataset file (--data)")
+        x, y = bitstream_batch(seq_len, B, seed, dtype)
+        classes = None
+    else:
+        ds = open_dataset(data, dtype)
+        if ds.n < B:
+            raise ValueError(f"{data}: {ds.n} samples, fewer than one batch of {B}")
+        x, y = ds.get_batch(np.arange(B))
+        classes = ds.classes
+    torch.manual_seed(seed)
+    return build(model, x.shape[2], hidden, classes).to(dtype), x, y
 
-    with phase("forward"):
-        with torch.no_grad():
-            h, _ = model.cell(x)
-        h_last = h[-1].detach().requires_grad_(True)
-        loss = F.cross_entropy(model.head(h_last), y)
-    with phase("backward"):
-        loss.backward()
-        with torch.no_grad():
-            grad_a = _cpu.rnn_sequential_grad_preact(h, model.cell.weight_hh_l0, h_last.grad)
-            for name, g in model.cell_param_grads(x, h, grad_a).items():
-                p = getattr(model.cell, name)
-                p.grad = g if p.grad is None else p.grad + g
-    return loss.detach()
+
+def sequential_backend():
+    return _cpu.CpuBackend(sequential=True)
 
 
 def _phased(step):
@@ -112,8 +119,10 @@ def backward_methods(model, x, y, backends=("cpu",), layouts=("fused",), L_ms=(N
 
         return _phased(step)
 
-    out[AUTOGRAD] = (model_step(lambda m, ph: m.baseline_step(x, y, phase=ph)), {})
-    out[SEQUENTIAL] = (model_step(lambda m, ph: sequential_step(m, x, y, ph)), {})
+    seq = sequential_backend()
+    out[AUTOGRAD] = (model_step(lambda m, ph: m.baseline_step(x, y, phase=ph)), {"backend": "autograd"})
+    out[SEQUENTIAL] = (model_step(lambda m, ph: m.bppsa_step(x, y, seq, "fused", phase=ph)),
+                       {"backend": seq.name, "layout": "fused", "L_m": 0})
     for be in backends:
         for layout in layouts:
             for L_m in L_ms:
@@ -125,21 +134,24 @@ def backward_methods(model, x, y, backends=("cpu",), layouts=("fused",), L_ms=(N
 
 
 def scan_methods(model, x, y, backends=("cpu",), L_m=None, check_tol: float = 1e-4) -> dict:
-    """name -> (protocol callable, attributes) for the scan-alone group, each checked against the
-    sequential torch scan first."""
+    """name -> (protocol callable, attributes) for the scan-alone group over the model's own chain, each
+    checked against the torch twin's sequential scan first."""
     with torch.no_grad():
         h, _ = model.cell(x)
     h_last = h[-1].detach().requires_grad_(True)
-    torch.nn.functional.cross_entropy(model.head(h_last), y).backward()
-    g = h_last.grad
-    J = get_backend("torch").rnn_jacobians_t(h.detach(), model.cell.weight_hh_l0.detach(), "fused").clone()
-    fns = {"scan-linear-torch": (lambda: linear_scan(g, J), {"backend": "torch"}),
-           "scan-linear-compiled": (lambda: _cpu.linear_scan(g, J), {"backend": "numba"})}
+    F.cross_entropy(model.head(h_last), y).backward()
+    g, h = h_last.grad, h.detach()
+    with torch.no_grad():
+        J = model.jacobians_t(x, h, "fused", get_backend("torch")).clone()
+    fns = {"scan-linear-torch": (lambda: linear_scan(g, J), {"backend": "torch", "L_m": 0})}
     for be in backends:
         backend = get_backend(be, torch.device("cpu"))
         fns[f"scan-{backend.name}"] = (lambda b=backend: b.scan(g, J, L_m), {"backend": backend.name, "L_m": L_m})
         if backend.name == "cpu":
-            chain = _cpu.RnnChain.from_states(h.detach(), model.cell.weight_hh_l0.detach())
+            with torch.no_grad():
+                chain = model.jacobians_t(x, h, "fused", backend)
+            seq = sequential_backend()
+            fns[SCAN_SEQUENTIAL] = (lambda c=chain, s=seq: s.scan(g, c), {"backend": seq.name, "L_m": 0})
             fns["scan-cpu-chain"] = (lambda b=backend, c=chain: b.scan(g, c, L_m), {"backend": "cpu", "L_m": L_m})
     ref = linear_scan(g, J)
     scale = ref.abs().max().clamp_min(torch.finfo(ref.dtype).tiny)
@@ -161,22 +173,21 @@ def measure(methods: dict, rule: StopRule, reference: str, metric, **labels) -> 
     return rows
 
 
-def run(seq_len: int, batches: list[int], hidden: int = 20, layouts=("fused",), L_ms=(None,),
+def run(seq_len: int | None, batches: list[int], hidden: int | None = None, layouts=("fused",), L_ms=(None,),
         backends=("cpu", "torch"), rule: StopRule | None = None, seed: int = 0, dtype=torch.float32,
-        groups=("backward", "scan")) -> list[dict]:
+        groups=("backward", "scan"), model: str = "rnn", data: str | None = None) -> list[dict]:
     rule = rule or StopRule()
     rows = []
     for B in batches:
-        torch.manual_seed(seed)
-        model = RNNClassifier(hidden=hidden).to(dtype)
-        x, y = bitstream_batch(seq_len, B, seed, dtype)
-        labels = {"batch": B, "seq_len": seq_len, "hidden": hidden}
+        net, x, y = setup(model, B, seed, dtype, seq_len, hidden, data)
+        labels = {"model": model, "batch": B, "seq_len": x.shape[0], "hidden": net.cell.hidden_size,
+                  "input_size": x.shape[2]}
         if "backward" in groups:
-            rows += measure(backward_methods(model, x, y, backends, layouts, L_ms), rule, AUTOGRAD,
+            rows += measure(backward_methods(net, x, y, backends, layouts, L_ms), rule, AUTOGRAD,
                             backward_seconds, group="backward", **labels)
         if "scan" in groups:
-            rows += measure(scan_methods(model, x, y, backends), rule, "scan-linear-compiled", "total",
-                            group="scan", **labels)
+            rows += measure(scan_methods(net, x, y, backends), rule, SCAN_SEQUENTIAL
+                            if "cpu" in backends else "scan-linear-torch", "total", group="scan", **labels)
     return rows
 
 
@@ -191,7 +202,7 @@ def _per_iter(df: pd.DataFrame) -> pd.DataFrame:
 
 def summary(df: pd.DataFrame, conf: float = 0.95) -> pd.DataFrame:
     """Paired speed ratios with intervals: per batch, ``autograd / bppsa-*`` and ``sequential / bppsa-*``
-    (backward), and ``scan-linear-compiled / scan-*`` and ``scan-linear-torch / scan-*`` (scan alone).
+    (backward), and ``scan-sequential / scan-*`` and ``scan-linear-torch / scan-*`` (scan alone).
 
     Columns: batch, ratio, median, ci_low, ci_high, n, noisy (either side was marked noisy by the
     protocol), plus the medians of the two sides in seconds.
@@ -204,7 +215,7 @@ def summary(df: pd.DataFrame, conf: float = 0.95) -> pd.DataFrame:
         if group == "backward":
             nums, dens = [AUTOGRAD, SEQUENTIAL], [c for c in wide.columns if c.startswith("bppsa-")]
         else:
-            nums = ["scan-linear-compiled", "scan-linear-torch"]
+            nums = [SCAN_SEQUENTIAL, "scan-linear-torch"]
             dens = [c for c in wide.columns if c not in nums]
         for den in dens:
             for num in nums:

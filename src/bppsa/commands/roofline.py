@@ -9,17 +9,16 @@ import torch
 from .. import io
 from ..bench import roofline, speed
 from ..bench.protocol import StopRule, interleave
-from ..models.rnn import RNNClassifier
 from ..precision import DTYPES
 from .common import optional_int
-from .speed import add_timing_args, cpu_setup, labelled
+from .speed import add_model_args, add_timing_args, cpu_setup, labelled
 
 
 def register(sub) -> None:
-    p = sub.add_parser("roofline", help="the scan against this CPU's measured GEMM FLOP/s and copy bandwidth (CSV)")
-    p.add_argument("--seq-len", type=int, default=1000)
+    p = sub.add_parser("roofline", help="the scan against this CPU's measured GEMM FLOP/s, copy bandwidth and "
+                                        "multiply-add latency (CSV)")
+    add_model_args(p)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--hidden", type=int, default=20)
     p.add_argument("--L-m", dest="L_m", type=optional_int, default=None)
     p.add_argument("--backends", nargs="+", default=["cpu", "torch"], choices=["cpu", "torch"])
     p.add_argument("--gemm-n", type=int, default=2048, help="size of the GEMM that measures the compute roof")
@@ -32,16 +31,16 @@ def _roofline(args) -> int:
     dtype = DTYPES[args.dtype]
     peak = roofline.peak_gemm_flops(dtype, args.gemm_n)
     bw = roofline.copy_bandwidth(args.copy_mib)
+    t_fma = roofline.fma_latency(dtype)
     rows = []
     for B in args.batches:
-        torch.manual_seed(args.seed)
-        model = RNNClassifier(hidden=args.hidden).to(dtype)
-        x, y = speed.bitstream_batch(args.seq_len, B, args.seed, dtype)
+        model, x, y = speed.setup(args.model, B, args.seed, dtype, args.seq_len, args.hidden, args.data)
         methods = {k: fn for k, (fn, _) in speed.scan_methods(model, x, y, args.backends, args.L_m).items()
                    if not k.startswith("scan-linear-torch")}
         m = interleave(methods, StopRule.from_args(args), metric="total")
         secs = {k: list(m.series(k)) for k in methods}
-        for r in roofline.roofline_rows(secs, args.seq_len, B, args.hidden, args.L_m, dtype, peak, bw):
+        for r in roofline.roofline_rows(secs, x.shape[0], B, model.cell.hidden_size, args.L_m, dtype, peak, bw,
+                                        kind=args.model, t_fma=t_fma, threads=torch.get_num_threads()):
             r["noisy"] = m.noisy[r["method"]]
             rows.append(r)
     df = labelled(pd.DataFrame(rows), args)

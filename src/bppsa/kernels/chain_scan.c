@@ -490,6 +490,14 @@ void chain_down_lanes(const real *Wt, const real *f, real *out, int mode, long n
     grp_flush(&gp, acc);
 }
 
+/* A chain of n dependent multiply-adds: times one multiply-add's latency (the sequential scan's roof). */
+real fma_chain(long n) {
+    volatile real seed = 1;
+    real a = seed, b = (real)0.999999, c = (real)1e-7;
+    for (long k = 0; k < n; ++k) a = a * b + c;
+    return a;
+}
+
 /* -- the factors, from the forward's states ------------------------------------------------------- */
 /* Without fused multiply-adds: each product rounded as torch's elementwise ops round it, so that the
  * factors equal those of the dense chains bit for bit. */

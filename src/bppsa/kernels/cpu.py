@@ -1,30 +1,28 @@
-"""The CPU fast path of the BPPSA backward, and the compiled sequential backward it must beat.
+"""The CPU fast path of the BPPSA backward, and the sequential rival it is measured against.
 
-**The RNN's chain is never built** (:class:`RnnChain`, what the backend returns for the ``fused``
-layout: ``W_hh`` and ``1 - h²``).  Its scan is the compiled kernel of :mod:`.native`
-(``chain_scan.c``: the batch as the vector lanes, the lowest up-sweep levels fused per block), run
-by :func:`_native_chain_scan` on lane slices or block ranges spread over the threads; where no C
-compiler works, :func:`_chain_scan` (level 0 as one GEMM from the factors, the levels above as the
-scan of that level's array).  Why these means is measured in the README's "CPU speed benchmark".
+**The recurrent chains are never built** (:class:`FactoredChain`: :class:`RnnChain` and
+:class:`PaperChain` for the RNN's two layouts, :class:`GruChain`): the backend keeps each as its
+weights and per-step factors, in lane order, beside the inputs the parameter gradients need.  The
+compiled kernel of :mod:`.native` (``chain_scan.c``: the batch as the vector lanes, the lowest up-sweep
+levels fused per block) scans them and accumulates the cell's parameter gradients as the prefixes come
+out (:func:`param_grads`), on lane slices or block ranges spread over the threads
+(:func:`_native_chain_scan`).  Where no C compiler works, the RNN's chain takes :func:`_chain_scan`
+(level 0 as one GEMM from the factors) and the others their dense chain.
 
-**The scan of a dense chain** (:func:`blelloch_scan`, reference twin :func:`bppsa.scan.blelloch_scan`;
-the GRU, the ``paper`` layout): the same tree, the same ``L_m`` semantics, the same numbers.  Each
-level's products are stacked ``numpy.matmul`` calls (OpenBLAS's small-GEMM kernels, GIL released)
-writing into the level's output; level d's input array is kept as is: its odd entries are the left
-operands the down-sweep needs (no copy, unlike the torch twin).  Threads split the batch (each runs
-the whole tree on its slice: one hand-off per scan) or, for a batch smaller than the thread count,
-each level's products.
+**The scan of a dense chain** (:func:`blelloch_scan`, reference twin :func:`bppsa.scan.blelloch_scan`):
+the same tree, the same ``L_m`` semantics, the same numbers.  Each level's products are stacked
+``numpy.matmul`` calls (OpenBLAS's small-GEMM kernels, GIL released) writing into the level's output;
+level d's input array is kept as is: its odd entries are the left operands the down-sweep needs.
+Threads split the batch (each runs the whole tree on its slice: one hand-off per scan) or, for a batch
+smaller than the thread count, each level's products.
 
-**The sequential rival** (:func:`linear_scan`, :func:`rnn_sequential_grad_preact`): back-propagation
-as a compiled (numba) loop of matrix-vector products, one step after another -- the strongest
-sequential backward over the same chain, against which BPPSA's speedups should be read.  numba
-also runs the short sequential middle of a heterogeneous scan (``L_m`` below the tree's depth).
+**The sequential rival** (``CpuBackend(sequential=True)``): the linear scan (``L_m = 0``) of the same
+factored chain through the same kernel, the batch split over the threads -- back-propagation built with
+the care BPPSA gets, against which its speedups should be read.
 
-Threads: ``torch.get_num_threads()`` (set by ``--threads``) governs both.  Worker threads are
-started in the calling thread's subnormal mode (``torch.set_flush_denormal``, on by default in the
-commands: the long Jacobian products underflow) and re-started if it changes.  numba is optional
-at run time: where it cannot be imported, :func:`unavailable_reason` says why and the sequential
-parts run as numpy loops.
+Threads: ``torch.get_num_threads()`` (set by ``--threads``).  Worker threads are started in the
+calling thread's subnormal mode (``torch.set_flush_denormal``, on by default in the commands: the long
+Jacobian products underflow) and re-started if it changes.
 """
 from __future__ import annotations
 
@@ -40,31 +38,14 @@ from .. import scan as _scan
 from ..backends import TorchBackend
 from . import native
 
-__all__ = ["CpuBackend", "RnnChain", "blelloch_scan", "linear_scan", "rnn_sequential_grad_preact", "numba_available",
-           "unavailable_reason", "MIN_CHUNK_FLOP"]
-
-try:  # a broken numba (e.g. built for another numpy) must not break the package
-    import numba
-    from numba import njit
-    _NUMBA_ERROR: str | None = None
-except Exception as e:  # noqa: BLE001 - any failure means "use the numpy loops"
-    numba = None
-    _NUMBA_ERROR = f"{type(e).__name__}: {e}"
+__all__ = ["CpuBackend", "FactoredChain", "RnnChain", "PaperChain", "GruChain", "blelloch_scan", "param_grads",
+           "MIN_CHUNK_FLOP"]
 
 # A chunk handed to another thread must carry enough work to repay the hand-off (~20-50 us), at the
 # rate of numpy's small GEMMs (~50 GFLOP/s); the compiled kernel runs ~KERNEL_SPEEDUP times faster.
 MIN_CHUNK_FLOP = 2_000_000
 KERNEL_SPEEDUP = 5
 FACTOR_FLOP = 50  # a factor builder's cost per value written (~1 ns, a strided store), in those FLOP
-
-
-def numba_available() -> bool:
-    return _NUMBA_ERROR is None
-
-
-def unavailable_reason() -> str | None:
-    """None when numba compiles the sequential parts, else why not."""
-    return _NUMBA_ERROR
 
 
 # -- threads ----------------------------------------------------------------------------------------
@@ -134,50 +115,8 @@ def _parallel(fn, n: int, flop_per_item: float) -> None:
     _spread([functools.partial(fn, bounds[i], bounds[i + 1]) for i in range(p)])
 
 
-# -- compiled sequential loops ----------------------------------------------------------------------
-if numba is not None:
-    # Not numba's own parallel=True: its OpenMP workers spin after each region and fight torch's for
-    # the same cores; the GIL-free kernels are run on this module's thread pool instead, one batch
-    # slice [b0, b1) per thread.
-    _jit = njit(cache=True, nogil=True, fastmath=True)  # fastmath: vectorised dot-product reductions
-
-    @_jit
-    def _linear_nb(A, first, Q, b0, b1):  # pragma: no cover - compiled
-        """Q[0] = first; Q[k] = A[k-1] @ Q[k-1]; each batch element is an independent chain."""
-        H = first.shape[1]
-        for b in range(b0, b1):
-            for i in range(H):
-                Q[0, b, i] = first[b, i]
-            for k in range(1, Q.shape[0]):
-                M, v, o = A[k - 1, b], Q[k - 1, b], Q[k, b]
-                for i in range(H):
-                    s = M[i, 0] * v[0]
-                    for j in range(1, H):
-                        s += M[i, j] * v[j]
-                    o[i] = s
-
-    @_jit
-    def _rnn_seq_nb(h, W, g, out, b0, b1):  # pragma: no cover - compiled
-        """∇a_t of a tanh RNN from ∇h_T, straight from W_hh: ∇a_t = (1 - h_t²) ∇h_t, ∇h_{t-1} = W_hhᵀ ∇a_t."""
-        T, B, H = h.shape
-        for b in range(b0, b1):
-            gh = g[b].copy()
-            for t in range(T - 1, -1, -1):
-                for i in range(H):
-                    out[t, b, i] = gh[i] * (1 - h[t, b, i] * h[t, b, i])
-                for j in range(H):
-                    s = W[0, j] * out[t, b, 0]
-                    for i in range(1, H):
-                        s += W[i, j] * out[t, b, i]
-                    gh[j] = s
-
-
 def _linear(A: np.ndarray, first: np.ndarray, Q: np.ndarray, par=None) -> None:
-    """Q[0] = first, Q[k] = A[k-1] Q[k-1]; batch slices spread by ``par`` (default :func:`_parallel`)."""
-    if numba is not None:
-        par = par or _parallel
-        par(lambda a, b: _linear_nb(A, first, Q, a, b), first.shape[0], 2 * Q.shape[0] * first.shape[1] ** 2)
-        return
+    """Q[0] = first, Q[k] = A[k-1] Q[k-1] (the dense chain's sequential middle)."""
     Q[0] = first
     for k in range(1, Q.shape[0]):
         np.matmul(A[k - 1], Q[k - 1][..., None], out=Q[k][..., None])
@@ -368,13 +307,14 @@ def _serial(fn, n: int, flop_per_item: float) -> None:
 # -- the scan ---------------------------------------------------------------------------------------
 @torch.no_grad()
 def blelloch_scan(g: torch.Tensor, J: torch.Tensor | FactoredChain, L_m: int | None = None,
-                  workspace: _scan.Workspace | None = None) -> torch.Tensor:
+                  workspace: _scan.Workspace | None = None, split: str = "auto") -> torch.Tensor:
     """The modified (heterogeneous) Blelloch scan of :func:`bppsa.scan.blelloch_scan`, multi-threaded.
 
     ``J`` is the dense chain ``[n, B, H, H]`` or a :class:`FactoredChain` (the compiled kernel,
     :func:`_native_chain_scan`; without it :func:`_chain_scan` for the RNN's chain, else the dense chain).
     For a dense chain with a batch of at least one element per thread, each thread runs the whole tree
-    on its own batch slice (one hand-off per scan); otherwise the threads share each level's products."""
+    on its own batch slice (one hand-off per scan); otherwise the threads share each level's products.
+    ``split`` says how the compiled kernel's threads split the work (:func:`_native_chain_scan`)."""
     if g.dim() != 2 or J.dim() != 4 or J.shape[1:3] != g.shape or J.shape[2] != J.shape[3]:
         raise ValueError(f"expected g [B, H] and J [n, B, H, H], got {tuple(g.shape)} and {tuple(J.shape)}")
     if g.dtype != J.dtype:
@@ -383,7 +323,7 @@ def blelloch_scan(g: torch.Tensor, J: torch.Tensor | FactoredChain, L_m: int | N
     L = _scan.tree_levels(n + 1, L_m)
     ws = workspace if workspace is not None else _scan.Workspace()
     if isinstance(J, FactoredChain):
-        out = _native_chain_scan(g, J, L, ws)
+        out = _native_chain_scan(g, J, L, ws, split)
         if out is not None:
             return out
         if isinstance(J, RnnChain) and L > 0:
@@ -429,19 +369,20 @@ def lane_slices(B: int, p: int, max_lanes: int) -> list[list[tuple[int, int]]]:
     return groups
 
 
-def _native_chain_scan(g: torch.Tensor, chain: FactoredChain, L: int, ws: _scan.Workspace, mode: str = "auto",
+def _native_chain_scan(g: torch.Tensor, chain: FactoredChain, L: int, ws: _scan.Workspace, split: str = "auto",
                        grads: bool = False):
     """The scan over a :class:`FactoredChain` by the compiled kernel (:mod:`.native`); None where it is
     unavailable.  ``grads``: instead of the scan, the cell's parameter gradients (a dict), accumulated by
     the kernel as the prefixes come out (the chain must have been built with x).  Lane slices as wide as
-    one vector register; with at least one slice per thread (or ``mode`` "slices") the threads take whole
-    slices (one hand-off per scan), otherwise they split each slice's blocks in the up phase and, where it
-    carries enough work, the down phase."""
+    one vector register; with at least one slice per thread (or ``split`` "slices": slices as narrow as
+    it takes to give every thread one) the threads take whole slices (one hand-off per scan), otherwise
+    ("blocks") they split each slice's blocks in the up phase and, where it carries enough work, the
+    down phase."""
     n, B, H, _ = chain.shape
     min_flop = KERNEL_SPEEDUP * MIN_CHUNK_FLOP  # the same hand-off, repaid only by more of the kernel's FLOP
-    p = _threads() if mode == "slices" else min(_threads(), max(1, int(n * B * 2 * H ** 3 // min_flop)))
+    p = _threads() if split == "slices" else min(_threads(), max(1, int(n * B * 2 * H ** 3 // min_flop)))
     vl = native.lane_width(chain.kind, g.dtype)
-    by_slice = mode == "slices" or (mode == "auto" and -(-B // vl) >= p)
+    by_slice = split == "slices" or (split == "auto" and -(-B // vl) >= p)
     groups = lane_slices(B, p if by_slice else 1, vl)
     if not native.available() or any(native.library(chain.kind, H, chain.I, w, g.dtype) is None
                                      for gr in groups for _, w in gr):
@@ -475,13 +416,13 @@ def _native_chain_scan(g: torch.Tensor, chain: FactoredChain, L: int, ws: _scan.
 
 @torch.no_grad()
 def param_grads(g: torch.Tensor, chain: FactoredChain, L_m: int | None, ws: _scan.Workspace, from_scan,
-                mode: str = "auto") -> dict[str, torch.Tensor]:
+                split: str = "auto") -> dict[str, torch.Tensor]:
     """The cell's parameter gradients from the scan over ``chain``: accumulated by the compiled kernel as
     the prefixes come out, or ``from_scan(scan)`` without it (or for a chain built without x).
     ``L_m = 0`` is the sequential backward over the same chain."""
     L = _scan.tree_levels(chain.shape[0] + 1, L_m)
-    out = _native_chain_scan(g, chain, L, ws, mode, grads=True) if chain.I else None
-    return out if out is not None else from_scan(blelloch_scan(g, chain, L_m, ws))
+    out = _native_chain_scan(g, chain, L, ws, split, grads=True) if chain.I else None
+    return out if out is not None else from_scan(blelloch_scan(g, chain, L_m, ws, split))
 
 
 def _chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Workspace) -> torch.Tensor:
@@ -564,37 +505,26 @@ def _tree(spine: np.ndarray, A: np.ndarray, out: np.ndarray, L: int, ws: _scan.W
         Q = Qn
 
 
-@torch.no_grad()
-def linear_scan(g: torch.Tensor, J: torch.Tensor) -> torch.Tensor:
-    """Sequential back-propagation over the chain ``J`` as a compiled loop of mat-vecs (``L_m = 0``)."""
-    return blelloch_scan(g, J, 0)
-
-
-@torch.no_grad()
-def rnn_sequential_grad_preact(h: torch.Tensor, W_hh: torch.Tensor, grad_h_last: torch.Tensor) -> torch.Tensor:
-    """∇a_t (t = 1..T, ``[T, B, H]``) of the tanh RNN by the compiled sequential backward.
-
-    Needs no Jacobians: each step is an elementwise scaling and one mat-vec with ``W_hhᵀ``, half the
-    work of a step of the fused chain -- the strongest sequential backward this package can offer.
-    """
-    hn, W, g = _np(h), _np(W_hh), _np(grad_h_last)
-    out = np.empty_like(hn)
-    if numba is not None:
-        _parallel(lambda a, b: _rnn_seq_nb(hn, W, g, out, a, b), g.shape[0], 2 * hn.shape[0] * hn.shape[2] ** 2)
-    else:
-        gh = g.copy()
-        for t in range(hn.shape[0] - 1, -1, -1):
-            out[t] = gh * (1 - hn[t] * hn[t])
-            gh = out[t] @ W
-    return torch.from_numpy(out)
-
-
 class CpuBackend(TorchBackend):
     """The CPU fast path: the recurrent chains stay factored (:class:`FactoredChain`), scanned by the
     compiled kernel, which also accumulates the cell's parameter gradients; dense chains take the
-    threaded numpy tree."""
+    threaded numpy tree.
+
+    ``sequential=True`` is the strongest sequential rival built with the same care (name
+    ``cpu-sequential``): every scan is the linear one (``L_m = 0``: T dependent mat-vecs, no matrix
+    products) through the same kernel, with the batch split into as many lane slices as there are threads."""
 
     name = "cpu"
+
+    def __init__(self, sequential: bool = False):
+        super().__init__()
+        self.sequential = sequential
+        if sequential:
+            self.name = "cpu-sequential"
+        self._split = "slices" if sequential else "auto"
+
+    def _L_m(self, L_m):
+        return 0 if self.sequential else L_m
 
     def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x: torch.Tensor | None = None):
         if h.device.type != "cpu" or layout not in ("fused", "paper"):
@@ -610,11 +540,11 @@ class CpuBackend(TorchBackend):
         return GruChain.from_gates(gates, W_hh, x, out=self.workspace.get(("factors", "gru"), (T, rows, B), gates.r))
 
     def scan(self, g: torch.Tensor, J, L_m: int | None = None) -> torch.Tensor:
-        return blelloch_scan(g, J, L_m, self.workspace)
+        return blelloch_scan(g, J, self._L_m(L_m), self.workspace, self._split)
 
     def cell_grads(self, g: torch.Tensor, J, L_m, from_scan) -> dict[str, torch.Tensor]:
         if isinstance(J, FactoredChain):
-            return param_grads(g, J, L_m, self.workspace, from_scan)
+            return param_grads(g, J, self._L_m(L_m), self.workspace, from_scan, self._split)
         return from_scan(self.scan(g, J, L_m))
 
 

@@ -121,9 +121,10 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
                        "chain_down": [p, p, p, i, l, l, l, i, i, l, l, p, p],
                        "chain_up_lanes": [p, p, l, l, l, i, i, l, l, p],
                        "chain_down_lanes": [p, p, p, i, l, l, l, i, i, l, l, p, p],
-                       "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i], **factors}.items():
+                       "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i], "fma_chain": [l], **factors}.items():
         f = getattr(lib, name)
-        f.argtypes, f.restype = args, {"chain_scan_work": l, "chain_blocks": l}.get(name)
+        f.argtypes, f.restype = args, {"chain_scan_work": l, "chain_blocks": l,
+                                       "fma_chain": ctypes.c_float if real == "float" else ctypes.c_double}.get(name)
     return lib
 
 
