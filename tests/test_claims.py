@@ -105,13 +105,23 @@ def test_cpu_speed_claims_judge_paired_ratios_against_both_rivals(tmp_path):
                  ).to_csv(folder / "roofline.csv", index=False)
     from bppsa.claims import cpu_speed_claims
 
+    gru = tmp_path / "cpu" / "gru"
+    gru.mkdir()
+    pd.DataFrame([{"method": "scan-cpu-chain", "seq_len": 1034, "batch": 16, "x_bound": 2.5, "bound": "compute",
+                   "scan_s": 2e-3, "bound_s": 1e-3, "achieved_gflops": 100.0, "noisy": False}]
+                 ).to_csv(gru / "roofline.csv", index=False)
+    from bppsa.claims import cpu_speed_claims
+
     got = {c.claim: c for c in cpu_speed_claims(tmp_path)}
-    roof16, roof1 = (got[f"BPPSA's scan within 3× of this CPU's roofline (T=1000, B={B})"] for B in (16, 1))
+    roof16, roof1 = (got[f"BPPSA's scan within 3× of this CPU's roofline (RNN, T=1000, B={B})"] for B in (16, 1))
     assert roof16.verdict == "holds" and roof16.measured.startswith("2.50×") and "scan-cpu-chain" in roof16.measured
     assert roof1.verdict == "not reproduced" and roof1.measured.startswith("7.00×")
-    auto = got["BPPSA backward faster than eager autograd (CPU, T=1000, B=16)"]
-    seq = got["BPPSA backward faster than the compiled sequential backward (CPU, T=1000, B=16)"]
+    roof_gru = got["BPPSA's scan within 2× of this CPU's roofline (GRU, T=1034, B=16)"]  # the GRU's aim: 2x
+    assert roof_gru.verdict == "not reproduced" and roof_gru.measured.startswith("2.50×")
+    auto = got["BPPSA backward faster than eager autograd (CPU, RNN, T=1000, B=16)"]
+    seq = got["BPPSA backward faster than the compiled sequential backward (CPU, RNN, T=1000, B=16)"]
     assert auto.verdict == "holds" and auto.measured.startswith("3×")
     assert seq.verdict == "not reproduced" and seq.measured.startswith("0.5×")
-    cross = got["workers at which BPPSA's backward overtakes the compiled sequential one (T=1000, B=16)"]
+    assert "p >> H" in seq.reason and "loses on 2 thread(s)" in seq.reason  # said plainly
+    cross = got["workers at which BPPSA's backward overtakes the compiled sequential one (RNN, T=1000, B=16)"]
     assert cross.verdict == "not measurable here" and "extrapolated" in cross.measured
