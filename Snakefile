@@ -53,6 +53,7 @@ wildcard_constraints:
     set="s|m|l",
     layout="paper|fused",
     variant="baseline|bppsa-paper|bppsa-fused",
+    model="rnn|gru",
 
 
 include: "workflow/rules/common.smk"
@@ -77,6 +78,7 @@ include: "workflow/rules/datasets.smk"
 include: "workflow/rules/rnn.smk"
 include: "workflow/rules/figures.smk"
 include: "workflow/rules/gru.smk"
+include: "workflow/rules/cpu.smk"
 include: "workflow/rules/jacobians.smk"
 include: "workflow/rules/vgg11.smk"
 include: "workflow/rules/report.smk"

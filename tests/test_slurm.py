@@ -18,11 +18,11 @@ SLUG = "localhost-slurm"
 # rules that run on the measuring device ask for a GPU; the others must not
 GPU_RULES = {"environment", "verify_rnn", "bench_rnn", "train_rnn", "verify_gru", "bench_gru", "train_gru",
              "vgg11_train"}
-TIMING_RULES = {"bench_rnn", "bench_gru", "train_rnn", "train_gru", "speed_rnn", "table1_timings", "bench_bitstream",
-                "roofline_rnn", "scaling_rnn"}
+TIMING_RULES = {"bench_rnn", "bench_gru", "train_rnn", "train_gru", "speed", "table1_timings", "bench_bitstream",
+                "roofline", "scaling"}
 LOCAL_RULES = {"all", "make_irmas"}
 # CPU benchmarks are targets only when the folder is the CPU's (`cpu`); this run's slug is not
-CPU_FOLDER_RULES = {"speed_rnn", "roofline_rnn", "scaling_rnn"}
+CPU_FOLDER_RULES = {"speed", "roofline", "scaling"}
 
 
 @pytest.mark.slurm
@@ -60,7 +60,7 @@ def check_slurm_run(tmp_path, out):
     assert len(calls) == total - n_local, (len(calls), total, n_local)
     logs = list((tmp_path / ".snakemake" / "slurm_logs").rglob("*.log"))
     assert len(logs) == len(calls)
-    # speed_rnn is only a target in a folder named `cpu`
+    # the CPU benchmarks are only targets in a folder named `cpu`
     assert set(by_rule) >= GPU_RULES | (TIMING_RULES - CPU_FOLDER_RULES) | {"figures_rnn", "report"}
     for rule, rule_calls in by_rule.items():
         for call in rule_calls:

@@ -214,5 +214,8 @@ def test_default_workflow_lists_roofline_and_scaling(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout + r.stderr
-    for target in ("rnn/roofline.csv", "rnn/scaling.csv", "fig_scaling.png", "rnn/speed.csv"):
-        assert target in out
+    for model in ("rnn", "gru"):
+        for target in (f"{model}/roofline.csv", f"{model}/scaling.csv", f"fig_scaling_{model}.png",
+                       f"{model}/speed.csv"):
+            assert target in out
+    assert "--model gru --data data/irmas/mfcc_l.npz" in out  # the GRU's benchmarks read MFCC set L

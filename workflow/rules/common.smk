@@ -158,14 +158,50 @@ def get_gru_curves():
     ]
 
 
+# The CPU benchmarks' settings per model (config rnn.speed ... gru.scaling).
+CPU_BENCH = {"rnn": RNN, "gru": GRU}
+
+
+def get_cpu_bench_input(kind):
+    """The dataset a CPU benchmark of the GRU reads (its MFCC set); the RNN's generates its bitstreams."""
+
+    def inputs(wildcards):
+        if wildcards.model == "gru":
+            return [f"data/irmas/mfcc_{GRU[kind]['set']}.npz"]
+        return []
+
+    return inputs
+
+
+def get_cpu_bench_args(kind):
+    """`--model ...` and the inputs of a CPU benchmark (kind: speed, roofline or scaling)."""
+
+    def args(wildcards):
+        if wildcards.model == "gru":
+            return f"--model gru --data data/irmas/mfcc_{GRU[kind]['set']}.npz --hidden {GRU['hidden']}"
+        if kind == "scaling":
+            lens = " ".join(map(str, RNN["scaling"]["seq_lens"]))
+            return f"--model rnn --seq-lens {lens} --hidden {RNN['hidden']}"
+        return f"--model rnn --seq-len {RNN[kind]['seq_len']} --hidden {RNN['hidden']}"
+
+    return args
+
+
 def get_cpu_benchmarks():
+    """Speed, roofline and scaling of each model, on CPU machines, where its section has batches."""
     out = []
-    if CPU_FOLDER and RNN["speed"]["batches"]:
-        out.append(f"{RNN_DIR}/speed.csv")
-    if CPU_FOLDER and RNN["roofline"]["batches"]:
-        out.append(f"{RNN_DIR}/roofline.csv")
-    if CPU_FOLDER and RNN["scaling"]["seq_lens"] and RNN["scaling"]["batches"]:
-        out += [f"{RESULTS}/fig_scaling.png", f"{RNN_DIR}/scaling_crossover.csv"]
+    for model, section in CPU_BENCH.items():
+        if not CPU_FOLDER:
+            break
+        if section["speed"]["batches"]:
+            out.append(f"{RESULTS}/{model}/speed.csv")
+        if section["roofline"]["batches"]:
+            out.append(f"{RESULTS}/{model}/roofline.csv")
+        if section["scaling"]["batches"] and section["scaling"].get("seq_lens", True):
+            out += [
+                f"{RESULTS}/fig_scaling_{model}.png",
+                f"{RESULTS}/{model}/scaling_crossover.csv",
+            ]
     return out
 
 

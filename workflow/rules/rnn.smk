@@ -1,6 +1,5 @@
-# RNN experiments (Sec 4.1 / 5.1): exactness checks, per-phase timings over the T and B grids,
-# training curves (Fig 7), and on CPU machines the speed benchmark, the roofline of the scan and
-# the backward's scaling with worker threads.
+# RNN experiments (Sec 4.1 / 5.1): exactness checks, per-phase timings over the T and B grids and
+# training curves (Fig 7); the CPU benchmarks of both models are in cpu.smk.
 
 
 rule verify_rnn:
@@ -88,82 +87,3 @@ rule train_rnn:
         "bppsa train --model rnn --data {input.data} {params.method} "
         "--backend {params.backend} --L-m {params.L_m} --batch {params.batch} --hidden {params.hidden} "
         "--epochs {params.epochs} --lr {params.lr} --threads {threads} {params.args} --out {output} 2> {log}"
-
-
-rule speed_rnn:
-    output:
-        f"{RNN_DIR}/speed.csv",
-    log:
-        "logs/speed_rnn.log",
-    threads: job_threads("cpu_timing")
-    resources:
-        **job_resources("cpu_timing"),
-    params:
-        protocol=protocol_args(RNN["speed"]),
-        L_m=L_m_arg(RNN["L_m"]),
-        seq_len=RNN["speed"]["seq_len"],
-        batches=RNN["speed"]["batches"],
-        hidden=RNN["hidden"],
-        layouts=RNN["layouts"],
-        profile=PROFILE,
-    shell:
-        "bppsa speed --device cpu --seq-len {params.seq_len} --batches {params.batches} "
-        "--hidden {params.hidden} --layouts {params.layouts} --L-m {params.L_m} {params.protocol} "
-        "--threads {threads} --profile {params.profile} --out {output} 2> {log}"
-
-
-rule roofline_rnn:
-    output:
-        f"{RNN_DIR}/roofline.csv",
-    log:
-        "logs/roofline_rnn.log",
-    threads: job_threads("cpu_timing")
-    resources:
-        **job_resources("cpu_timing"),
-    params:
-        protocol=protocol_args(RNN["roofline"]),
-        L_m=L_m_arg(RNN["L_m"]),
-        seq_len=RNN["roofline"]["seq_len"],
-        batches=RNN["roofline"]["batches"],
-        hidden=RNN["hidden"],
-        dtype=config["dtype"],
-        profile=PROFILE,
-    shell:
-        "bppsa roofline --device cpu --seq-len {params.seq_len} --batches {params.batches} "
-        "--hidden {params.hidden} --L-m {params.L_m} --dtype {params.dtype} {params.protocol} --threads {threads} "
-        "--profile {params.profile} --out {output} 2> {log}"
-
-
-rule scaling_rnn:
-    output:
-        f"{RNN_DIR}/scaling.csv",
-    log:
-        "logs/scaling_rnn.log",
-    threads: job_threads("cpu_timing")
-    resources:
-        **job_resources("cpu_timing"),
-    params:
-        protocol=protocol_args(RNN["scaling"]),
-        seq_lens=RNN["scaling"]["seq_lens"],
-        batches=RNN["scaling"]["batches"],
-        hidden=RNN["hidden"],
-        dtype=config["dtype"],
-        profile=PROFILE,
-    shell:
-        "bppsa scaling --device cpu --seq-lens {params.seq_lens} --batches {params.batches} "
-        "--hidden {params.hidden} --dtype {params.dtype} {params.protocol} --max-threads {threads} "
-        "--profile {params.profile} --out {output} 2> {log}"
-
-
-rule figure_scaling:
-    input:
-        f"{RNN_DIR}/scaling.csv",
-    output:
-        fig=f"{RESULTS}/fig_scaling.png",
-        crossover=f"{RNN_DIR}/scaling_crossover.csv",
-    log:
-        "logs/figure_scaling.log",
-    resources:
-        **job_resources("default"),
-    shell:
-        "bppsa plot-scaling {input} --out {output.fig} --crossover {output.crossover} 2> {log}"

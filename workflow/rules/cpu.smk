@@ -1,0 +1,83 @@
+# On CPU machines, per model (RNN on bitstreams, GRU on an MFCC set): the speed benchmark (BPPSA's backward
+# against eager autograd and the strongest sequential backward, paired), the roofline of the scans, and the
+# backward's scaling with worker threads with the extrapolated crossover (Sec 3.6's worker argument).
+
+
+rule speed:
+    input:
+        get_cpu_bench_input("speed"),
+    output:
+        f"{RESULTS}/{{model}}/speed.csv",
+    log:
+        "logs/speed_{model}.log",
+    threads: job_threads("cpu_timing")
+    resources:
+        **job_resources("cpu_timing"),
+    params:
+        model=get_cpu_bench_args("speed"),
+        protocol=lambda wc: protocol_args(CPU_BENCH[wc.model]["speed"]),
+        batches=lambda wc: CPU_BENCH[wc.model]["speed"]["batches"],
+        layouts=lambda wc: RNN["layouts"] if wc.model == "rnn" else ["fused"],
+        L_m=L_m_arg(RNN["L_m"]),
+        profile=PROFILE,
+    shell:
+        "bppsa speed --device cpu {params.model} --batches {params.batches} --layouts {params.layouts} "
+        "--L-m {params.L_m} {params.protocol} --threads {threads} --profile {params.profile} --out {output} 2> {log}"
+
+
+rule roofline:
+    input:
+        get_cpu_bench_input("roofline"),
+    output:
+        f"{RESULTS}/{{model}}/roofline.csv",
+    log:
+        "logs/roofline_{model}.log",
+    threads: job_threads("cpu_timing")
+    resources:
+        **job_resources("cpu_timing"),
+    params:
+        model=get_cpu_bench_args("roofline"),
+        protocol=lambda wc: protocol_args(CPU_BENCH[wc.model]["roofline"]),
+        batches=lambda wc: CPU_BENCH[wc.model]["roofline"]["batches"],
+        L_m=L_m_arg(RNN["L_m"]),
+        dtype=config["dtype"],
+        profile=PROFILE,
+    shell:
+        "bppsa roofline --device cpu {params.model} --batches {params.batches} --L-m {params.L_m} "
+        "--dtype {params.dtype} {params.protocol} --threads {threads} --profile {params.profile} --out {output} "
+        "2> {log}"
+
+
+rule scaling:
+    input:
+        get_cpu_bench_input("scaling"),
+    output:
+        f"{RESULTS}/{{model}}/scaling.csv",
+    log:
+        "logs/scaling_{model}.log",
+    threads: job_threads("cpu_timing")
+    resources:
+        **job_resources("cpu_timing"),
+    params:
+        model=get_cpu_bench_args("scaling"),
+        protocol=lambda wc: protocol_args(CPU_BENCH[wc.model]["scaling"]),
+        batches=lambda wc: CPU_BENCH[wc.model]["scaling"]["batches"],
+        dtype=config["dtype"],
+        profile=PROFILE,
+    shell:
+        "bppsa scaling --device cpu {params.model} --batches {params.batches} --dtype {params.dtype} "
+        "{params.protocol} --max-threads {threads} --profile {params.profile} --out {output} 2> {log}"
+
+
+rule figure_scaling:
+    input:
+        f"{RESULTS}/{{model}}/scaling.csv",
+    output:
+        fig=f"{RESULTS}/fig_scaling_{{model}}.png",
+        crossover=f"{RESULTS}/{{model}}/scaling_crossover.csv",
+    log:
+        "logs/figure_scaling_{model}.log",
+    resources:
+        **job_resources("default"),
+    shell:
+        "bppsa plot-scaling {input} --out {output.fig} --crossover {output.crossover} 2> {log}"
