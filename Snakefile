@@ -53,6 +53,7 @@ wildcard_constraints:
     set="s|m|l",
     layout="paper|fused",
     variant="baseline|bppsa-paper|bppsa-fused",
+    dtype="float32|float64",
 
 
 include: "workflow/rules/common.smk"
