@@ -165,3 +165,21 @@ def test_fig_7_draws_and_labels_the_float64_twin(monkeypatch):
     diff_legend = [t.get_text() for t in diff_ax.get_legend().get_texts()]
     assert len(diff_legend) == 2 and all("my-fast-path" in t and "my-autograd" in t for t in diff_legend)
     common.plt.close(fig)
+
+
+def test_the_scaling_figure_names_the_csv_backend_and_reads_in_plain_numbers(monkeypatch, tmp_path):
+    from bppsa.plots import scaling
+
+    rows = [dict(seq_len=1000, batch=16, method=m, threads=p, iter=i, phase="backward", backend=be,
+                 seconds=s / p ** 0.5 * (1 + 0.01 * i), device="cpu")
+            for m, be, s in (("autograd", "", 3e-3), ("sequential", "", 4e-4), (scaling.BPPSA, "my-fast-path", 1e-3))
+            for p in (1, 2) for i in range(8)]
+    kept = []
+    monkeypatch.setattr(scaling.plt, "close", kept.append)
+    scaling.plot(pd.DataFrame(rows), tmp_path / "fig.png")
+    (fig,) = kept
+    top = fig.axes[0]
+    assert "BPPSA (backend my-fast-path)" in [t.get_text() for t in top.get_legend().get_texts()]
+    labels = [t.get_text() for t in top.get_yticklabels() if t.get_text()]
+    assert labels and all(PLAIN.match(t) for t in labels), labels
+    common.plt.close(fig)
