@@ -338,12 +338,13 @@ def _float64_twin(c, T, dtype, d, twin, verdict, reason) -> tuple[str, str]:
                           f"gradient is the baseline's, and the {dtype} gap ({rel:.2e}, above {CURVE_TOL:g} from "
                           f"epoch {on32}) is {dtype} round-off amplified by training" + own_text)
     if first64 <= CURVE_TOL_FLOAT64 and (on64 is None or on64 >= on32):
-        agree = twin[twin["epoch"] < (on64 or twin["epoch"].max() + 1)]
+        exact = _onset(twin, CURVE_TOL_FLOAT64)  # the first epoch beyond float64 round-off
+        agree = twin[twin["epoch"] < exact]
         return "partly", (f"{dtype} round-off amplified by training, not a wrong gradient: in float64 the curves "
                           f"agree to {float(agree['rel'].max()):.1e} through epoch {int(agree['epoch'].max())} and "
-                          f"separate from epoch {on64} ({dtype}: from epoch {on32}, {float(d['rel'].iloc[0]):.1e} at "
-                          f"epoch 1), the way round-off grows through an unstable phase of training; a wrong gradient "
-                          f"would differ from epoch 1 in float64 too" + own_text)
+                          f"separate (> {CURVE_TOL:g}) from epoch {on64} ({dtype}: from epoch {on32}, "
+                          f"{float(d['rel'].iloc[0]):.1e} at epoch 1), the way round-off grows through an unstable "
+                          "phase of training; a wrong gradient would differ from epoch 1 in float64 too" + own_text)
     return "not reproduced", (f"not round-off: in float64 the curves differ by {first64:.1e} at epoch 1 and "
                               f"{rel64:.2e} at most (separating from epoch {on64}; {dtype}: {on32}); exact gradients "
                               "would agree to ~1e-16 at first: a difference between the two backwards to find")
