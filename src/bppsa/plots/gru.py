@@ -1,6 +1,7 @@
 """Fig 9 (GRU runtime breakdown per MFCC set and batch size) and Fig 13 (GRU training curves)."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -150,14 +151,16 @@ def fig_9(lat: pd.DataFrame, sp: pd.DataFrame, out: str | Path) -> pd.DataFrame:
         ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0)
         ax.grid(True, axis="y", alpha=0.3)
         fitted.append((ax, labels))
-    fig.suptitle("GRU runtime breakdown per iteration (Fig 9), normalised by the baseline's FP + BP\n"
-                 "FP forward · FO Jacobian overhead · BP baseline backward · BPPSA scan backward "
-                 "(BP and BPPSA include the optimizer step)\n"
-                 "above the bars: BPPSA speedup [95 % CI], medians of paired per-round ratios (* noisy); "
-                 f"bwd = BP / BPPSA (excluding FO, like the paper's {paper.GRU_MAX_BACKWARD.value:g}×), "
-                 "all = whole iteration\n"
-                 + provenance(lat, f"bars: medians of each phase; black: {PROTOCOL_NOTE}; "
-                                   f"n = {int(d['n'].min())}–{int(d['n'].max())} rounds"), fontsize=8)
+    caption = ["GRU runtime breakdown per iteration (Fig 9), normalised by the baseline's FP + BP",
+               "FP forward · FO Jacobian overhead · BP baseline backward · BPPSA scan backward "
+               "(BP and BPPSA include the optimizer step)",
+               "above the bars: BPPSA speedup [95 % CI], medians of paired per-round ratios (* noisy); "
+               f"bwd = BP / BPPSA (excluding FO, like the paper's {paper.GRU_MAX_BACKWARD.value:g}×), "
+               "all = whole iteration",
+               provenance(lat, f"bars: medians of each phase; black: {PROTOCOL_NOTE}; "
+                               f"n = {int(d['n'].min())}–{int(d['n'].max())} rounds")]
+    chars = int(fig.get_figwidth() * 15)  # ~15 characters of 8 pt text per inch: a narrow figure wraps its caption
+    fig.suptitle("\n".join(textwrap.fill(line, chars) for line in caption), fontsize=8)
     fig.tight_layout()  # the final layout first: the labels' room depends on the axes' height
     for ax, labels in fitted:
         _fit_labels(ax, labels)
