@@ -54,6 +54,7 @@ wildcard_constraints:
     layout="paper|fused",
     variant="baseline|bppsa-paper|bppsa-fused",
     model="rnn|gru",
+    dtype="float32|float64",
 
 
 include: "workflow/rules/common.smk"

@@ -134,6 +134,17 @@ def test_latency_has_medians_intervals_and_the_paper_statistics():
     assert r["mean"] == pytest.approx(10.5e-3) and r["n"] == 20 and r["q1"] < r["median"] < r["q3"]
 
 
+def test_latency_and_speedups_name_the_backend_of_each_variant():
+    """The figures' legends and the report name who measured each number from these columns."""
+    bench = _bench(4e-3 * np.ones(8), np.ones(8) * 1e-3, 1e-3 * np.ones(8), 0.5e-3 * np.ones(8))
+    bench["backend"] = np.where(bench["variant"] == "baseline", "autograd", "cpu")
+    lat = speedups.latency(bench)
+    assert dict(lat.groupby("variant")["backend"].unique().map(list)) == {"baseline": ["autograd"],
+                                                                         "bppsa-fused": ["cpu"]}
+    sp = speedups.speedups(bench)
+    assert set(sp["backend"]) == {"cpu"} and set(sp["reference_backend"]) == {"autograd"}
+
+
 def _sp(points, noisy=()):
     return pd.DataFrame([dict(model="rnn", variant="bppsa-fused", reference="baseline", seq_len=T, batch=B,
                               phase="backward", speedup=s, ci_low=s * 0.9, ci_high=s * 1.1, noisy=(T, B) in noisy,

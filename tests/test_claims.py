@@ -125,3 +125,63 @@ def test_cpu_speed_claims_judge_paired_ratios_against_both_rivals(tmp_path):
     assert "p >> H" in seq.reason and "loses on 2 thread(s)" in seq.reason  # said plainly
     cross = got["workers at which BPPSA's backward overtakes the compiled sequential one (RNN, T=1000, B=16)"]
     assert cross.verdict == "not measurable here" and "extrapolated" in cross.measured
+
+
+def _curve(folder, name, method, dtype, rel, backend):
+    """A curve CSV as `bppsa train` writes it: a falling baseline loss, BPPSA's off by ``rel`` per epoch."""
+    base = [2.3, 2.0, 1.9, 1.8, 1.75, 1.74, 1.88, 1.72, 1.70, 1.67]
+    loss = [b * (1 + r) for b, r in zip(base, rel)] if method == "bppsa" else base
+    folder.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(dict(epoch=range(1, 11), wall_clock_s=[2.0 * e for e in range(1, 11)], loss=loss, accuracy=0.3,
+                      steps=64, profile="default", device="cpu", model="rnn", method=method, backend=backend,
+                      layout="fused" if method == "bppsa" else "", dtype=dtype, seq_len=1000, batch=16, hidden=20,
+                      lr=1e-3, samples=1024, data="bitstream (Eq. 8)")).to_csv(folder / name, index=False)
+
+
+FP32_GAP = [3e-9, 1e-8, 3e-8, 5e-8, 1e-4, 0.018, 0.093, 0.019, 0.031, 0.015]  # measured, Fig 7's default run
+
+
+@pytest.mark.parametrize("fp64, verdict, words", [
+    ([1e-14] * 10, "partly", ["exact in float64", "round-off amplified by training"]),
+    # float64 agrees to round-off, then separates later than float32 (chaotic amplification)
+    ([0, 0, 1e-16, 2e-16, 1e-13, 9e-6, 0.037, 0.098, 0.21, 0.083], "partly",
+     ["round-off amplified by training, not a wrong gradient", "1.0e-13 through epoch 5", "from epoch 7"]),
+    # float64 off from the first epoch: a wrong gradient
+    ([2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.02, 0.05, 0.1, 0.1, 0.1], "not reproduced", ["not round-off"]),
+])
+def test_a_float32_curve_gap_is_judged_against_the_float64_twin(tmp_path, fp64, verdict, words):
+    rnn = tmp_path / "cpu" / "rnn"
+    _curve(rnn, "curve_baseline.csv", "baseline", "float32", None, "autograd")
+    _curve(rnn, "curve_bppsa-fused.csv", "bppsa", "float32", FP32_GAP, "cpu")
+    _curve(rnn, "curve_baseline_float64.csv", "baseline", "float64", None, "autograd")
+    _curve(rnn, "curve_bppsa-fused_float64.csv", "bppsa", "float64", fp64, "cpu")
+    (row,) = [c for c in claims.curve_claims(tmp_path) if "(RNN)" in c.claim]
+    assert row.verdict == verdict, row.reason
+    assert f"{max(FP32_GAP):.2e} (relative) over 10 epochs in float32" in row.measured
+    assert f"{max(fp64):.2e} in float64" in row.measured
+    assert "BPPSA backend cpu vs baseline autograd" in row.measured
+    for w in words:
+        assert w in row.reason, row.reason
+
+
+def test_a_curve_without_a_twin_is_judged_as_before(tmp_path):
+    rnn = tmp_path / "cpu" / "rnn"
+    _curve(rnn, "curve_baseline.csv", "baseline", "float32", None, "autograd")
+    _curve(rnn, "curve_bppsa-fused.csv", "bppsa", "float32", FP32_GAP, "torch")
+    (row,) = claims.curve_claims(tmp_path)
+    assert row.verdict == "not reproduced" and "float64" not in row.measured + row.reason
+    _curve(rnn, "curve_bppsa-fused.csv", "bppsa", "float32", [1e-7] * 10, "torch")
+    (row,) = claims.curve_claims(tmp_path)
+    assert row.verdict == "holds" and "BPPSA backend torch vs baseline autograd" in row.measured
+
+
+def test_speedup_rows_name_both_backends(tmp_path):
+    gpu = "nvidia-h100"
+    _write(tmp_path, gpu, "rnn", _speedups(gpu, "rnn", {(10, 16): 2.0, (100, 16): 5.0, (1000, 16): 30.0}))
+    rows = claims.collect(tmp_path)
+    best = [c for c in rows if c.claim == "max backward speedup (RNN)"][0]
+    assert "BPPSA backend torch vs baseline cudnn" in best.measured
+    fig7 = [c for c in rows if c.claim.startswith("backward speedup at T=1000, B=16")][0]
+    assert "BPPSA backend torch vs baseline cudnn" in fig7.measured
+    rises = [c for c in rows if "rises with T" in c.claim][0]
+    assert "BPPSA backend torch vs baseline cudnn" in rises.measured

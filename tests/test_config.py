@@ -25,6 +25,7 @@ def _dry_run(tmp_path, mutate):
     (lambda c: c.__setitem__("dtpye", "float32"), "dtpye"),
     (lambda c: c["bench"].__setitem__("min_iters", 0), "min_iters"),
     (lambda c: c["bench"].__setitem__("iters", 10), "iters"),
+    (lambda c: c["rnn"]["curves"].__setitem__("also_dtypes", ["float16"]), "also_dtypes"),
     # passes the schema, caught by the protocol's own check before any job
     (lambda c: c["bench"].update(min_iters=50, max_iters=20), "bench.max_iters"),
 ])
@@ -49,3 +50,6 @@ def test_both_profiles_validate_and_list_the_paper_grid(tmp_path):
     assert "--variants baseline bppsa-paper bppsa-fused" in out or "bppsa-paper" in out
     assert "speedups.csv" in out and "claims.md" in out
     assert "fig_8_b.png" in out and "fig_7.png" in out
+    # Fig 7's two curves, and their float64 twins
+    for v in ("baseline", "bppsa-paper"):
+        assert f"curve_{v}.csv" in out and f"curve_{v}_float64.csv" in out

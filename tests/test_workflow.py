@@ -11,6 +11,45 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _dry_run(tmp_path, mutate=lambda c: None):
+    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    mutate(cfg)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    r = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "1", "--configfile", str(path),
+                        "--directory", str(tmp_path), "results/fig_7.png"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    return r.stdout + r.stderr
+
+
+def _train_commands(out):
+    return [line[line.index("bppsa train "):] for line in out.splitlines() if "bppsa train " in line]
+
+
+def test_fig_7_curves_are_trained_in_the_workflow_dtype_and_in_float64(tmp_path):
+    """The default: the two curves in float32 under their old names, and again in float64 beside them."""
+    cmds = _train_commands(_dry_run(tmp_path))
+    by_out = {c.split("--out ")[1].split()[0].rsplit("/", 1)[1]: c for c in cmds}
+    assert sorted(by_out) == ["curve_baseline.csv", "curve_baseline_float64.csv", "curve_bppsa-fused.csv",
+                              "curve_bppsa-fused_float64.csv"]
+    for name, cmd in by_out.items():
+        dtype = "float64" if name.endswith("_float64.csv") else "float32"
+        assert f"--dtype {dtype} " in cmd and cmd.count("--dtype") == 1, cmd
+        # the twin differs in nothing else: the same data, method, backend, epochs, lr, seed
+        twin = by_out[name.replace("_float64", "")] if dtype == "float64" else None
+        if twin:
+            strip = lambda c: c.replace("--dtype float64", "").replace("--dtype float32", "").split(" --out ")[0]  # noqa: E731
+            assert strip(cmd) == strip(twin)
+
+
+def test_no_twin_without_also_dtypes_or_in_the_workflow_dtype(tmp_path):
+    cmds = _train_commands(_dry_run(tmp_path, lambda c: c["rnn"]["curves"].update(also_dtypes=[])))
+    assert len(cmds) == 2 and all("--dtype float32" in c for c in cmds)
+    cmds = _train_commands(_dry_run(tmp_path, lambda c: c.update(dtype="float64")))
+    assert len(cmds) == 2 and all("--dtype float64" in c and "_float64.csv" not in c for c in cmds)
+
+
 @pytest.mark.slow
 def test_rnn_workflow_end_to_end(tmp_path):
     conf = ROOT / ".test" / "config" / "config.yaml"
@@ -44,6 +83,13 @@ def test_rnn_workflow_end_to_end(tmp_path):
     for (T, B, layout), _ in bench[bench["method"] == "bppsa"].groupby(["seq_len", "batch", "layout"]):
         assert (rnn / f"verify_T{T}_B{B}_{layout}.json").exists()
     assert not list(tmp_path.rglob("*.tmp*")), "temporary files were left behind"
+    # Fig 7's curves in the workflow's dtype and their float64 twins, each naming its backend
+    curves = {p.name: pd.read_csv(p) for p in rnn.glob("curve_*.csv")}
+    assert sorted(curves) == ["curve_baseline.csv", "curve_baseline_float64.csv", "curve_bppsa-fused.csv",
+                              "curve_bppsa-fused_float64.csv"]
+    for name, c in curves.items():
+        assert set(c["dtype"]) == {"float64" if "float64" in name else "float32"}
+        assert c["backend"].notna().all()
 
     # the report renders from whatever was measured, saying what is missing
     from bppsa.report import build
@@ -61,3 +107,5 @@ def test_rnn_workflow_end_to_end(tmp_path):
     # measured on a CPU: the GPU magnitudes are shown but not judged
     assert {c.verdict for c in claims if c.claim.startswith("max ")} == {"not measurable here"}
     assert any("T=1000, B=16 is not in this profile's grid" in c.reason for c in claims)
+    (curve,) = [c for c in claims if c.claim == "BPPSA's training curve overlaps the baseline's (RNN)"]
+    assert "in float64" in curve.measured and "BPPSA backend" in curve.measured

@@ -58,9 +58,13 @@ def _speedups(results: Path, model: str) -> str:
         return f"No {model.upper()} benchmarks."
     sp["cell"] = [("not resolved" if not r else f"{m:.3g} [{lo:.3g}, {hi:.3g}]" + (" noisy" if n else ""))
                   for m, lo, hi, n, r in zip(sp["speedup"], sp["ci_low"], sp["ci_high"], sp["noisy"], sp["resolved"])]
-    table = sp.pivot_table(index=["device_label", "variant", "reference", "seq_len", "batch", "n"], columns="phase",
-                           values="cell", aggfunc="first").reset_index()
-    table = table.rename(columns={"device_label": "device", "seq_len": "T", "batch": "B", "n": "rounds"})
+    for col in ("backend", "reference_backend"):  # a speedups.csv from before these columns: "?"
+        sp[col] = sp[col].fillna("?").astype(str) if col in sp else "?"
+    table = sp.pivot_table(index=["device_label", "variant", "backend", "reference", "reference_backend", "seq_len",
+                                  "batch", "n"], columns="phase", values="cell", aggfunc="first").reset_index()
+    table = table.rename(columns={"device_label": "device", "backend": "BPPSA backend",
+                                  "reference_backend": "baseline backend", "seq_len": "T", "batch": "B",
+                                  "n": "rounds"})
     best = sp[(sp["phase"] == "backward") & (sp["reference"] == "baseline") & sp["resolved"]]
     head = []
     for dev, g in best.groupby("device_label"):
@@ -68,22 +72,55 @@ def _speedups(results: Path, model: str) -> str:
         it = sp[(sp["device_label"] == dev) & (sp["phase"] == "iteration") & (sp["reference"] == "baseline")]
         ri = it.loc[it["speedup"].idxmax()]
         head.append(f"- {dev}: largest backward speedup {r.speedup:.3g}× [{r.ci_low:.3g}, {r.ci_high:.3g}] "
-                    f"({r.variant}, T={r.seq_len}, B={r.batch}); largest whole-iteration speedup {ri.speedup:.3g}× "
-                    f"[{ri.ci_low:.3g}, {ri.ci_high:.3g}] ({ri.variant}, T={ri.seq_len}, B={ri.batch})")
+                    f"({r.variant}, T={r.seq_len}, B={r.batch}; {_who(r)}); largest whole-iteration speedup "
+                    f"{ri.speedup:.3g}× [{ri.ci_low:.3g}, {ri.ci_high:.3g}] ({ri.variant}, T={ri.seq_len}, "
+                    f"B={ri.batch}; {_who(ri)})")
     flagged = sp[sp["noisy"] | ~sp["resolved"]]
     if len(flagged):
-        items = [f"{r.device_label} {r.variant} T={r.seq_len} B={r.batch} {r.phase}: "
+        items = [f"{r.device_label} {r.variant} ({r.backend}) T={r.seq_len} B={r.batch} {r.phase}: "
                  + ("not resolved (the nobp difference is within the noise)" if not r.resolved else
                     f"{r.speedup:.3g} [{r.ci_low:.3g}, {r.ci_high:.3g}]") for r in flagged.itertuples()]
         noisy = f"**Noisy or not resolved ({len(flagged)} of {len(sp)}):** " + "; ".join(items) + "."
     else:
         noisy = f"No speedup is flagged noisy or unresolved ({len(sp)} measured)."
     return ("\n".join(head) + "\n\nSpeedups are medians of the paired per-round ratios baseline/BPPSA with their 95 % "
-            "confidence intervals; the headline uses the reference `baseline` (cuDNN's default algorithm on a GPU; "
+            "confidence intervals, each measured by the BPPSA backend and against the baseline backend its row names "
+            "(`autograd`: eager PyTorch on a CPU; `cudnn`: cuDNN's RNN on a GPU); the headline uses the reference "
+            "`baseline` (cuDNN's default algorithm on a GPU; "
             "`baseline-packed` rows, where present, compare with the per-step algorithm the paper had). "
             "`backward` includes BPPSA's Jacobian generation; `backward-excl-FO` leaves it out (as the paper's GRU "
             "numbers do); `backward-nobp` is the paper's subtraction. Paper: see `claims.md`.\n\n"
             + noisy + "\n\n" + _md(table))
+
+
+def _who(r) -> str:
+    return f"BPPSA backend {r.backend} vs baseline {r.reference_backend}"
+
+
+def _curves(results: Path) -> str:
+    """Per training curve (Fig 7, Fig 13): the largest per-epoch loss difference from the baseline's, per dtype."""
+    from .claims import curve_differences
+
+    rows = []
+    for label, folder in device_dirs(results):
+        for model in ("rnn", "gru"):
+            files = sorted((folder / model).glob("curve_*.csv")) if (folder / model).is_dir() else []
+            frames = [f for f in (pd.read_csv(p) for p in files) if len(f)]
+            if not frames:
+                continue
+            c = pd.concat(frames, ignore_index=True)
+            for (T, dt, var), d in curve_differences(c).groupby(["seq_len", "dtype", "variant"]):
+                d = d.sort_values("epoch")
+                last = d.iloc[-1]
+                rows.append({"device": label, "model": model, "T": T, "dtype": dt, "variant": var,
+                             "BPPSA backend": last["backend"], "baseline backend": last["reference_backend"],
+                             "epochs": len(d), "largest loss difference": float(d["rel"].max()),
+                             "at epoch 1": float(d["rel"].iloc[0]),
+                             "wall-clock baseline/BPPSA": last["baseline_wall_clock_s"] / last["wall_clock_s"]})
+    if not rows:
+        return "No training curves."
+    return ("Relative per-epoch loss difference |BPPSA − baseline| / baseline, same initial weights and batch order "
+            "(the verdicts: `claims.md`):\n\n" + _md(pd.DataFrame(rows), "{:.3g}"))
 
 
 def _speed(results: Path) -> str:
@@ -117,6 +154,7 @@ def build(results: str | Path = "results") -> str:
            _section("RNN (Fig 8)", _speedups(results, "rnn")),
            _section("RNN backward on the CPU (speed benchmark)", _speed(results))]
     out.append(_section("GRU (Fig 9)", _speedups(results, "gru")))
+    out.append(_section("Training curves (Fig 7, Fig 13)", _curves(results)))
     table1 = results / "table_1_last_column.txt"
     out.append(_section("Table 1", "```\n" + table1.read_text().strip() + "\n```" if table1.exists() else "Not run."))
     vgg = []

@@ -1,9 +1,11 @@
 """One tidy summary per model: latencies and speedups with confidence intervals, from the bench CSVs.
 
 ``latency.csv``: per (variant, T, B, mode, phase) the median seconds with its CI, the IQR, and the
-mean and std (for comparison with the paper's tables, which report mean +- std).
+mean and std (for comparison with the paper's tables, which report mean +- std), and the ``backend``
+that ran the variant (autograd/cudnn for a baseline, the BPPSA backend otherwise).
 ``speedups.csv``: per (BPPSA variant, T, B, phase) the median of the paired per-round ratios
-reference/variant with its CI.  Phases:
+reference/variant with its CI, with the ``backend`` of the variant and the ``reference_backend`` of the
+baseline it is compared with.  Phases:
 
 - ``backward``: the paper's backward, BPPSA's including its Jacobian generation;
 - ``backward-excl-FO``: backward pass and optimizer step without BPPSA's Jacobian generation (the
@@ -55,15 +57,17 @@ def latency(bench: pd.DataFrame) -> pd.DataFrame:
     rounds = per_round(bench)
     noisy = bench.groupby(CONFIG + ["variant", "mode"])["noisy"].first()
     conf = bench.groupby(CONFIG)["conf"].first()
+    backend = bench.groupby(CONFIG + ["variant"])["backend"].first() if "backend" in bench else None
     rows = []
     for key, g in rounds.groupby(CONFIG + ["variant", "mode"]):
         c = float(conf[key[:len(CONFIG)]])
+        which = {} if backend is None else {"backend": backend[key[:-1]]}
         for phase in LATENCY_PHASES:
             x = g[phase].dropna().to_numpy()
             if x.size == 0 or (phase == "jacobian" and not x.any()):
                 continue
             med, lo, hi = median_ci(x, c)
-            rows.append({**dict(zip(CONFIG + ["variant", "mode"], key)), "phase": phase, "median": med,
+            rows.append({**dict(zip(CONFIG + ["variant", "mode"], key)), **which, "phase": phase, "median": med,
                          "ci_low": lo, "ci_high": hi, "q1": float(np.quantile(x, 0.25)),
                          "q3": float(np.quantile(x, 0.75)), "mean": float(x.mean()),
                          "std": float(x.std(ddof=1)) if x.size > 1 else math.nan, "n": int(x.size),

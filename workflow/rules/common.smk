@@ -75,15 +75,21 @@ def job_resources(kind):
     return res
 
 
-def runtime_args():
+def runtime_args(dtype=None):
     """The CLI flags every measuring command gets: device, folder, dtype, profile and seed.
 
     --results-dir makes the job check that it sees the hardware the folder was claimed for.
+    ``dtype`` overrides the configured one (Fig 7's curves in rnn.curves.also_dtypes).
     """
     return (
         f"--device {config['device']} --device-slug {DEVICE} --results-dir {RESULTS} "
-        f"--dtype {config['dtype']} --profile {PROFILE} --seed {config['seed']}"
+        f"--dtype {dtype or config['dtype']} --profile {PROFILE} --seed {config['seed']}"
     )
+
+
+def get_runtime_args_in_dtype(wildcards):
+    """runtime_args() in the precision the {dtype} wildcard names."""
+    return runtime_args(wildcards.dtype)
 
 
 def L_m_arg(value):
@@ -144,10 +150,18 @@ def get_gru_summaries():
     return [f"{GRU_DIR}/speedups.csv", f"{GRU_DIR}/latency.csv"]
 
 
+def get_rnn_extra_dtypes():
+    """Precisions Fig 7's curves are trained in besides the workflow's dtype (rnn.curves.also_dtypes)."""
+    return [d for d in RNN["curves"].get("also_dtypes", []) if d != config["dtype"]]
+
+
 def get_rnn_curves():
-    return [
-        f"{RNN_DIR}/curve_{v}.csv" for v in RNN_VARIANTS[:2]
-    ]  # the first layout trains the curves
+    """Fig 7: baseline and BPPSA (the first layout) in the workflow's dtype, curve_<variant>.csv, and in
+    each extra precision, curve_<variant>_<dtype>.csv."""
+    variants = RNN_VARIANTS[:2]
+    return [f"{RNN_DIR}/curve_{v}.csv" for v in variants] + [
+        f"{RNN_DIR}/curve_{v}_{d}.csv" for d in get_rnn_extra_dtypes() for v in variants
+    ]
 
 
 def get_gru_curves():

@@ -87,3 +87,14 @@ rule train_rnn:
         "bppsa train --model rnn --data {input.data} {params.method} "
         "--backend {params.backend} --L-m {params.L_m} --batch {params.batch} --hidden {params.hidden} "
         "--epochs {params.epochs} --lr {params.lr} --threads {threads} {params.args} --out {output} 2> {log}"
+
+
+# Fig 7's curves again in another precision (rnn.curves.also_dtypes): in float64 exact gradients keep the two
+# curves together far longer, which tells float32 round-off amplified by training from a wrong gradient.
+use rule train_rnn as train_rnn_in_dtype with:
+    output:
+        f"{RNN_DIR}/curve_{{variant}}_{{dtype}}.csv",
+    log:
+        "logs/train_rnn/{variant}_{dtype}.log",
+    params:
+        args=get_runtime_args_in_dtype,

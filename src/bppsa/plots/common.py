@@ -1,6 +1,8 @@
-"""Shared figure conventions: one colour per device, one line style per method, provenance in the title."""
+"""Shared figure conventions: one colour per device, one line style per method, provenance in the title,
+the backend that measured each line in its legend entry, and log axes labelled in plain numbers."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
@@ -12,10 +14,95 @@ from ..io import atomic_path  # noqa: E402
 
 VARIANT_STYLE = {"baseline": dict(ls="--", marker="s"), "baseline-packed": dict(ls=":", marker="D"),
                  "bppsa-fused": dict(ls="-", marker="o"), "bppsa-paper": dict(ls="-.", marker="^")}
-VARIANT_NAME = {"baseline": "baseline (autograd/cuDNN)",
-                "baseline-packed": "baseline, packed (cuDNN per-step, the paper's)",
+VARIANT_NAME = {"baseline": "baseline", "baseline-packed": "baseline, packed (per-step, the paper's)",
                 "bppsa-fused": "BPPSA (fused Jacobians)", "bppsa-paper": "BPPSA (paper's two Jacobians per step)"}
 PROTOCOL_NOTE = "median, 95 % CI error bars; hollow = noisy"
+
+
+def backends_of(df, where=None, column: str = "backend") -> str:
+    """The backend(s) a table's rows were measured with, as written in its ``backend`` column ("" if none:
+    a CSV from before the column existed)."""
+    if column not in df:
+        return ""
+    d = df if where is None else df[where]
+    names = sorted({str(v) for v in d[column].dropna() if str(v)})
+    return "/".join(names)
+
+
+def variant_label(var: str, backend: str = "") -> str:
+    """A legend entry for a variant, naming the backend that measured it: 'baseline (autograd)',
+    'BPPSA (fused Jacobians), backend torch'."""
+    name = VARIANT_NAME.get(var, var)
+    if not backend:
+        return name
+    return f"{name} ({backend})" if var.startswith("baseline") else f"{name}, backend {backend}"
+
+
+def variant_backends(df, key: str = "variant") -> dict[str, str]:
+    """variant -> its backend(s), from a table with ``variant`` and ``backend`` columns."""
+    if "backend" not in df or key not in df:
+        return {}
+    return {v: backends_of(g) for v, g in df.groupby(key)}
+
+
+# -- log axes in plain numbers -------------------------------------------------------------------------
+# mantissas per decade, sparsest first; the first that gives at least MIN_TICKS ticks in range is used
+_MANTISSAS = ((1, 2, 5), (1, 1.5, 2, 3, 5, 7), (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9))
+MIN_TICKS = 3
+MAX_TICKS = 9
+
+
+def nice_log_ticks(lo: float, hi: float) -> list[float]:
+    """Ticks of a log axis from ``lo`` to ``hi``: 1-2-5 numbers (0.5, 1, 2, 5, 10, 20, ...), denser on a short
+    range, sparser (1, 10, 100 ...) on a long one; only values inside [lo, hi]."""
+    if not (lo > 0 and hi > lo and math.isfinite(lo) and math.isfinite(hi)):
+        return []
+    decades = range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+
+    def inside(mantissas):
+        return [float(f"{m * 10.0 ** e:.12g}") for e in decades for m in mantissas if lo <= m * 10.0 ** e <= hi]
+
+    ticks = []
+    for mantissas in _MANTISSAS:
+        ticks = inside(mantissas)
+        if len(ticks) >= MIN_TICKS:
+            break
+    step = 1
+    while len(ticks) > MAX_TICKS:  # a range over many decades: 1, 10, 100 ..., then every other decade ...
+        ticks = [t for t in inside((1,)) if round(math.log10(t)) % step == 0]
+        step += 1
+    return ticks
+
+
+def plain_number(value: float, unit: str = "") -> str:
+    """0.5 -> '0.5×', 10 -> '10×', 1500 -> '1500×': never '5 × 10⁻¹'."""
+    text = f"{value:.6g}"
+    if "e" in text:
+        text = f"{value:.12f}".rstrip("0").rstrip(".")
+    return text + unit
+
+
+def plain_log_axis(ax, axis: str = "y", unit: str = "×") -> list[float]:
+    """Label a log axis in plain numbers at ticks inside its current (data) range; call after plotting.
+
+    Major ticks at ``nice_log_ticks``; the minor ticks stay (for the grid) but carry no labels, so matplotlib's
+    '6 × 10⁻¹' minor labels never appear.  Returns the ticks.
+    """
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
+
+    which = ax.yaxis if axis == "y" else ax.xaxis
+    lo, hi = sorted(ax.get_ylim() if axis == "y" else ax.get_xlim())
+    ticks = nice_log_ticks(lo, hi)
+    if len(ticks) < 2 and lo > 0:  # a range too short for two ticks (0.95 to 1.05): widen it to the next ones
+        fine = nice_log_ticks(lo / 10, hi * 10)
+        lo, hi = max([t for t in fine if t <= lo], default=lo), min([t for t in fine if t >= hi], default=hi)
+        ticks = nice_log_ticks(lo, hi)
+    which.set_major_locator(FixedLocator(ticks))
+    which.set_major_formatter(FuncFormatter(lambda v, _pos: plain_number(v, unit)))
+    which.set_minor_locator(LogLocator(base=10, subs=tuple(range(1, 10))))
+    which.set_minor_formatter(NullFormatter())
+    (ax.set_ylim if axis == "y" else ax.set_xlim)(lo, hi)  # the fixed ticks must not widen the range
+    return ticks
 
 
 def errorbar(ax, x, med, lo, hi, noisy, *, color, label=None, marker="o", ls="-", scale=1.0, **kw):

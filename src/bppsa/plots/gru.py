@@ -1,6 +1,7 @@
 """Fig 9 (GRU runtime breakdown per MFCC set and batch size) and Fig 13 (GRU training curves)."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -12,7 +13,17 @@ from .. import paper
 from ..data.irmas import MFCC_SETS
 from ..io import write_csv
 from ..results import load_all
-from .common import PROTOCOL_NOTE, VARIANT_NAME, VARIANT_STYLE, device_colors, errorbar, provenance, save, variant
+from .common import (
+    PROTOCOL_NOTE,
+    VARIANT_STYLE,
+    backends_of,
+    device_colors,
+    errorbar,
+    provenance,
+    save,
+    variant,
+    variant_label,
+)
 
 SET_OF_FRAMES = {s.frames: name.upper() for name, s in MFCC_SETS.items()}
 SET_ORDER = [n.upper() for n in MFCC_SETS]
@@ -63,12 +74,40 @@ def breakdown(lat: pd.DataFrame, sp: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values(["device_label", "set_rank", "seq_len", "batch"]).reset_index(drop=True)
 
 
+def _speedup_label(r) -> str:
+    """The text above a configuration's bars: both speedups with their intervals, a '*' where noisy."""
+    def one(name, key):
+        star = "*" if r[f"{key}_noisy"] else ""
+        return (f"{name} {r[key]:.3g}×{star}\n[{r[f'{key}_low']:.3g}, {r[f'{key}_high']:.3g}]")
+
+    return one("bwd", "bp_speedup") + "\n" + one("all", "overall_speedup")
+
+
+LABEL_FONTSIZE = 6.5
+
+
+def _fit_labels(ax, anchors) -> None:
+    """Raise the y-limit until every label (drawn above its anchor) ends below the top of the axes."""
+    fig = ax.figure
+    fig.canvas.draw()
+    height_px = ax.get_window_extent().height
+    y0, y1 = ax.get_ylim()
+    need = y1
+    for text, anchor in anchors:
+        h = text.get_window_extent().height + 4  # the label and its offset, in pixels
+        if h < height_px:
+            need = max(need, y0 + (anchor - y0) * height_px / (height_px - h))
+    ax.set_ylim(y0, need * 1.02)
+
+
 def fig_9(lat: pd.DataFrame, sp: pd.DataFrame, out: str | Path) -> pd.DataFrame:
     d = breakdown(lat, sp)
     devices = sorted(d["device_label"].unique(), key=lambda v: ("reference" in v, v))
-    fig, axes = plt.subplots(len(devices), 1, figsize=(max(9.0, 0.9 * d.groupby("device_label").size().max() + 2),
-                                                       3.8 * len(devices)), squeeze=False)
+    n_max = int(d.groupby("device_label").size().max())
+    fig, axes = plt.subplots(len(devices), 1, figsize=(max(8.0, 1.05 * n_max + 3.2), 4.6 * len(devices)),
+                             squeeze=False)
     width = 0.38
+    fitted = []
     for ax, dev in zip(axes[:, 0], devices):
         g = d[d["device_label"] == dev].reset_index(drop=True)
         x = np.arange(len(g))
@@ -76,6 +115,7 @@ def fig_9(lat: pd.DataFrame, sp: pd.DataFrame, out: str | Path) -> pd.DataFrame:
         stacks = {"baseline": [("FP", g["base_FP"]), ("BP", g["base_BP"])],
                   "bppsa": [("FP", g["FP"]), ("FO", g["FO"]), ("BPPSA", g["BPPSA"])]}
         iters = {"baseline": "base", "bppsa": "bppsa"}
+        tops = np.zeros(len(g))
         for j, (method, segs) in enumerate(stacks.items()):
             pos = x + (j - 0.5) * width
             bottom = np.zeros(len(g))
@@ -88,32 +128,42 @@ def fig_9(lat: pd.DataFrame, sp: pd.DataFrame, out: str | Path) -> pd.DataFrame:
             # the whole iteration's median and 95 % CI (the phases' medians need not add up to it exactly)
             errorbar(ax, pos, g[f"{w}_iter"] / norm, g[f"{w}_iter_low"] / norm, g[f"{w}_iter_high"] / norm,
                      g[f"{w}_noisy"], color="k", ls="none", marker="_")
-            if method == "bppsa":
-                tops = np.maximum(bottom, g["bppsa_iter_high"].to_numpy() / norm)
-                for xi, top, (_, r) in zip(pos, tops, g.iterrows()):
-                    ax.annotate(f"bwd {r.bp_speedup:.3g}× [{r.bp_speedup_low:.3g}, {r.bp_speedup_high:.3g}]"
-                                f"{' noisy' if r.bp_speedup_noisy else ''}\nall {r.overall_speedup:.3g}× "
-                                f"[{r.overall_speedup_low:.3g}, {r.overall_speedup_high:.3g}]"
-                                f"{' noisy' if r.overall_speedup_noisy else ''}", (xi, top), xytext=(0, 2),
-                                textcoords="offset points", ha="center", va="bottom", fontsize=5)
+            tops = np.maximum(tops, np.maximum(bottom, g[f"{w}_iter_high"].to_numpy() / norm))
+        # one label per configuration, centred above the taller of its two bars: never on a bar, and a
+        # configuration's width apart from the next
+        labels = [(ax.annotate(_speedup_label(r), (xi, top), xytext=(0, 3), textcoords="offset points", ha="center",
+                               va="bottom", fontsize=LABEL_FONTSIZE, linespacing=1.1), top)
+                  for xi, top, (_, r) in zip(x, tops, g.iterrows())]
         ax.axhline(1.0, color="k", lw=0.6, ls=":")
         ax.set_xticks(x)
         ax.set_xticklabels([f"{s}\nB={b}" for s, b in zip(g["set"], g["batch"])], fontsize=8)
-        ax.set_xlabel("MFCC set (S: T=259, M: T=517, L: T=1034) and batch size B"
-                      "   (left bar: baseline, hatched; right bar: BPPSA)", fontsize=8)
+        ax.set_xlim(-0.6, len(g) - 0.4)
+        ax.set_xlabel("MFCC set (S: T=259, M: T=517, L: T=1034) and batch size B", fontsize=8)
         ax.set_ylabel("time per iteration /\nbaseline (FP + BP)")
-        ax.set_ylim(0, max(1.35, float(ax.get_ylim()[1]) * 1.18))  # room for the legend and speedup labels
+        ax.set_ylim(0, max(1.1, float(tops.max()) * 1.05))
         ax.set_title(dev, fontsize=9)
         handles = [Patch(facecolor=c, edgecolor="k", label=n) for n, c in SEGMENTS.items()]
-        ax.legend(handles=handles, fontsize=7, ncol=4, loc="upper left")
+        sub_sp = sp[(sp["device_label"] == dev) & (sp["reference"] == "baseline")]
+        ref_be, be = backends_of(sub_sp, column="reference_backend"), backends_of(sub_sp)
+        handles += [Patch(facecolor="white", edgecolor="k", hatch="//",
+                          label="left: baseline" + (f" ({ref_be})" if ref_be else "")),
+                    Patch(facecolor="white", edgecolor="k", label="right: BPPSA" + (f", backend {be}" if be else ""))]
+        ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0)
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle("GRU runtime breakdown per iteration (Fig 9), normalised by the baseline's FP + BP\n"
-                 "FP forward · FO Jacobian overhead · BP baseline backward · BPPSA scan backward "
-                 "(BP and BPPSA include the optimizer step)\n"
-                 "labels: BPPSA speedup [95 % CI], medians of paired per-round ratios; bwd = BP / BPPSA (excluding FO, "
-                 f"like the paper's {paper.GRU_MAX_BACKWARD.value:g}×), all = whole iteration\n"
-                 + provenance(lat, f"bars: medians of each phase; black: {PROTOCOL_NOTE}; "
-                                   f"n = {int(d['n'].min())}–{int(d['n'].max())} rounds"), fontsize=8)
+        fitted.append((ax, labels))
+    caption = ["GRU runtime breakdown per iteration (Fig 9), normalised by the baseline's FP + BP",
+               "FP forward · FO Jacobian overhead · BP baseline backward · BPPSA scan backward "
+               "(BP and BPPSA include the optimizer step)",
+               "above the bars: BPPSA speedup [95 % CI], medians of paired per-round ratios (* noisy); "
+               f"bwd = BP / BPPSA (excluding FO, like the paper's {paper.GRU_MAX_BACKWARD.value:g}×), "
+               "all = whole iteration",
+               provenance(lat, f"bars: medians of each phase; black: {PROTOCOL_NOTE}; "
+                               f"n = {int(d['n'].min())}–{int(d['n'].max())} rounds")]
+    chars = int(fig.get_figwidth() * 15)  # ~15 characters of 8 pt text per inch: a narrow figure wraps its caption
+    fig.suptitle("\n".join(textwrap.fill(line, chars) for line in caption), fontsize=8)
+    fig.tight_layout()  # the final layout first: the labels' room depends on the axes' height
+    for ax, labels in fitted:
+        _fit_labels(ax, labels)
     save(fig, out)
     return d
 
@@ -131,7 +181,7 @@ def fig_13(curves: pd.DataFrame, out: str | Path) -> None:
             g = g.sort_values("epoch")
             style = VARIANT_STYLE.get(var, dict(ls="-", marker="o"))
             ax.plot(g["wall_clock_s"], g["loss"], color=colors[dev], ls=style["ls"], marker=style["marker"], ms=3,
-                    label=f"{VARIANT_NAME.get(var, var)} · {dev}")
+                    label=f"{variant_label(var, backends_of(g))} · {dev}")
         spec = MFCC_SETS.get(name.lower())
         ax.set_title(f"set {name} ({spec.frames} frames × {spec.features} features)" if spec else f"set {name}",
                      fontsize=9)

@@ -10,7 +10,19 @@ import pandas as pd
 from matplotlib.patches import Patch
 
 from ..results import load_all
-from .common import PROTOCOL_NOTE, VARIANT_NAME, VARIANT_STYLE, device_colors, errorbar, provenance, save, variant
+from .common import (
+    PROTOCOL_NOTE,
+    VARIANT_STYLE,
+    backends_of,
+    device_colors,
+    errorbar,
+    plain_log_axis,
+    provenance,
+    save,
+    variant,
+    variant_backends,
+    variant_label,
+)
 
 HATCH = {"baseline": "//", "baseline-packed": "\\\\", "bppsa-fused": "", "bppsa-paper": "xx"}
 PHASE_COLOR = {"forward": "#4c72b0", "jacobian": "#dd8452", "backward_pass": "#c44e52", "optimizer": "#8c8c8c"}
@@ -80,9 +92,10 @@ def fig_latency(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
     for (dev, var), g in d.groupby(["device_label", "variant"]):
         g = g.sort_values(axis)
         errorbar(ax, _x(g, axis), g["median"], g["ci_low"], g["ci_high"], g["noisy"], color=colors[dev],
-                 label=f"{VARIANT_NAME.get(var, var)} · {dev}", scale=1e3, **VARIANT_STYLE.get(var, {}))
+                 label=f"{variant_label(var, backends_of(g))} · {dev}", scale=1e3, **VARIANT_STYLE.get(var, {}))
     _xaxis(ax, d, axis)
     ax.set_yscale("log")
+    plain_log_axis(ax, "y", unit="")
     ax.set_ylabel("backward latency per iteration (ms)")
     other = "B" if axis == "seq_len" else "T"
     fixed_txt = ", ".join(f"{other}={v}" for v in sorted(set(fixed.values())))
@@ -104,19 +117,22 @@ def fig_speedup(sp: pd.DataFrame, axis: str, out: str | Path) -> None:
     fixed = _fixed_values(sp, axis)
     d = _sweep(sp, axis, fixed)
     colors = device_colors(sp["device_label"])
-    fig, ax = plt.subplots(figsize=(7.2, 5.0))
+    fig, ax = plt.subplots(figsize=(8.0, 6.4))
     for (dev, var, ref, phase), g in d.groupby(["device_label", "variant", "reference", "phase"]):
         g = g[g["resolved"]].sort_values(axis)
         if g.empty:
             continue
         ls, what = SPEEDUP_LINES[phase]
         vs = "" if ref == "baseline" else f" vs {ref}"
+        be, ref_be = backends_of(g), backends_of(g, column="reference_backend")
+        who = f" ({be or '?'} vs {ref_be or '?'})" if be or ref_be else ""
         errorbar(ax, _x(g, axis), g["speedup"], g["ci_low"], g["ci_high"], g["noisy"], color=colors[dev], ls=ls,
                  marker=VARIANT_STYLE.get(var, {}).get("marker", "o"), alpha=1.0 if phase == "backward" else 0.6,
-                 label=f"{what}, {var}{vs} · {dev}")
+                 label=f"{what}, {var}{vs}{who} · {dev}")
     ax.axhline(1.0, color="k", lw=0.8)
     _xaxis(ax, d, axis)
     ax.set_yscale("log")
+    plain_log_axis(ax, "y", unit="×")
     ax.set_ylabel("speedup of BPPSA over the baseline (×)")
     unresolved = d[~d["resolved"]]
     note = ""
@@ -126,7 +142,9 @@ def fig_speedup(sp: pd.DataFrame, axis: str, out: str | Path) -> None:
     ax.set_title("BPPSA speedup over the baseline: median of paired per-round ratios\n"
                  + provenance(d, f"{PROTOCOL_NOTE}, {_n_text(d)}") + note, fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6)
+    # below the axes: the lines fill the whole plot from 0.1x to 100x, wherever a legend inside would go
+    ax.legend(fontsize=6, title="what, variant (BPPSA's backend vs the baseline's) · device", title_fontsize=6,
+              loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     save(fig, out)
 
 
@@ -142,6 +160,7 @@ def fig_breakdown(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
         xs = sorted(d[d["device_label"] == dev][axis].unique(), reverse=(axis == "batch"))
         norm = {v: g.loc[("baseline", v, "iteration"), "median"] for v in xs}
         variants = _variants(d[d["device_label"] == dev])
+        backends = variant_backends(d[d["device_label"] == dev])
         width = 0.8 / len(variants)
         for j, var in enumerate(variants):
             pos = np.arange(len(xs)) + (j - (len(variants) - 1) / 2) * width
@@ -165,8 +184,8 @@ def fig_breakdown(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
         ax.set_title(dev, fontsize=9)
         handles = [Patch(facecolor=PHASE_COLOR[p], edgecolor="k", linewidth=0.4, label=PHASE_LABEL[p])
                    for p in BREAKDOWN]
-        handles += [Patch(facecolor="white", edgecolor="k", hatch=HATCH.get(v, ".."), label=VARIANT_NAME.get(v, v))
-                    for v in variants]
+        handles += [Patch(facecolor="white", edgecolor="k", hatch=HATCH.get(v, ".."),
+                          label=variant_label(v, backends.get(v, ""))) for v in variants]
         ax.legend(handles=handles, fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle("Runtime breakdown per iteration (median of each phase), normalised by the baseline's median "
@@ -175,28 +194,67 @@ def fig_breakdown(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
     save(fig, out)
 
 
+DTYPE_STYLE = {"float32": dict(lw=1.6, alpha=1.0, ms=3), "float64": dict(lw=0.9, alpha=0.75, ms=5, mfc="none")}
+
+
 def fig_7(curves: pd.DataFrame, out: str | Path) -> None:
-    colors = device_colors(curves["device_label"])
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.2))
+    """Loss and accuracy against wall-clock (the paper's Fig 7) in the workflow's precision, and the per-epoch loss
+    difference BPPSA vs baseline that claims.md judges, for every precision trained: Fig 7's curves trained in
+    float64 too (curve_<variant>_float64.csv) are drawn there, thin and hollow, so that float round-off amplified
+    by training can be told apart from a wrong gradient."""
+    from ..claims import CURVE_TOL, CURVE_TOL_FLOAT64, curve_differences
+
+    curves = curves.copy()
+    curves["dtype"] = curves["dtype"].fillna("?").astype(str) if "dtype" in curves else "?"
     curves = curves.assign(variant=variant(curves))
-    for (dev, var), g in curves.groupby(["device_label", "variant"]):
+    colors = device_colors(curves["device_label"])
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4.6))
+    # the least precise dtype is the workflow's (the twins are more precise); other dtypes only in the third panel
+    main = min(set(curves["dtype"]), key=lambda dt: (dt != "float32", dt != "float64", dt))
+    for (dev, var), g in curves[curves["dtype"] == main].groupby(["device_label", "variant"]):
         g = g.sort_values("epoch")
         style = dict(color=colors[dev], ls=VARIANT_STYLE[var]["ls"], marker=VARIANT_STYLE[var]["marker"], ms=3)
-        lab = f"{VARIANT_NAME[var]} · {dev}"
+        lab = f"{variant_label(var, backends_of(g))} · {dev}"
         a1.plot(g["wall_clock_s"], g["loss"], label=lab, **style)
         a2.plot(g["wall_clock_s"], g["accuracy"] * 100, label=lab, **style)
+    for dev, g in curves.groupby("device_label"):
+        for (dt, var), d in curve_differences(g).groupby(["dtype", "variant"]):
+            d = d.sort_values("epoch")
+            a3.plot(d["epoch"], d["rel"].clip(lower=1e-17), color=colors[dev], ls=VARIANT_STYLE[var]["ls"],
+                    marker=VARIANT_STYLE[var]["marker"], **DTYPE_STYLE.get(dt, DTYPE_STYLE["float32"]),
+                    label=f"{VARIANT_NAME_SHORT.get(var, var)} ({backends_of(d)}) vs baseline "
+                          f"({backends_of(d, column='reference_backend')}) · {dt} · {dev}")
     a1.set_ylabel("training loss (cross-entropy)")
     a2.set_ylabel("training accuracy (%)")
     for a in (a1, a2):
         a.set_xlabel("wall-clock training time (s)")
         a.grid(True, alpha=0.3)
-        a.legend(fontsize=7)
+        a.legend(fontsize=6)
+    a3.set_yscale("log")
+    for tol, dt in ((CURVE_TOL, "float32"), (CURVE_TOL_FLOAT64, "float64")):
+        if dt in set(curves["dtype"]):
+            a3.axhline(tol, color="k", lw=0.7, ls=":")
+            a3.annotate(f"claims.md tolerance, {dt}", (0.01, tol), xycoords=("axes fraction", "data"),
+                        xytext=(0, 2), textcoords="offset points", fontsize=6)
+    a3.set_xlabel("epoch")
+    a3.set_ylabel("|loss(BPPSA) − loss(baseline)| / loss(baseline)")
+    a3.set_title("per-epoch loss difference, same initial weights and batches\n(each precision against its own "
+                 "baseline; 0 drawn at 1e-17)", fontsize=8)
+    a3.xaxis.get_major_locator().set_params(integer=True)
+    a3.grid(True, which="major", alpha=0.3)
+    if a3.has_data():
+        a3.legend(fontsize=6)
     T, B = sorted(set(curves["seq_len"])), sorted(set(curves["batch"]))
     epochs = int(curves["epoch"].max())
-    fig.suptitle(f"RNN training curves, T={','.join(map(str, T))}, B={','.join(map(str, B))}, {epochs} epochs, "
-                 f"lr={','.join(f'{v:g}' for v in sorted(set(curves['lr'])))}\n"
+    others = sorted(set(curves["dtype"]) - {main})
+    twin = f" · right: also trained in {', '.join(others)} (thin, hollow)" if others else ""
+    fig.suptitle(f"RNN training curves (Fig 7), T={','.join(map(str, T))}, B={','.join(map(str, B))}, {epochs} "
+                 f"epochs, lr={','.join(f'{v:g}' for v in sorted(set(curves['lr'])))}, {main}{twin}\n"
                  + provenance(curves, "one point per epoch"), fontsize=8)
     save(fig, out)
+
+
+VARIANT_NAME_SHORT = {"bppsa-fused": "BPPSA fused", "bppsa-paper": "BPPSA paper"}
 
 
 def plot_all(results: str | Path, out_dir: str | Path) -> list[Path]:

@@ -10,7 +10,7 @@ from matplotlib import ticker
 from ..bench.scaling import BPPSA, crossovers, medians
 from ..bench.speed import AUTOGRAD, SEQUENTIAL
 from ..io import atomic_path
-from .common import plt
+from .common import backends_of, plain_log_axis, plt
 
 STYLE = {AUTOGRAD: dict(color="C0", marker="s", ls="--", label="autograd (eager)"),
          SEQUENTIAL: dict(color="C2", marker="^", ls=":", label="compiled sequential"),
@@ -21,18 +21,21 @@ def plot(df: pd.DataFrame, out) -> pd.DataFrame:
     """Render one column per (T, B): time (top) and speedup over 1 thread (bottom); returns the crossovers."""
     med = medians(df)
     cross = crossovers(med)
+    # the legend names the backend the CSV says ran BPPSA, not the one this code expects
+    be = backends_of(df, df["method"] == BPPSA) if "method" in df else ""
+    styles = {**STYLE, BPPSA: {**STYLE[BPPSA], "label": f"BPPSA (backend {be})" if be else "BPPSA"}}
     keys = sorted(med.groupby(["seq_len", "batch"]).groups)
     fig, axes = plt.subplots(2, len(keys), figsize=(4.2 * len(keys), 7), squeeze=False)
     for col, (T, B) in enumerate(keys):
         g = med[(med.seq_len == T) & (med.batch == B)]
         top, bot = axes[0, col], axes[1, col]
         pmax = int(g["threads"].max())
-        for method, style in STYLE.items():
+        for method, style in styles.items():
             m = g[g.method == method].sort_values("threads")
             if m.empty:
                 continue
             p, t = m["threads"].to_numpy(), m["median_s"].to_numpy()
-            top.errorbar(p, t, yerr=[t - m["ci_low"], m["ci_high"] - t], capsize=3, **style)
+            top.errorbar(p, t * 1e3, yerr=[(t - m["ci_low"]) * 1e3, (m["ci_high"] - t) * 1e3], capsize=3, **style)
             bot.plot(p, t[0] / t, **style)
         bp = g[g.method == BPPSA].sort_values("threads")
         c = cross[(cross.seq_len == T) & (cross.batch == B) & (cross.rival == SEQUENTIAL)]
@@ -46,18 +49,20 @@ def plot(df: pd.DataFrame, out) -> pd.DataFrame:
                 a, b, p_star = float(c.fit_a_s.iloc[0]), float(c.fit_b_s.iloc[0]), float(c.crossover_workers.iloc[0])
                 reach = int(min(max(p_star if math.isfinite(p_star) else pmax * 8, pmax) * 1.5, 4096))
                 pe = np.unique(np.geomspace(1, max(reach, 2), 60).round())
-                top.plot(pe, a / pe + b, color="C1", ls=(0, (1, 2)), label="BPPSA fit a/p + b (extrapolation)")
-                top.axhline(float(c.rival_best_s.iloc[0]), color="C2", alpha=0.4)
+                top.plot(pe, (a / pe + b) * 1e3, color="C1", ls=(0, (1, 2)), label="BPPSA fit a/p + b (extrapolation)")
+                top.axhline(float(c.rival_best_s.iloc[0]) * 1e3, color="C2", alpha=0.4)
                 if math.isfinite(p_star):
                     tag = "extrapolated" if bool(c.extrapolated.iloc[0]) else "measured"
                     top.axvline(p_star, color="k", ls="--", lw=0.8)
-                    top.annotate(f"overtakes compiled\nsequential at p≈{p_star:.0f}\n({tag})", (p_star, a / p_star + b),
+                    top.annotate(f"overtakes compiled\nsequential at p≈{p_star:.0f}\n({tag})",
+                                 (p_star, (a / p_star + b) * 1e3),
                                  textcoords="offset points", xytext=(-10, 25), ha="right", fontsize=8)
                 else:
                     top.text(0.02, 0.02, "never overtakes compiled sequential\n(fit: a/p + b, extrapolation)",
                              transform=top.transAxes, fontsize=8)
         top.set(xscale="log", yscale="log", title=f"T = {T}, B = {B}", xlabel="worker threads p",
-                ylabel="backward (s), median ± 95% CI")
+                ylabel="backward (ms), median ± 95% CI")
+        plain_log_axis(top, "y", unit="")
         bot.set(xscale="log", xlabel="worker threads p", ylabel="speedup over p = 1")
         bot.set_xticks([2 ** k for k in range(int(math.log2(max(pmax, 2) * 4)) + 1)])
         for ax in (top, bot):
@@ -67,7 +72,8 @@ def plot(df: pd.DataFrame, out) -> pd.DataFrame:
     axes[0, 0].legend(fontsize=7)
     axes[1, 0].legend(fontsize=7)
     dev = ", ".join(sorted(map(str, df["device"].unique()))) if "device" in df else "?"
-    fig.suptitle(f"Backward vs workers on {dev} (measured up to p = {int(med.threads.max())}; dotted: extrapolated)")
+    fig.suptitle(f"Backward vs workers on {dev}\n(measured up to p = {int(med.threads.max())}; dotted: extrapolated)",
+                 fontsize=10)  # two lines: one column of panels is narrower than the title
     fig.tight_layout()
     with atomic_path(out) as tmp:
         fig.savefig(tmp, dpi=120)
