@@ -103,8 +103,6 @@ def test_cpu_speed_claims_judge_paired_ratios_against_both_rivals(tmp_path):
                    "bound_s": 1e-3, "achieved_gflops": 100.0, "noisy": False}
                   for m, B, x in (("scan-cpu", 16, 1.5), ("scan-cpu-chain", 16, 2.5), ("scan-cpu-chain", 1, 7.0))]
                  ).to_csv(folder / "roofline.csv", index=False)
-    from bppsa.claims import cpu_speed_claims
-
     gru = tmp_path / "cpu" / "gru"
     gru.mkdir()
     pd.DataFrame([{"method": "scan-cpu-chain", "seq_len": 1034, "batch": 16, "x_bound": 2.5, "bound": "compute",
