@@ -3,9 +3,10 @@
 A backend provides these operations, on torch tensors in the layout of :mod:`bppsa.scan`:
 
 * ``scan(g, J, L_m=None)``: the exclusive scan (a backend may overwrite ``J`` as workspace);
-* ``rnn_jacobians_t(h, W_hh, layout, x=None)``, ``gru_jacobians_t(gates, W_hh, x=None)``: the
+* ``rnn_jacobians_t(h, W_hh, layout, x=None)``, ``gru_jacobians_t(x, h, cell, gates=None)``: the
   transposed Jacobians of a tanh RNN or a GRU in scan order (dense ``[n, B, H, H]``, or a chain kept as
-  its factors, which also keeps the inputs ``x`` for the parameter gradients);
+  its factors, which also keeps the inputs ``x`` for the parameter gradients; ``gates()`` gives the
+  GRU's recomputed gates to a backend that builds from them);
 * ``cell_grads(g, J, L_m, from_scan)``: the cell's parameter gradients, ``from_scan(scan(g, J, L_m))``
   unless the backend accumulates them as it scans;
 
@@ -43,9 +44,11 @@ class TorchBackend:
         shape = (_rec.num_jacobians(T, layout), B, H, H)
         return _rec.rnn_jacobians_t(h, W_hh, layout, out=self.workspace.get(("jacobians", layout), shape, h))
 
-    def gru_jacobians_t(self, gates, W_hh: torch.Tensor, x=None) -> torch.Tensor:
-        T, B, H = gates.r.shape
-        return _gru.gru_jacobians_t(gates, W_hh, out=self.workspace.get(("jacobians", "gru"), (T, B, H, H), gates.r))
+    def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates=None) -> torch.Tensor:
+        g = gates() if gates is not None else _gru.gru_gates(x, h, cell.weight_ih_l0, cell.weight_hh_l0,
+                                                             cell.bias_ih_l0, cell.bias_hh_l0)
+        T, B, H = h.shape
+        return _gru.gru_jacobians_t(g, cell.weight_hh_l0, out=self.workspace.get(("jacobians", "gru"), (T, B, H, H), h))
 
     def cell_grads(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None, from_scan) -> dict:
         return from_scan(self.scan(g, J, L_m))

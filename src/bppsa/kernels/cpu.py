@@ -264,25 +264,26 @@ class GruChain(FactoredChain):
         super().__init__(W_hh, W_hh.detach().view(3, H, H).transpose(1, 2), f, f.shape[0], I)
 
     @classmethod
-    def from_gates(cls, gates, W_hh: torch.Tensor, x: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None) -> GruChain:
-        """From :class:`bppsa.jacobians.gru.Gates` (time order) and the inputs ``x`` (None: the scan only)."""
-        T, B, H = gates.r.shape
-        I = 0 if x is None else x.shape[2]
-        f = _factor_buffer(gates.r, 6 * H + I, out)
-        r, z, n, hp = (t.contiguous() for t in (gates.r, gates.z, gates.n, gates.hp))
-        if native.available() and native.library("gru", H, I, 1, r.dtype) is not None:
-            xc = (x if x is not None else r[:, :, :0]).detach().contiguous()
-            _parallel(lambda a, b: native.gru_factors(r, z, n, gates.M, hp, xc, f, a, b), T,
-                      FACTOR_FLOP * B * f.shape[1])
-        else:
-            e = (1 - z) * (1 - n * n)
-            for i, t in enumerate((e * gates.M * r * (1 - r), (hp - n) * z * (1 - z), e * r, z, e)):
-                f[:, i * H:(i + 1) * H].copy_(t.flip(0).permute(0, 2, 1))
-            if I:
-                f[:, 5 * H:5 * H + I].copy_(x.flip(0).permute(0, 2, 1))
-            f[:, 5 * H + I:].copy_(hp.flip(0).permute(0, 2, 1))
-        return cls(W_hh, f, I)
+    def from_states(cls, x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor | None = None) -> GruChain:
+        """From the forward's inputs ``x`` and states ``h`` (time order) and ``cell`` (its torch.nn.GRU): the
+        gates recomputed and the factors written in one compiled pass (:func:`bppsa.kernels.native.gru_factors`),
+        or by torch without the kernel; ``out``: a [T, 6H + I, B] buffer, used where its shape fits."""
+        T, B, H = h.shape
+        I = x.shape[2]
+        f = _factor_buffer(h, 6 * H + I, out)
+        h, x = h.detach().contiguous(), x.detach().contiguous()
+        if native.available() and native.library("gru", H, I, 1, h.dtype) is not None:
+            _parallel(lambda a, b: native.gru_factors(x, h, cell, f, a, b), T, FACTOR_FLOP * B * f.shape[1])
+            return cls(cell.weight_hh_l0, f, I)
+        from ..jacobians.gru import gru_gates
+
+        c = cell
+        g = gru_gates(x, h, c.weight_ih_l0, c.weight_hh_l0, c.bias_ih_l0, c.bias_hh_l0)
+        e = (1 - g.z) * (1 - g.n * g.n)
+        for i, t in enumerate((e * g.M * g.r * (1 - g.r), (g.hp - g.n) * g.z * (1 - g.z), e * g.r, g.z, e)):
+            f[:, i * H:(i + 1) * H].copy_(t.flip(0).permute(0, 2, 1))
+        FactoredChain._fill(f, 5, H, x, h)
+        return cls(cell.weight_hh_l0, f, I)
 
     def dense(self) -> torch.Tensor:
         c = [self.lanes(i).permute(0, 2, 1).unsqueeze(-2) for i in range(4)]  # [T, B, 1, H]: column scalings
@@ -374,15 +375,20 @@ def _native_chain_scan(g: torch.Tensor, chain: FactoredChain, L: int, ws: _scan.
     """The scan over a :class:`FactoredChain` by the compiled kernel (:mod:`.native`); None where it is
     unavailable.  ``grads``: instead of the scan, the cell's parameter gradients (a dict), accumulated by
     the kernel as the prefixes come out (the chain must have been built with x).  Lane slices as wide as
-    one vector register; with at least one slice per thread (or ``split`` "slices": slices as narrow as
-    it takes to give every thread one) the threads take whole slices (one hand-off per scan), otherwise
+    one vector register; where every thread gets a slice of at least 32 bytes of lanes or a single batch
+    element (or ``split`` is "slices") the threads take whole slices (one hand-off per scan), otherwise
     ("blocks") they split each slice's blocks in the up phase and, where it carries enough work, the
     down phase."""
     n, B, H, _ = chain.shape
     min_flop = KERNEL_SPEEDUP * MIN_CHUNK_FLOP  # the same hand-off, repaid only by more of the kernel's FLOP
     p = _threads() if split == "slices" else min(_threads(), max(1, int(n * B * 2 * H ** 3 // min_flop)))
     vl = native.lane_width(chain.kind, g.dtype)
-    by_slice = split == "slices" or (split == "auto" and -(-B // vl) >= p)
+    # slices for every thread where each is at least 32 bytes of lanes, or one batch element (whose blocks
+    # then fill the lanes); narrower ones waste the vector units, so the threads split the blocks instead
+    # (measured on a 2-core Zen 4: e.g. B = 16 in two 8-lane slices 1.9 ms against 2.4 split by blocks,
+    # B = 8 split by blocks 1.35 against 1.8 in 4-lane slices, B = 2 one element each 0.53 against 1.5)
+    wide_enough = B <= p or B >= p * (32 // g.element_size())
+    by_slice = split == "slices" or (split == "auto" and wide_enough)
     groups = lane_slices(B, p if by_slice else 1, vl)
     if not native.available() or any(native.library(chain.kind, H, chain.I, w, g.dtype) is None
                                      for gr in groups for _, w in gr):
@@ -534,10 +540,12 @@ class CpuBackend(TorchBackend):
         cls = RnnChain if layout == "fused" else PaperChain
         return cls.from_states(h, W_hh, x, out=self.workspace.get(("factors", "rnn"), (T, rows, B), h))
 
-    def gru_jacobians_t(self, gates, W_hh: torch.Tensor, x: torch.Tensor | None = None):
-        T, B, H = gates.r.shape
-        rows = 6 * H + (0 if x is None else x.shape[2])
-        return GruChain.from_gates(gates, W_hh, x, out=self.workspace.get(("factors", "gru"), (T, rows, B), gates.r))
+    def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates=None):
+        if h.device.type != "cpu":
+            return super().gru_jacobians_t(x, h, cell, gates)
+        T, B, H = h.shape
+        out = self.workspace.get(("factors", "gru"), (T, 6 * H + x.shape[2], B), h)
+        return GruChain.from_states(x, h, cell, out=out)
 
     def scan(self, g: torch.Tensor, J, L_m: int | None = None) -> torch.Tensor:
         return blelloch_scan(g, J, self._L_m(L_m), self.workspace, self._split)

@@ -96,7 +96,8 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
     real = _REAL.get(dtype)
     if real is None:  # e.g. half precision: the numpy path takes it
         return None
-    defs = [f"-DKIND={kind}", f"-DHID={H}", f"-DINP={I}", f"-DLANES={lanes}", f"-DREAL={real}"]
+    defs = [f"-DKIND={kind}", f"-DHID={H}", f"-DINP={I}", f"-DLANES={lanes}", f"-DREAL={real}",
+            f"-DREALBITS={8 * dtype.itemsize}"]
     src = _source()
     key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS + defs).encode(), _compiler_id(cc).encode(),
                                      _cpu_id().encode()])).hexdigest()[:20]
@@ -114,7 +115,7 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
             os.replace(so_file, out)
     lib = ctypes.CDLL(str(out))
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-    factors = ({"gru_factors": [p, p, p, p, l, p, p, l, l, l, l, p]} if kind == KINDS["gru"]
+    factors = ({"gru_factors": [p, p, p, p, p, p, l, l, l, l, p]} if kind == KINDS["gru"]
                else {"rnn_factors": [p, p, l, l, l, l, p]})
     for name, args in {"chain_up": [p, p, l, l, l, i, i, l, l, p],
                        "chain_tree": [p, p, p, p, i, l, l, l, i, i, p, p],
@@ -167,16 +168,14 @@ def rnn_factors(h: torch.Tensor, x: torch.Tensor, out: torch.Tensor, k0: int, k1
     library("rnn", H, x.shape[2], 1, h.dtype).rnn_factors(h.data_ptr(), x.data_ptr(), T, B, k0, k1, out.data_ptr())
 
 
-def gru_factors(r, z, n, M, hp, x, out: torch.Tensor, k0: int, k1: int) -> None:
+def gru_factors(x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor, k0: int, k1: int) -> None:
     """``out`` [T, 5H + I + H, B] = the GRU's (c_r, c_z, c_n, z, e), x and h' in scan order and lane order
-    (steps k0 .. k1 - 1), from its gates (``r, z, n, hp`` contiguous [T, B, H]; ``M`` [T, B, H] with unit
-    column stride, rows M.stride(1) apart) and ``x`` [T, B, I] contiguous."""
-    T, B, H = r.shape
-    if M.stride(2) != 1 or M.stride(0) != B * M.stride(1):
-        raise ValueError("gru_factors: M must have rows of unit stride, evenly spaced")
-    library("gru", H, x.shape[2], 1, r.dtype).gru_factors(r.data_ptr(), z.data_ptr(), n.data_ptr(), M.data_ptr(),
-                                                           M.stride(1), hp.data_ptr(), x.data_ptr(), T, B, k0, k1,
-                                                           out.data_ptr())
+    (steps k0 .. k1 - 1), its gates recomputed from ``x`` [T, B, I] and ``h`` [T, B, H] (contiguous) and the
+    weights of ``cell`` (a one-layer torch.nn.GRU of their dtype)."""
+    T, B, H = h.shape
+    w = [t.detach().contiguous() for t in (cell.weight_ih_l0, cell.weight_hh_l0, cell.bias_ih_l0, cell.bias_hh_l0)]
+    library("gru", H, x.shape[2], 1, h.dtype).gru_factors(x.data_ptr(), h.data_ptr(), *(t.data_ptr() for t in w),
+                                                           T, B, k0, k1, out.data_ptr())
 
 
 class ChainScan:

@@ -32,7 +32,7 @@ class GRUClassifier(RecurrentClassifier):
 
     def jacobians_t(self, x, h, layout, backend):
         self._check_layout(layout)
-        return backend.gru_jacobians_t(self._gates_for(x, h), self.cell.weight_hh_l0, x)
+        return backend.gru_jacobians_t(x, h, self.cell, lambda: self._gates_for(x, h))
 
     def grads_from_scan(self, scan_out, x, h, layout):
         self._check_layout(layout)
