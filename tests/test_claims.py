@@ -96,9 +96,10 @@ def test_cpu_speed_claims_judge_paired_ratios_against_both_rivals(tmp_path):
     folder = tmp_path / "cpu" / "rnn"
     folder.mkdir(parents=True)
     pd.DataFrame(rows).to_csv(folder / "speed.csv", index=False)
-    pd.DataFrame([{"seq_len": 1000, "batch": 16, "rival": "sequential", "rival_best_s": 0.5, "fit_a_s": 2.0,
-                   "fit_b_s": 0.0, "crossover_workers": 4.0, "max_measured_workers": 2,
-                   "extrapolated": True}]).to_csv(folder / "scaling_crossover.csv", index=False)
+    pd.DataFrame([{"seq_len": 1000, "batch": 16, "rival": "sequential", "rival_best_s": 0.5, "bppsa_1_worker_s": 2.0,
+                   "fit_a_s": 2.0, "fit_b_s": 0.0, "crossover_workers": 4.0, "max_measured_workers": 2,
+                   "parallel_efficiency": 0.7, "extrapolated": True}]).to_csv(folder / "scaling_crossover.csv",
+                                                                              index=False)
     pd.DataFrame([{"method": m, "seq_len": 1000, "batch": B, "x_bound": x, "bound": "compute", "scan_s": 2e-3,
                    "bound_s": 1e-3, "achieved_gflops": 100.0, "noisy": False}
                   for m, B, x in (("scan-cpu", 16, 1.5), ("scan-cpu-chain", 16, 2.5), ("scan-cpu-chain", 1, 7.0))]
@@ -123,6 +124,7 @@ def test_cpu_speed_claims_judge_paired_ratios_against_both_rivals(tmp_path):
     assert "p >> H" in seq.reason and "loses on 2 thread(s)" in seq.reason  # said plainly
     cross = got["workers at which BPPSA's backward overtakes the compiled sequential one (RNN, T=1000, B=16)"]
     assert cross.verdict == "not measurable here" and "extrapolated" in cross.measured
+    assert "2 threads here reached 70% of that" in cross.reason
 
 
 def _curve(folder, name, method, dtype, rel, backend):

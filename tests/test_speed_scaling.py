@@ -104,9 +104,12 @@ def test_fit_and_crossover():
     p = np.array([1, 2, 4])
     a, b = scaling.fit(p, 8.0 / p + 1.0)
     assert (a, b) == (pytest.approx(8.0), pytest.approx(1.0))
-    assert scaling.crossover(a, b, 3.0) == pytest.approx(4.0)    # 8/4 + 1 = 3
-    assert scaling.crossover(a, b, 0.5) == math.inf               # below the serial part: never
-    assert scaling.crossover(a, b, 20.0) == 1.0
+    # the paper's model through the one-worker time: t1 (1/p + log2(p)/n)
+    assert scaling.brent_time(8.0, 1000, 4) == pytest.approx(8.0 * (0.25 + 2 / 1000))
+    p_star = scaling.crossover(8.0, 1000, 2.5)  # the first p with 8 (1/p + log2 p / 1000) <= 2.5
+    assert p_star == 4.0 and scaling.brent_time(8.0, 1000, 3) > 2.5
+    assert scaling.crossover(8.0, 1000, 0.05) == math.inf        # below the model's minimum: never
+    assert scaling.crossover(8.0, 1000, 20.0) == 1.0
     a, b = scaling.fit([1, 2], [1.0, 2.0])                        # slower with more threads: no scaling
     assert a == 0 and b > 0
     assert scaling.fit([1], [5.0]) == (5.0, 0.0)
@@ -121,8 +124,9 @@ def test_crossovers_prefer_measurement_and_label_extrapolation():
         dict(seq_len=1000, batch=1, method="autograd", threads=1, median_s=3.0),
         dict(seq_len=1000, batch=1, method="autograd", threads=2, median_s=3.1)])
     c = scaling.crossovers(med).set_index("rival")
-    # fit through (1, 4) and (2, 2.5): a = 3, b = 1; 3/p + 1 = 1.5 at p = 6
-    assert c.loc["sequential", "crossover_workers"] == pytest.approx(6.0) and c.loc["sequential", "extrapolated"]
+    # 4 (1/p + log2(p)/1000) <= 1.5 first at p = 3 (1.339; p = 2: 2.004): an extrapolation from the 1-worker time
+    assert c.loc["sequential", "crossover_workers"] == 3.0 and c.loc["sequential", "extrapolated"]
+    assert c.loc["sequential", "parallel_efficiency"] == pytest.approx(4.0 / (2 * 2.5))  # measured: 80 %
     assert c.loc["autograd", "crossover_workers"] == 2 and not c.loc["autograd", "extrapolated"]
 
 

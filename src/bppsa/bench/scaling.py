@@ -3,11 +3,13 @@ sequential rival (:mod:`.speed`), timed with 1, 2, ... p threads (:mod:`.protoco
 thread count).
 
 The paper's model: BPPSA's scan takes Θ(n/p + log p) steps on p workers, back-propagation Θ(n).
-:func:`fit` summarises the measurement per (T, B, method) by medians with intervals and fits
-``t(p) = a/p + b`` to BPPSA's medians (``a``: the work that spreads over workers, ``b``: what does
-not); :func:`crossover` solves ``a/p + b = t_seq`` for the number of workers at which BPPSA would
-overtake the compiled sequential backward.  Beyond the measured thread counts it is an
-*extrapolation* and is labelled as one.
+:func:`medians` summarises the measurement per (T, B, method) by medians with intervals.
+:func:`crossovers` takes BPPSA's measured one-worker time as its per-worker throughput and scales it
+by that model, ``t(p) = t_1 (1/p + log2(p)/n)`` (:func:`brent_time`: the work divided perfectly, plus
+the tree's depth), to find the workers at which BPPSA would overtake each rival's best measured time
+(:func:`crossover`).  Beyond the measured thread counts that is an *extrapolation*, labelled as one,
+beside what the measurement says about it: the measured parallel efficiency at the largest thread
+count, and the least-squares ``t(p) = a/p + b`` (:func:`fit`; ``b`` is what did not spread).
 """
 from __future__ import annotations
 
@@ -67,24 +69,38 @@ def fit(threads, seconds) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def crossover(a: float, b: float, t_rival: float) -> float:
-    """Workers at which a/p + b falls to t_rival (1 if already below at p = 1; inf if never)."""
-    if a + b <= t_rival:
+def brent_time(t1: float, n: int, p) -> float:
+    """The paper's Θ(n/p + log p) through a one-worker time: t1 (1/p + log2(p)/n)."""
+    return t1 * (1 / p + np.log2(p) / n)
+
+
+def crossover(t1: float, n: int, t_rival: float) -> float:
+    """The fewest workers p at which :func:`brent_time` reaches t_rival (1 if already at p = 1; inf if
+    never: the model's minimum, at p = n ln 2, is above it)."""
+    if t1 <= t_rival:
         return 1.0
-    if t_rival <= b:
+    lo, hi = 1, max(1, int(n * math.log(2)))
+    if brent_time(t1, n, hi) > t_rival:
         return math.inf
-    return a / (t_rival - b)
+    while hi - lo > 1:  # brent_time falls on [1, n ln 2]: the first p below t_rival
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if brent_time(t1, n, mid) <= t_rival else (mid, hi)
+    return float(hi)
 
 
 def crossovers(med: pd.DataFrame) -> pd.DataFrame:
-    """Per (seq_len, batch): the fit of BPPSA's medians and the workers needed to overtake each rival
-    at its best measured time (the sequential backward does not speed up with workers: Θ(n))."""
+    """Per (seq_len, batch) and rival: the workers BPPSA needs to overtake the rival's best measured time
+    (measured where it already did; else :func:`crossover` from its one-worker time, an extrapolation),
+    BPPSA's measured parallel efficiency at the most threads, and the a/p + b fit."""
     out = []
     measured = int(med["threads"].max())
     for (T, B), g in med.groupby(["seq_len", "batch"]):
         bp = g[g["method"] == BPPSA].sort_values("threads")
-        if bp.empty:
+        if bp.empty or 1 not in set(bp["threads"]):
             continue
+        t1 = float(bp.loc[bp["threads"] == 1, "median_s"].iloc[0])
+        top = bp.iloc[-1]
+        efficiency = t1 / (float(top["threads"]) * float(top["median_s"]))
         a, b = fit(bp["threads"], bp["median_s"])
         for rival in (SEQUENTIAL, AUTOGRAD):
             r = g[g["method"] == rival]
@@ -95,7 +111,8 @@ def crossovers(med: pd.DataFrame) -> pd.DataFrame:
             if not faster.empty:  # measured, no model needed
                 p_star, extrapolated = float(faster["threads"].min()), False
             else:
-                p_star, extrapolated = crossover(a, b, t_rival), True
-            out.append({"seq_len": T, "batch": B, "rival": rival, "rival_best_s": t_rival, "fit_a_s": a, "fit_b_s": b,
-                        "crossover_workers": p_star, "max_measured_workers": measured, "extrapolated": extrapolated})
+                p_star, extrapolated = crossover(t1, int(T), t_rival), True
+            out.append({"seq_len": T, "batch": B, "rival": rival, "rival_best_s": t_rival, "bppsa_1_worker_s": t1,
+                        "crossover_workers": p_star, "max_measured_workers": measured, "extrapolated": extrapolated,
+                        "parallel_efficiency": efficiency, "fit_a_s": a, "fit_b_s": b})
     return pd.DataFrame(out)

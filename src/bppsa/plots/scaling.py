@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 from matplotlib import ticker
 
-from ..bench.scaling import BPPSA, crossovers, medians
+from ..bench.scaling import BPPSA, brent_time, crossovers, medians
 from ..bench.speed import AUTOGRAD, SEQUENTIAL
 from ..io import atomic_path
 from .common import backends_of, plain_log_axis, plt
@@ -46,19 +46,20 @@ def plot(df: pd.DataFrame, out) -> pd.DataFrame:
             bot.plot(ps, 1 / shape, color="C1", alpha=0.35, lw=3, label="Θ(n/p + log p) (paper's scan)")
             bot.plot(ps, np.ones_like(ps), color="C0", alpha=0.35, lw=3, label="Θ(n) (back-propagation)")
             if not c.empty:
-                a, b, p_star = float(c.fit_a_s.iloc[0]), float(c.fit_b_s.iloc[0]), float(c.crossover_workers.iloc[0])
+                t1, p_star = float(c.bppsa_1_worker_s.iloc[0]), float(c.crossover_workers.iloc[0])
                 reach = int(min(max(p_star if math.isfinite(p_star) else pmax * 8, pmax) * 1.5, 4096))
                 pe = np.unique(np.geomspace(1, max(reach, 2), 60).round())
-                top.plot(pe, (a / pe + b) * 1e3, color="C1", ls=(0, (1, 2)), label="BPPSA fit a/p + b (extrapolation)")
+                top.plot(pe, brent_time(t1, T, pe) * 1e3, color="C1", ls=(0, (1, 2)),
+                         label="BPPSA, Θ(n/p + log p) from its 1-worker time (extrapolation)")
                 top.axhline(float(c.rival_best_s.iloc[0]) * 1e3, color="C2", alpha=0.4)
                 if math.isfinite(p_star):
                     tag = "extrapolated" if bool(c.extrapolated.iloc[0]) else "measured"
                     top.axvline(p_star, color="k", ls="--", lw=0.8)
                     top.annotate(f"overtakes compiled\nsequential at p≈{p_star:.0f}\n({tag})",
-                                 (p_star, (a / p_star + b) * 1e3),
+                                 (p_star, brent_time(t1, T, p_star) * 1e3),
                                  textcoords="offset points", xytext=(-10, 25), ha="right", fontsize=8)
                 else:
-                    top.text(0.02, 0.02, "never overtakes compiled sequential\n(fit: a/p + b, extrapolation)",
+                    top.text(0.02, 0.02, "never overtakes compiled sequential\n(model Θ(n/p + log p), extrapolation)",
                              transform=top.transAxes, fontsize=8)
         top.set(xscale="log", yscale="log", title=f"T = {T}, B = {B}", xlabel="worker threads p",
                 ylabel="backward (ms), median ± 95% CI")
