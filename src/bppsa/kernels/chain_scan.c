@@ -183,9 +183,71 @@ static void mul_jac(real *restrict M, const real *restrict Wt, long s, const rea
 #endif
 }
 
+#if NL == 1
+/* One lane (one chain: B = 1, the sequential scan of a single batch element): a mat-vec has no lanes to
+ * vectorise across, so its rows are the vector instead: the weights transposed once per call into columns
+ * padded to whole registers (Wc[g*H + m] = column m of Wt_g), each step the sum over m of a column times a
+ * scalar, in two independent halves: the critical path is ~H/2 multiply-adds, not H. */
+#define RV (64 / (int)sizeof(real))
+#define RC ((H + RV - 1) / RV)
+typedef real rvec __attribute__((vector_size(64), aligned(sizeof(real))));
+typedef struct { rvec c[NW * H][RC]; } wcols;
+
+static void wt_columns(const real *Wt, wcols *w) {
+    memset(w, 0, sizeof(*w));
+    for (int g = 0; g < NW; ++g)
+        for (int i = 0; i < H; ++i)
+            for (int m = 0; m < H; ++m) ((real *)w->c[g * H + m])[i] = Wt[(g * H + i) * H + m];
+}
+
+/* v = sum over the NW*H columns of col_j * t[j], plus diag * q where diag is given. */
+static void cols_vec(const wcols *w, const real *t, int nt, const real *diag, const real *q, real *v) {
+    rvec a[RC], b[RC];
+    for (int c = 0; c < RC; ++c) a[c] = b[c] = (rvec){0};
+    int j = 0;
+    for (; j + 1 < nt; j += 2)
+        for (int c = 0; c < RC; ++c) {
+            a[c] += w->c[j][c] * t[j];
+            b[c] += w->c[j + 1][c] * t[j + 1];
+        }
+    if (j < nt)
+        for (int c = 0; c < RC; ++c) a[c] += w->c[j][c] * t[j];
+    real out[RC * RV] __attribute__((aligned(64)));
+    for (int c = 0; c < RC; ++c) *(rvec *)(out + c * RV) = a[c] + b[c];
+    for (int i = 0; i < H; ++i) v[i] = diag ? out[i] + diag[i] * q[i] : out[i];
+}
+#define WCOLS(name) wcols name##_store, *name = &name##_store; wt_columns(Wt, name)
+#else
+typedef void wcols;
+#define WCOLS(name) const wcols *name = 0
+#endif
+
 /* v = J_s q (v must not alias q) */
-static void jac_vec(const real *restrict Wt, long s, const real *restrict fs, long ld, const real *restrict q,
-                    real *restrict v) {
+/* v = J_s q (v must not alias q) */
+static void jac_vec(const real *restrict Wt, const wcols *wc, long s, const real *restrict fs, long ld,
+                    const real *restrict q, real *restrict v) {
+#if NL == 1
+    real t[NW * H];
+    (void)Wt;
+#if KIND == 0
+    (void)s;
+    for (int m = 0; m < H; ++m) t[m] = fs[m * ld] * q[m];
+    cols_vec(wc, t, H, 0, q, v);
+#elif KIND == 1
+    if (s & 1) {
+        cols_vec(wc, q, H, 0, q, v);
+    } else {
+        for (int m = 0; m < H; ++m) v[m] = fs[m * ld] * q[m];
+    }
+#else
+    (void)s;
+    real z[H];
+    for (int m = 0; m < 3 * H; ++m) t[m] = fs[m * ld] * q[m % H];
+    for (int i = 0; i < H; ++i) z[i] = fs[(3 * H + i) * ld];
+    cols_vec(wc, t, 3 * H, z, q, v);
+#endif
+#else
+    (void)wc;
 #if KIND == 0
     (void)s;
     vec t[H];
@@ -211,6 +273,7 @@ static void jac_vec(const real *restrict Wt, long s, const real *restrict fs, lo
         UNROLL for (int g = 0; g < 3; ++g) UNROLL for (int m = 0; m < H; ++m) acc += Wt[(g * H + i) * H + m] * t[g * H + m];
         ST(v + i * NL) = acc;
     }
+#endif
 #endif
 }
 
@@ -371,6 +434,7 @@ void chain_tree(const real *Wt, const real *f, const real *g, real *out, int mod
     const real *fl = f + b0;
     group gp;
     gp.np = 0;
+    WCOLS(wc);
     real v[H * NL] __attribute__((aligned(64))), u[H * NL] __attribute__((aligned(64)));
     for (int i = 0; i < H; ++i)
         for (int b = 0; b < NL; ++b) v[i * NL + b] = g[(b0 + b) * H + i];
@@ -378,7 +442,7 @@ void chain_tree(const real *Wt, const real *f, const real *g, real *out, int mod
     for (long s = 0; s < spine_end; ++s) {
         const real *fs = FAC(fl, s, B);
         take(out, mode, &gp, acc, B, b0, s, v, fs, B, NL, ALL);
-        jac_vec(Wt, s, fs, B, v, u);
+        jac_vec(Wt, wc, s, fs, B, v, u);
         memcpy(v, u, sizeof(v));
     }
     if (nc == 0) take(out, mode, &gp, acc, B, b0, n - 1, v, FAC(fl, n - 1, B), B, NL, ALL);
@@ -396,6 +460,7 @@ void chain_down(const real *Wt, const real *f, real *out, int mode, long n, long
     const real *fl = f + b0, *Q = work + chain_blocks(n, L, c) * MAT;
     group gp;
     gp.np = 0;
+    WCOLS(wc);
     real v[H * NL] __attribute__((aligned(64))), u[H * NL] __attribute__((aligned(64)));
     for (long j = j0; j < j1; ++j) {
         long lo, hi;
@@ -404,7 +469,7 @@ void chain_down(const real *Wt, const real *f, real *out, int mode, long n, long
         for (long s = lo; s < hi; ++s) {
             const real *fs = FAC(fl, s, B);
             take(out, mode, &gp, acc, B, b0, s, v, fs, B, NL, ALL);
-            jac_vec(Wt, s, fs, B, v, u);
+            jac_vec(Wt, wc, s, fs, B, v, u);
             memcpy(v, u, sizeof(v));
         }
         take(out, mode, &gp, acc, B, b0, hi, v, FAC(fl, hi, B), B, NL, ALL);
@@ -462,6 +527,7 @@ void chain_down_lanes(const real *Wt, const real *f, real *out, int mode, long n
     const real *Q = work1 + nc * H * H; /* the one-lane kernel's prefixes, [nc][H] */
     group gp;
     gp.np = 0;
+    WCOLS(wc);
     real v[H * NL] __attribute__((aligned(64))), u[H * NL] __attribute__((aligned(64))),
         fs[NR * NL] __attribute__((aligned(64)));
     for (long j = j0; j < j1; j += NL) {
@@ -482,7 +548,7 @@ void chain_down_lanes(const real *Wt, const real *f, real *out, int mode, long n
                 take(out, mode, &gp, acc, B, b0, size - 1 + off, v, fs, NL, NL, mask); /* k: the parity */
             }
             if (off + 1 < size) {
-                jac_vec(Wt, size - 1 + off, fs, NL, v, u);
+                jac_vec(Wt, wc, size - 1 + off, fs, NL, v, u);
                 memcpy(v, u, sizeof(v));
             }
         }
