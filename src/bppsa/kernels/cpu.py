@@ -115,7 +115,7 @@ def _parallel(fn, n: int, flop_per_item: float) -> None:
     _spread([functools.partial(fn, bounds[i], bounds[i + 1]) for i in range(p)])
 
 
-def _linear(A: np.ndarray, first: np.ndarray, Q: np.ndarray, par=None) -> None:
+def _linear(A: np.ndarray, first: np.ndarray, Q: np.ndarray) -> None:
     """Q[0] = first, Q[k] = A[k-1] Q[k-1] (the dense chain's sequential middle)."""
     Q[0] = first
     for k in range(1, Q.shape[0]):
@@ -492,7 +492,7 @@ def _tree(spine: np.ndarray, A: np.ndarray, out: np.ndarray, L: int, ws: _scan.W
 
     Q = buf(("prefix", L), (K - 1, B, H))
     if K > 1:
-        _linear(A, spine, Q, par)
+        _linear(A, spine, Q)
 
     for d in reversed(range(L)):
         spine_d, A_d, pairs, carry = saved[d]
