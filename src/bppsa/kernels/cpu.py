@@ -376,9 +376,10 @@ def _native_chain_scan(g: torch.Tensor, chain: FactoredChain, L: int, ws: _scan.
     unavailable.  ``grads``: instead of the scan, the cell's parameter gradients (a dict), accumulated by
     the kernel as the prefixes come out (the chain must have been built with x).  Lane slices as wide as
     one vector register; where every thread gets a slice of at least 32 bytes of lanes or a single batch
-    element (or ``split`` is "slices") the threads take whole slices (one hand-off per scan), otherwise
-    ("blocks") they split each slice's blocks in the up phase and, where it carries enough work, the
-    down phase."""
+    element the threads take whole slices (one hand-off per scan), otherwise ("blocks") they split each
+    slice's blocks in the up phase and, where it carries enough work, the down phase.  ``split`` "slices"
+    (the sequential rival, whose chain cannot be split by blocks) takes whole slices only, on one thread
+    where they would be narrower than that."""
     n, B, H, _ = chain.shape
     min_flop = KERNEL_SPEEDUP * MIN_CHUNK_FLOP  # the same hand-off, repaid only by more of the kernel's FLOP
     p = _threads() if split == "slices" else min(_threads(), max(1, int(n * B * 2 * H ** 3 // min_flop)))
@@ -389,6 +390,8 @@ def _native_chain_scan(g: torch.Tensor, chain: FactoredChain, L: int, ws: _scan.
     # B = 8 split by blocks 1.35 against 1.8 in 4-lane slices, B = 2 one element each 0.53 against 1.5)
     wide_enough = B <= p or B >= p * (32 // g.element_size())
     by_slice = split == "slices" or (split == "auto" and wide_enough)
+    if split == "slices" and not wide_enough:
+        p = 1  # narrower slices would cost more than the second thread brings (the same measurements)
     groups = lane_slices(B, p if by_slice else 1, vl)
     if not native.available() or any(native.library(chain.kind, H, chain.I, w, g.dtype) is None
                                      for gr in groups for _, w in gr):
@@ -518,7 +521,8 @@ class CpuBackend(TorchBackend):
 
     ``sequential=True`` is the strongest sequential rival built with the same care (name
     ``cpu-sequential``): every scan is the linear one (``L_m = 0``: T dependent mat-vecs, no matrix
-    products) through the same kernel, with the batch split into as many lane slices as there are threads."""
+    products) through the same kernel, with the batch split over the threads where each gets at least 32 bytes
+    of lanes or one batch element (measured: narrower slices made it slower)."""
 
     name = "cpu"
 

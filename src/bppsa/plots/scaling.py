@@ -66,6 +66,7 @@ def plot(df: pd.DataFrame, out) -> pd.DataFrame:
         plain_log_axis(top, "y", unit="")
         bot.set(xscale="log", xlabel="worker threads p", ylabel="speedup over p = 1")
         bot.set_xticks([2 ** k for k in range(int(math.log2(max(pmax, 2) * 4)) + 1)])
+        top.set_xticks([2 ** k for k in range(int(math.log2(max(top.get_xlim()[1], 2))) + 1)])
         for ax in (top, bot):
             ax.grid(True, which="both", alpha=0.3)
             ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
