@@ -16,10 +16,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SLUG = "localhost-slurm"
 # rules that run on the measuring device ask for a GPU; the others must not
-GPU_RULES = {"environment", "verify_rnn", "bench_rnn", "train_rnn", "verify_gru", "bench_gru", "train_gru",
-             "vgg11_train"}
-TIMING_RULES = {"bench_rnn", "bench_gru", "train_rnn", "train_gru", "speed", "table1_timings", "bench_bitstream",
-                "roofline", "scaling"}
+GPU_RULES = {"environment", "verify_rnn", "bench_rnn", "train_rnn", "train_rnn_in_dtype", "verify_gru", "bench_gru",
+             "train_gru", "vgg11_train"}
+TIMING_RULES = {"bench_rnn", "bench_gru", "train_rnn", "train_rnn_in_dtype", "train_gru", "speed", "table1_timings",
+                "bench_bitstream", "roofline", "scaling"}
 LOCAL_RULES = {"all", "make_irmas"}
 # CPU benchmarks are targets only when the folder is the CPU's (`cpu`); this run's slug is not
 CPU_FOLDER_RULES = {"speed", "roofline", "scaling"}

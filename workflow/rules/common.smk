@@ -35,8 +35,8 @@ DEVICE = _device_folder()
 PROFILE = config["profile"]
 RESOURCES = config.get("resources", {"default": {"threads": 1}})
 # Jobs whose measurements are timings take one unit of this global resource; the default profile
-# (profiles/default) provides one, so locally no two timings ever share the machine. On SLURM the
-# profile gives them exclusive nodes instead.
+# (profiles/default) provides one, so locally no two timings ever share the machine. On SLURM they
+# ask for exclusive nodes instead (slurm_extra, set in job_resources).
 TIMING_CLASSES = ("timing", "cpu_timing")
 
 RNN, GRU, IRMAS = config["rnn"], config["gru"], config["irmas"]
@@ -72,6 +72,9 @@ def job_resources(kind):
         res.pop("gpu", None)  # a CPU run asks the cluster for no GPU
     if kind in TIMING_CLASSES:
         res["timing"] = 1
+        res["slurm_extra"] = (
+            "'--exclusive'"  # on SLURM a node to itself; other executors ignore it
+        )
     return res
 
 
