@@ -1,12 +1,8 @@
 """IRMAS data: the stand-in's format, the MFCC sets of Table 3, bad clips, downloads, the CLI and the schema."""
 from __future__ import annotations
 
-import functools
-import hashlib
-import http.server
 import re
 import shutil
-import threading
 import zipfile
 from pathlib import Path
 
@@ -17,7 +13,6 @@ import yaml
 
 from bppsa.cli import main
 from bppsa.data import irmas
-from bppsa.data.download import DownloadError
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"^\[(\w{3})\](\[(dru|nod)\])?\[(cou_fol|cla|pop_roc|lat_sou|jaz_blu)\]\d{4}__[123]\.wav$")
@@ -169,39 +164,8 @@ def test_missing_instrument_folder_is_named(corpus, tmp_path):
         irmas.prepare(str(tmp_path / "nowhere"), tmp_path, clips=22)
 
 
-def test_download_failure_leaves_nothing_complete_looking(tmp_path):
-    with pytest.raises(DownloadError, match="failed"):
-        irmas.download(tmp_path, url="http://127.0.0.1:9/IRMAS-TrainingData.zip")
-    assert not (tmp_path / irmas.CORPUS).exists()
-    assert not (tmp_path / "IRMAS-TrainingData.zip").exists()
-
-
-def test_download_verifies_and_unpacks_atomically(corpus, tmp_path):
-    """The success path against a local HTTP server: MD5 checked, unpacked via a temporary folder."""
-    src = tmp_path / "srv"
-    src.mkdir()
-    zpath = src / "IRMAS-TrainingData.zip"
-    with zipfile.ZipFile(zpath, "w") as zf:
-        for p in corpus.rglob("*.wav"):
-            zf.write(p, Path(irmas.CORPUS) / p.relative_to(corpus))
-    md5 = hashlib.md5(zpath.read_bytes()).hexdigest()
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(src))
-    handler.log_message = lambda *a, **k: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_port}/IRMAS-TrainingData.zip"
-    try:
-        dest = tmp_path / "data"
-        with pytest.raises(DownloadError, match="MD5"):
-            irmas.download(dest, url=url, md5="0" * 32)
-        assert not (dest / irmas.CORPUS).exists()
-        root = irmas.download(dest, url=url, md5=md5)
-    finally:
-        server.shutdown()
-    assert root == dest / irmas.CORPUS and len(irmas.list_corpus(root)) == 22
-    assert irmas.corpus_source(root) == "IRMAS"
-    assert not list(dest.glob(".unpack-*"))
-    # a zip without the training folder is refused and leaves nothing behind
+def test_a_zip_without_the_training_folder_is_refused_and_leaves_nothing(tmp_path):
+    """(Downloads against a real HTTP server with faults: tests/test_data_sources.py.)"""
     bad = tmp_path / "bad"
     bad.mkdir()
     with zipfile.ZipFile(bad / "x.zip", "w") as zf:

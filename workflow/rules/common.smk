@@ -46,6 +46,7 @@ RNN_DIR, GRU_DIR, VGG_DIR, JAC_DIR = (
     f"{RESULTS}/{name}" for name in ("rnn", "gru", "vgg11", "jacobians")
 )
 REPORT, CLAIMS = "results/report.md", "results/claims.md"
+CIFAR_MANIFEST = f"{CIFAR['root']}/cifar10.json"
 # The CPU benchmarks (speed, roofline, worker scaling) measure this machine's CPU: only in a cpu folder.
 CPU_FOLDER = config["device"] in ("auto", "cpu") and DEVICE == "cpu"
 

@@ -18,11 +18,13 @@ rule make_irmas:
     params:
         # in params so that changing the source or the stand-in's size reruns the chain
         source=IRMAS["source"],
+        url=IRMAS["url"],
+        md5=IRMAS["md5"],
         clips=IRMAS["synthetic_clips"],
         seed=IRMAS["seed"],
     shell:
-        "bppsa make-irmas --source {params.source:q} --root data/irmas --clips {params.clips} --seed {params.seed} "
-        "--threads {threads} --out {output} 2> {log}"
+        "bppsa make-irmas --source {params.source:q} --url {params.url:q} --md5 {params.md5:q} --root data/irmas "
+        "--clips {params.clips} --seed {params.seed} --threads {threads} --out {output} 2> {log}"
 
 
 rule mfcc:

@@ -1,7 +1,31 @@
 # Pruned VGG-11 micro-benchmark (Sec 4.3 / 5.3): train, prune, retrain; static FLOP analysis (Fig 10).
 
 
+localrules:
+    make_cifar10,  # it downloads (cifar10.source: download); no job that asks for a GPU touches the network
+
+
+rule make_cifar10:
+    output:
+        CIFAR_MANIFEST,
+    log:
+        "logs/make_cifar10.log",
+    resources:
+        **job_resources("data"),
+    params:
+        # in params so that changing the source or the mirror reruns it
+        source=CIFAR["source"],
+        root=CIFAR["root"],
+        url=CIFAR["url"],
+        md5=CIFAR["md5"],
+    shell:
+        "bppsa make-cifar10 --source {params.source:q} --root {params.root:q} --url {params.url:q} "
+        "--md5 {params.md5:q} --out {output} 2> {log}"
+
+
 rule vgg11_train:
+    input:
+        CIFAR_MANIFEST,
     output:
         models=f"{VGG_DIR}/models.pt",
         acc=f"{VGG_DIR}/accuracy.csv",
@@ -13,8 +37,6 @@ rule vgg11_train:
     params:
         args=runtime_args(),
         augment="" if VGG["augment"] else "--no-augment",
-        source=CIFAR["source"],
-        root=CIFAR["root"],
         width=VGG["width"],
         epochs=VGG["epochs"],
         retrain_epochs=VGG["retrain_epochs"],
@@ -24,7 +46,7 @@ rule vgg11_train:
         prune=VGG["prune"]["fraction"],
         scheme=VGG["prune"]["scheme"],
     shell:
-        "bppsa vgg11-train --source {params.source} --data-root {params.root} --width {params.width} "
+        "bppsa vgg11-train --data {input:q} --width {params.width} "
         "--epochs {params.epochs} --retrain-epochs {params.retrain_epochs} --batch-size {params.batch_size} "
         "--lr {params.lr} --weight-decay {params.weight_decay} {params.augment} --prune {params.prune} "
         "--scheme {params.scheme} --threads {threads} {params.args} "
@@ -33,7 +55,8 @@ rule vgg11_train:
 
 rule vgg11_flops:
     input:
-        f"{VGG_DIR}/models.pt",
+        models=f"{VGG_DIR}/models.pt",
+        data=CIFAR_MANIFEST,
     output:
         flops=f"{VGG_DIR}/flops.csv",
         summary=f"{VGG_DIR}/flops_summary.csv",
@@ -49,13 +72,11 @@ rule vgg11_flops:
         samples=VGG["flops"]["samples"],
         dtype=VGG["flops"]["dtype"],
         dense_limit_gb=VGG["flops"]["dense_limit_gb"],
-        source=CIFAR["source"],
-        root=CIFAR["root"],
         profile=PROFILE,
         seed=config["seed"],
         slug=DEVICE,
     shell:
-        "bppsa vgg11-flops --models {input} --source {params.source} --data-root {params.root} "
+        "bppsa vgg11-flops --models {input.models:q} --data {input.data:q} "
         "--samples {params.samples} --L-m {params.L_m} {params.zeros} --networks {params.networks} "
         "--dtype {params.dtype} --dense-limit-gb {params.dense_limit_gb} --device cpu --threads {threads} "
         "--profile {params.profile} --seed {params.seed} --device-slug {params.slug} "

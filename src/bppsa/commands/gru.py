@@ -19,6 +19,8 @@ def register(sub) -> None:
     p.add_argument("--source", default="synthetic",
                    help="download | synthetic | <path to an IRMAS-TrainingData folder> (config irmas.source)")
     p.add_argument("--root", default="data/irmas", help="where downloads and the stand-in live")
+    p.add_argument("--url", default=irmas.URL, help="with --source download: where from (config irmas.url; a mirror)")
+    p.add_argument("--md5", default=irmas.MD5, help="with --source download: the zip's MD5 (config irmas.md5)")
     p.add_argument("--clips", type=int, required=True,
                    help="stand-in size (config irmas.synthetic_clips; 6705 = the real training set's)")
     p.add_argument("--seed", type=int, default=0, help="stand-in seed")
@@ -56,7 +58,8 @@ def corpus_root(corpus: str | Path) -> Path:
 
 
 def _make_irmas(args) -> int:
-    root = irmas.prepare(args.source, args.root, clips=args.clips, seed=args.seed, threads=args.threads)
+    root = irmas.prepare(args.source, args.root, clips=args.clips, seed=args.seed, threads=args.threads,
+                         url=args.url, md5=args.md5)
     files = irmas.list_corpus(root)
     counts = {c: 0 for c in irmas.CLASSES}
     for _, k in files:

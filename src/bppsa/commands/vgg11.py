@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import resource
 import time
 
@@ -17,12 +18,20 @@ from .common import add_runtime_args, optional_int, setup
 
 
 def _data_args(p) -> None:
-    p.add_argument("--source", required=True,
-                   help="CIFAR-10 source: download | standin | <path> (config cifar10.source)")
-    p.add_argument("--data-root", required=True, help="where the download goes (config cifar10.root)")
+    p.add_argument("--data", required=True, help="CIFAR-10 manifest written by `bppsa make-cifar10`")
 
 
 def register(sub) -> None:
+    p = sub.add_parser("make-cifar10", help="CIFAR-10 for VGG-11: download (resumed, MD5-checked), stand-in or a "
+                       "path; checks every batch and writes the manifest training reads")
+    p.add_argument("--source", required=True, help="download | standin | <path to the tarball or "
+                   "cifar-10-batches-py> (config cifar10.source)")
+    p.add_argument("--root", required=True, help="where the download goes and is unpacked (config cifar10.root)")
+    p.add_argument("--url", default=cifar.URL, help="where to download from (config cifar10.url; a mirror)")
+    p.add_argument("--md5", default=cifar.MD5, help="the tarball's MD5 (config cifar10.md5)")
+    p.add_argument("--out", required=True, help="manifest JSON (the rule's output)")
+    p.set_defaults(func=_make_cifar10)
+
     p = sub.add_parser("vgg11-train",
                        help="train VGG-11, prune it by magnitude, retrain with masks held; accuracies (CSV)")
     _data_args(p)
@@ -67,10 +76,16 @@ def register(sub) -> None:
     p.set_defaults(func=_fig10)
 
 
+def _make_cifar10(args) -> int:
+    m = cifar.prepare(args.source, args.root, args.out, url=args.url, md5=args.md5)
+    print(f"{args.out}: {m['source']}" + (f" in {m['folder']}" if m["folder"] else ""))
+    return 0
+
+
 def _train(args) -> int:
     dev = setup(args)
     torch.manual_seed(args.seed)
-    data = cifar.load(args.source, args.data_root, seed=args.seed)
+    data = cifar.from_manifest(args.data, seed=args.seed)
     model = vgg.VGG11(width=args.width).to(dev)
     cfg = vgg.TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
                           augment=args.augment, seed=args.seed)
@@ -128,7 +143,12 @@ def _networks(args) -> tuple[dict[str, vgg.VGG11], str | None]:
         return {"dense": dense, "pruned": pruned}, None
     if not args.models:
         raise ValueError("vgg11-flops needs --models (a vgg11-train checkpoint) or --untrained")
-    ck = torch.load(args.models, map_location="cpu", weights_only=False)
+    try:  # tensors and plain values only: a checkpoint is never a program
+        ck = torch.load(args.models, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        why = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line), "")
+        raise ValueError(f"{args.models}: refused by torch.load(weights_only=True), which admits only tensors "
+                         f"and plain values; a vgg11-train checkpoint holds nothing else ({why})") from None
     nets = {}
     for name in ("dense", "pruned"):
         m = vgg.VGG11(width=ck["width"])
@@ -144,9 +164,9 @@ def _flops(args) -> int:
         raise ValueError("--samples must be >= 1")
     t_start = time.perf_counter()
     nets, trained_on = _networks(args)
-    data = cifar.load(args.source, args.data_root, seed=args.seed)
+    data = cifar.from_manifest(args.data, seed=args.seed)
     if trained_on is not None and trained_on != data.name:
-        raise ValueError(f"the models were trained on '{trained_on}' but --source gives '{data.name}'")
+        raise ValueError(f"the models were trained on '{trained_on}' but {args.data} gives '{data.name}'")
     x, y = data.x_test[: args.samples], data.y_test[: args.samples]
     dtype = np.float64 if args.dtype == "float64" else np.float32
     gemm_kw = dict(dense_limit_bytes=int(args.dense_limit_gb * 2**30))

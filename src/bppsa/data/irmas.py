@@ -93,6 +93,15 @@ def list_corpus(root: str | Path) -> list[tuple[Path, int]]:
     return out
 
 
+def _inside(folder: Path, member: str) -> bool:
+    """Whether a zip member's name stays under ``folder`` (no absolute path, drive or ``..`` out)."""
+    name = member.replace("\\", "/")
+    if name.startswith("/") or (len(name) > 1 and name[1] == ":"):
+        return False
+    base = folder.resolve()
+    return (base / name).resolve().is_relative_to(base)
+
+
 def _extract_zip(zip_path: Path, root: Path) -> Path:
     """Unpack into a temporary folder beside the target and rename, so a half-unpacked corpus
     never sits under the final name."""
@@ -101,6 +110,10 @@ def _extract_zip(zip_path: Path, root: Path) -> Path:
     try:
         try:
             with zipfile.ZipFile(zip_path) as zf:
+                for name in zf.namelist():
+                    if not _inside(tmp, name):
+                        raise RuntimeError(f"{zip_path}: member '{name}' would land outside the folder it is "
+                                           "unpacked into; refusing the archive")
                 zf.extractall(tmp)
         except (zipfile.BadZipFile, OSError) as exc:
             raise RuntimeError(f"unpacking {zip_path} failed: {exc}") from exc
@@ -108,6 +121,8 @@ def _extract_zip(zip_path: Path, root: Path) -> Path:
         if not found:
             raise RuntimeError(f"{zip_path} holds no {CORPUS}/ folder")
         list_corpus(found[0])  # refuse to publish an incomplete tree
+        if final.exists():  # unpacked from another archive (see download)
+            shutil.rmtree(final)
         os.replace(found[0], final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -120,19 +135,23 @@ def download(root: str | Path, url: str = URL, md5: str = MD5) -> Path:
 
     root = Path(root)
     final = root / CORPUS
-    if final.is_dir():
+    unpacked_from = root / f"{CORPUS}.md5"  # the MD5 of the archive the folder came from
+    if final.is_dir() and unpacked_from.is_file() and unpacked_from.read_text().strip() == md5:
         list_corpus(final)
         return final
     root.mkdir(parents=True, exist_ok=True)
     zip_path = fetch(url, root / "IRMAS-TrainingData.zip", md5)
-    return _extract_zip(zip_path, root)
+    _extract_zip(zip_path, root)
+    unpacked_from.write_text(md5 + "\n")
+    return final
 
 
-def prepare(source: str, root: str | Path, clips: int, seed: int = 0, threads: int = 1) -> Path:
+def prepare(source: str, root: str | Path, clips: int, seed: int = 0, threads: int = 1,
+            url: str = URL, md5: str = MD5) -> Path:
     """Resolve ``irmas.source`` (download | synthetic | <path>) to a training folder, making it if needed."""
     root = Path(root)
     if source == "download":
-        return download(root)
+        return download(root, url, md5)
     if source == "synthetic":
         return make_synthetic(root / "synthetic" / CORPUS, clips=clips, seed=seed, threads=threads)
     path = Path(source)
