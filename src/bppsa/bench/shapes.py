@@ -398,21 +398,28 @@ def run_job(job: dict, rounds: int = 3, fp64: bool = True, threads: int = 0) -> 
     """Run one job in this process; returns measurements, including this process's peak RSS so far."""
     import torch
 
+    from ..kernels.cpu import _flushing
+
+    old_threads, old_flush = torch.get_num_threads(), _flushing()
     if threads:
         torch.set_num_threads(threads)
     torch.set_flush_denormal(True)  # as the commands do by default
-    t0 = time.perf_counter()
-    if job["kind"] == "recurrent":
-        res = _run_recurrent(job, rounds, fp64)
-    elif job["kind"] == "vgg-train":
-        res = _run_vgg_train(job, rounds)
-    elif job["kind"] == "vgg-flops":
-        res = _run_vgg_flops(job, fp64)
-    else:
-        raise ValueError(f"unknown job kind {job['kind']!r}")
-    res["wall_s"] = time.perf_counter() - t0
-    res["peak_rss_mb"] = _peak_rss_mb()
-    res["threads"] = torch.get_num_threads()
+    try:
+        t0 = time.perf_counter()
+        if job["kind"] == "recurrent":
+            res = _run_recurrent(job, rounds, fp64)
+        elif job["kind"] == "vgg-train":
+            res = _run_vgg_train(job, rounds)
+        elif job["kind"] == "vgg-flops":
+            res = _run_vgg_flops(job, fp64)
+        else:
+            raise ValueError(f"unknown job kind {job['kind']!r}")
+        res["wall_s"] = time.perf_counter() - t0
+        res["peak_rss_mb"] = _peak_rss_mb()
+        res["threads"] = torch.get_num_threads()
+    finally:  # in-process runs (tests) leave the caller's settings as they were
+        torch.set_num_threads(old_threads)
+        torch.set_flush_denormal(old_flush)
     return res
 
 
