@@ -617,7 +617,7 @@ def gpu_time_estimate(cfg: Mapping, counts: Mapping[str, int], vgg_step_ms: floa
                                    if vgg_step_ms and math.isfinite(vgg_step_ms) else "")))
     nv = counts.get("verify_rnn", 0) + counts.get("verify_gru", 0)
     rows.append(dict(item="verify_rnn + verify_gru", jobs=nv, hours=float("nan"),
-                     derivation="one batch each; not estimated (this table's verify runs on the CPU: see verify_s)"))
+                     derivation="one batch each; PAPER.md gives no time for them, so not estimated"))
     return rows
 
 

@@ -40,6 +40,8 @@ def _fmt(v) -> str:
         return ""
     if isinstance(v, bool):
         return "yes" if v else "NO"
+    if isinstance(v, float) and v.is_integer() and 1 <= abs(v) < 1e9:
+        return str(int(v))  # integer columns that pandas made float (they hold blanks)
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1e-2 or abs(v) >= 1e4 else f"{v:.4g}"
     return str(v)
