@@ -85,9 +85,9 @@ def _run(args) -> int:
     io.write_csv(args.out, df)
     print(f"## Extreme shapes of {args.configfile}\n")
     print(markdown(df, SHOWN))
-    print(f"\nMemory: peak_rss_mb is the job's own process (idle import of torch + bppsa: {_fmt(idle)} MB); gpu_* are "
-          "computed (GB = 1e9 bytes; bench.shapes.recurrent_gpu_bytes / vgg_gpu_bytes); gpu_job_gb counts the "
-          "baseline's and BPPSA's buffers together, as one bench process holds both.", flush=True)
+    print(f"\nMemory: peak_rss_mb is the job's own process, in MiB (idle import of torch + bppsa: {_fmt(idle)}); "
+          "gpu_* are computed (GB = 1e9 bytes; bench.shapes.recurrent_gpu_bytes / vgg_gpu_bytes); gpu_job_gb counts "
+          "the baseline's and BPPSA's buffers together, as one bench process holds both.", flush=True)
     failed = df["exact"].eq(False).sum() + df["note"].str.contains("NOT RUN", na=False).sum()
 
     if args.dry_run:
