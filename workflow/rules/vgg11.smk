@@ -15,7 +15,7 @@ rule make_cifar10:
     params:
         # in params so that changing the source or the mirror reruns it
         source=CIFAR["source"],
-        root=CIFAR["root"],
+        root=lambda wildcards, output: Path(output[0]).parent,  # cifar10.root
         url=CIFAR["url"],
         md5=CIFAR["md5"],
     shell:
