@@ -636,8 +636,39 @@ static inline fvec vexp(fvec x) {
     return p * (fvec)((ki + BIAS) << MANT);
 }
 
-static inline fvec vsigmoid(fvec x) { return SPLAT(1) / (SPLAT(1) + vexp(-x)); }
-static inline fvec vtanh(fvec x) { return SPLAT(1) - SPLAT(2) / (vexp(x + x) + SPLAT(1)); }
+/* p = sigmoid(x) and q = 1 - p = sigmoid(-x), each to a few ulp (1 - p would cancel as p nears 1). */
+static inline void vsigmoid(fvec x, fvec *p, fvec *q) {
+    fvec e = vexp(-x), d = SPLAT(1) + e;
+    *p = SPLAT(1) / d;
+    *q = e / d;
+}
+/* n = tanh(x) and s = 1 - n^2, both to a few ulp.  Near 0 (|x| < 0.625) n is Cephes' odd expansion
+ * (float: tanhf's polynomial; double: tanh's rational), where 1 - 2 / (e^2x + 1) would cancel, and
+ * s = 1 - n^2 loses nothing (n^2 < 0.31).  Further out, with u = e^-2|x|, n = ±(1 - u) / (1 + u) and
+ * s = 4u / (1 + u)^2: 1 - n^2 from a rounded n would lose digits as |n| nears 1, and the GRU's
+ * e = (1 - z)(1 - n^2) is a factor of every gate's gradient. */
+static inline void vtanh(fvec x, fvec *n, fvec *s) {
+    fvec z = x * x, near;
+#if REALBITS == 32
+    near = SPLAT(-5.70498872745e-3f);
+    near = near * z + SPLAT(2.06390887954e-2f);
+    near = near * z + SPLAT(-5.37397155531e-2f);
+    near = near * z + SPLAT(1.33314422036e-1f);
+    near = near * z + SPLAT(-3.33332819422e-1f);
+    near = near * z * x + x;
+#else
+    fvec P = (SPLAT(-9.64399179425052238628e-1) * z + SPLAT(-9.92877231001918586564e1)) * z +
+             SPLAT(-1.61468768441708447952e3);
+    fvec Q = ((z + SPLAT(1.12811678491632931402e2)) * z + SPLAT(2.23548839060100448583e3)) * z +
+             SPLAT(4.84406305325125486048e3);
+    near = x + x * (z * P / Q);
+#endif
+    ivec neg = x < SPLAT(0), small = (x < SPLAT(0.625)) & (x > SPLAT(-0.625));
+    fvec ax = blend(neg, -x, x), u = vexp(SPLAT(-2) * ax), d = SPLAT(1) + u;
+    fvec far = (SPLAT(1) - u) / d;
+    *n = blend(small, near, blend(neg, -far, far));
+    *s = blend(small, SPLAT(1) - near * near, SPLAT(4) * u / (d * d));
+}
 
 /* The GRU's factors [T][NR][B] in scan order for steps k0 .. k1 - 1, straight from x ([T][B][INP]) and h
  * ([T][B][H], h_0 = 0) and the cell's weights (W_ih [3H][INP], W_hh [3H][H], biases [3H]; gate order r, z, n):
@@ -666,10 +697,13 @@ void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, c
                 gh[g] = c;
             }
             for (int i = 0; i < H; ++i) {
-                fvec r = vsigmoid(gi[i] + gh[i]), z = vsigmoid(gi[H + i] + gh[H + i]), M = gh[2 * H + i];
-                fvec n = vtanh(gi[2 * H + i] + r * M), e = (SPLAT(1) - z) * (SPLAT(1) - n * n);
-                *(fvec *)out[0][i] = e * M * r * (SPLAT(1) - r);
-                *(fvec *)out[1][i] = (*(fvec *)hs[i] - n) * z * (SPLAT(1) - z);
+                fvec r, r1, z, z1, n, ns, M = gh[2 * H + i];
+                vsigmoid(gi[i] + gh[i], &r, &r1);
+                vsigmoid(gi[H + i] + gh[H + i], &z, &z1);
+                vtanh(gi[2 * H + i] + r * M, &n, &ns);
+                fvec e = z1 * ns;
+                *(fvec *)out[0][i] = e * M * r * r1;
+                *(fvec *)out[1][i] = (*(fvec *)hs[i] - n) * z * z1;
                 *(fvec *)out[2][i] = e * r;
                 *(fvec *)out[3][i] = z;
                 *(fvec *)out[4][i] = e;
