@@ -2,7 +2,7 @@
 import pandas as pd
 import pytest
 
-from bppsa import claims
+from bppsa.analysis import claims
 
 
 def _speedups(device, model, points, phase="backward", noisy=()):
@@ -109,7 +109,7 @@ def test_cpu_speed_claims_judge_paired_ratios_against_both_rivals(tmp_path):
     pd.DataFrame([{"method": "scan-cpu-chain", "seq_len": 1034, "batch": 16, "x_bound": 2.5, "bound": "compute",
                    "scan_s": 2e-3, "bound_s": 1e-3, "achieved_gflops": 100.0, "noisy": False}]
                  ).to_csv(gru / "roofline.csv", index=False)
-    from bppsa.claims import cpu_speed_claims
+    from bppsa.analysis.claims import cpu_speed_claims
 
     got = {c.claim: c for c in cpu_speed_claims(tmp_path)}
     roof16, roof1 = (got[f"BPPSA's scan within 3× of this CPU's roofline (RNN, T=1000, B={B})"] for B in (16, 1))
