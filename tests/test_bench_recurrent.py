@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-from bppsa import speedups
+from bppsa.analysis import speedups
 from bppsa.backends import get_backend
 from bppsa.bench.protocol import StopRule
 from bppsa.bench.recurrent import parse_variant, time_interleaved, train_epochs, warm_up

@@ -2,7 +2,7 @@
 import pandas as pd
 import pytest
 
-from bppsa import claims
+from bppsa.analysis import claims
 
 
 def _speedups(device, model, points, phase="backward", noisy=()):
@@ -66,15 +66,69 @@ def test_claims_from_a_results_tree(tmp_path):
     assert all(c.verdict in claims.VERDICTS for c in rows)
 
 
-def test_register_adds_rows_and_bad_verdicts_are_rejected(tmp_path):
-    extra = claims.Claim("CPU backward speedup", "—", "—", "9× [8, 10]", "cpu", "holds", "measured")
-    claims.register(lambda results: [extra])
-    try:
-        assert extra in claims.collect(tmp_path)
-    finally:
-        claims.SOURCES.pop()
+def test_bad_verdicts_are_rejected():
     with pytest.raises(ValueError, match="verdict 'maybe'"):
         claims.Claim("x", "1", "d", "1", "cpu", "maybe", "r")
+
+
+def test_collect_is_the_row_functions_in_the_table_order(tmp_path, monkeypatch):
+    order = ["speedup_claims", "trend_claims", "curve_claims", "table1_claims", "vgg_claims", "cpu_speed_claims"]
+    for name in order:
+        row = claims.Claim(name, "—", "—", "—", "cpu", "holds", "r")
+        monkeypatch.setattr(claims, name, lambda results, row=row: [row])
+    assert [c.claim for c in claims.collect(tmp_path)] == order
+
+
+def test_curve_verdict():
+    assert claims.curve_verdict(claims.CURVE_TOL)[0] == "holds"
+    assert claims.curve_verdict(2 * claims.CURVE_TOL)[0] == "partly"
+    assert claims.curve_verdict(0.05)[0] == "partly"
+    assert claims.curve_verdict(0.06)[0] == "not reproduced"
+
+
+def test_table1_verdicts():
+    assert claims.sparsity_verdict(0.991573, 0.99157) == ("holds", "counted from the analytic CSR")
+    assert claims.sparsity_verdict(0.99150, 0.99157)[0] == "not reproduced"
+    assert claims.generation_verdict(0.75 * 8.3e3, 8.3e3, "b") == ("holds", "b")
+    v, reason = claims.generation_verdict(100, 8.3e3, "b")
+    assert v == "partly" and reason.startswith("the analytic generation is faster") and reason.endswith("b")
+    assert claims.generation_verdict(1.0, 8.3e3, "b") == ("not reproduced", "b")
+
+
+def test_vgg_verdicts():
+    assert claims.accuracy_verdict(0.5, 0.889, standin=True)[0] == "not measurable here"
+    assert claims.accuracy_verdict(0.880, 0.889, standin=False) == ("holds", "+0.9 points below the paper's")
+    assert claims.accuracy_verdict(0.877, 0.889, standin=False)[0] == "partly"  # 1.2 points below
+    assert claims.accuracy_verdict(0.840, 0.889, standin=False)[0] == "partly"  # 4.9 points below
+    assert claims.accuracy_verdict(0.837, 0.889, standin=False)[0] == "not reproduced"  # 5.2 points below
+    assert [claims.flop_verdict(x)[0] for x in (1.0, 2.0, 10.0, 10.5)] == ["holds", "holds", "partly",
+                                                                           "not reproduced"]
+
+
+def test_cpu_speed_verdicts():
+    nan = float("nan")
+    assert claims.speed_verdict(nan, nan, "autograd", 2)[0] == "not measurable here"
+    assert claims.speed_verdict(1.1, 1.3, "autograd", 2)[0] == "holds"
+    assert claims.speed_verdict(0.9, 1.3, "sequential", 2) == ("partly", "the interval contains 1")
+    assert claims.speed_verdict(0.4, 0.6, "autograd", 2) == ("not reproduced",
+                                                             "BPPSA's backward is slower on 2 thread(s)")
+    v, reason = claims.speed_verdict(0.4, 0.6, "sequential", 2)
+    assert v == "not reproduced" and "needs many more workers" in reason
+
+
+def test_roofline_and_crossover_verdicts():
+    from types import SimpleNamespace as Row
+
+    row = Row(method="scan-cpu-chain", batch=16, bound="compute", x_bound=3.0)
+    assert claims.roofline_verdict(row, 3.0) == ("holds", "")
+    v, reason = claims.roofline_verdict(Row(**{**vars(row), "x_bound": 3.1}), 3.0)
+    assert v == "not reproduced" and "16 chain(s)" in reason
+    measured = Row(extrapolated=False)
+    assert claims.crossover_verdict(measured) == ("holds", "measured within the available threads")
+    far = Row(extrapolated=True, bppsa_1_worker_s=2e-3, rival_best_s=5e-4, max_measured_workers=2,
+              parallel_efficiency=0.7)
+    v, reason = claims.crossover_verdict(far)
+    assert v == "not measurable here" and "2 threads here reached 70% of that" in reason
 
 
 def test_the_headline_maximum_ignores_noisy_points_when_others_exist(tmp_path):
@@ -109,7 +163,7 @@ def test_cpu_speed_claims_judge_paired_ratios_against_both_rivals(tmp_path):
     pd.DataFrame([{"method": "scan-cpu-chain", "seq_len": 1034, "batch": 16, "x_bound": 2.5, "bound": "compute",
                    "scan_s": 2e-3, "bound_s": 1e-3, "achieved_gflops": 100.0, "noisy": False}]
                  ).to_csv(gru / "roofline.csv", index=False)
-    from bppsa.claims import cpu_speed_claims
+    from bppsa.analysis.claims import cpu_speed_claims
 
     got = {c.claim: c for c in cpu_speed_claims(tmp_path)}
     roof16, roof1 = (got[f"BPPSA's scan within 3× of this CPU's roofline (RNN, T=1000, B={B})"] for B in (16, 1))

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bppsa import speedups
+from bppsa.analysis import speedups
 from bppsa.plots import common, gru, rnn
 
 PLAIN = re.compile(r"^\d+(\.\d+)?×?$")

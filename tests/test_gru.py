@@ -160,7 +160,7 @@ def _bench_rows(device, seq_len, batch, base, bppsa, iters=7):
 
 
 def _summaries(folder, bench):
-    from bppsa import speedups
+    from bppsa.analysis import speedups
 
     speedups.speedups(bench).to_csv(folder / "speedups.csv", index=False)
     speedups.latency(bench).to_csv(folder / "latency.csv", index=False)
@@ -180,7 +180,7 @@ def test_fig_9_breakdown_arithmetic_and_figures(tmp_path):
                        data="synthetic IRMAS stand-in") for e in (1, 2, 3) for m in ("baseline", "bppsa")
                   for T in (259, 517)]
         pd.DataFrame(curves).to_csv(d / "curve_x.csv", index=False)
-    from bppsa.results import load_all
+    from bppsa.analysis.results import load_all
 
     results = tmp_path / "results"
     b = breakdown(load_all(results, "gru", "latency.csv"), load_all(results, "gru", "speedups.csv"))

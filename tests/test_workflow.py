@@ -92,14 +92,14 @@ def test_rnn_workflow_end_to_end(tmp_path):
         assert c["backend"].notna().all()
 
     # the report renders from whatever was measured, saying what is missing
-    from bppsa.report import build
+    from bppsa.analysis.report import build
 
     report = build(tmp_path / "results")
     assert "## RNN (Fig 8)" in report and "largest backward speedup" in report and "backward-nobp" in report
     assert "| cpu | rnn | float32 | cpu | fused |" in report  # the verify results, per group: auto is the fast path
     assert "No GRU benchmarks." in report
 
-    from bppsa.claims import collect, render
+    from bppsa.analysis.claims import collect, render
 
     claims = collect(tmp_path / "results")
     text = render(claims)

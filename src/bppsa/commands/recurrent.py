@@ -167,7 +167,7 @@ def _print_summary(df: pd.DataFrame, m) -> None:
 
 
 def _speedups(args) -> int:
-    from .. import speedups
+    from ..analysis import speedups
 
     frames = []
     for path in args.bench:
@@ -189,7 +189,7 @@ def _speedups(args) -> int:
 
 
 def _compare(args) -> int:
-    from .. import speedups
+    from ..analysis import speedups
 
     def read(paths):
         return pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)

@@ -12,11 +12,11 @@ def register(sub) -> None:
 
 def _report(args) -> int:
     from .. import io
-    from ..report import build
+    from ..analysis.report import build
 
     io.write_text(args.out, build(args.results))
     if args.claims_out:
-        from .. import claims
+        from ..analysis import claims
 
         io.write_text(args.claims_out, claims.render(claims.collect(args.results)))
     return 0

@@ -8,7 +8,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ..results import load_all  # noqa: E402
+from ..analysis.results import load_all  # noqa: E402
 from .common import save  # noqa: E402
 
 

@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.patches import Patch
 
-from .. import paper
+from ..analysis import paper
+from ..analysis.results import load_all
 from ..data.irmas import MFCC_SETS
 from ..io import write_csv
-from ..results import load_all
 from .common import (
     PROTOCOL_NOTE,
     VARIANT_STYLE,

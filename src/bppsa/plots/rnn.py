@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.patches import Patch
 
-from ..results import load_all
+from ..analysis.results import load_all
 from .common import (
     PROTOCOL_NOTE,
     VARIANT_STYLE,
@@ -202,7 +202,7 @@ def fig_7(curves: pd.DataFrame, out: str | Path) -> None:
     difference BPPSA vs baseline that claims.md judges, for every precision trained: Fig 7's curves trained in
     float64 too (curve_<variant>_float64.csv) are drawn there, thin and hollow, so that float round-off amplified
     by training can be told apart from a wrong gradient."""
-    from ..claims import CURVE_TOL, CURVE_TOL_FLOAT64, curve_differences
+    from ..analysis.claims import CURVE_TOL, CURVE_TOL_FLOAT64, curve_differences
 
     curves = curves.copy()
     curves["dtype"] = curves["dtype"].fillna("?").astype(str) if "dtype" in curves else "?"

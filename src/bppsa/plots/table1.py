@@ -5,10 +5,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import io, paper
-from ..paper import TABLE1_SPARSITY as PAPER_SPARSITY  # the paper's printed values, not measured here
-from ..paper import TABLE1_SPEEDUP as PAPER_SPEEDUP
-from ..results import load_all
+from .. import io
+from ..analysis import paper
+from ..analysis.paper import TABLE1_SPARSITY as PAPER_SPARSITY  # the paper's printed values, not measured here
+from ..analysis.paper import TABLE1_SPEEDUP as PAPER_SPEEDUP
+from ..analysis.results import load_all
 
 ORDER = ("Convolution", "ReLU", "Max-pooling")
 EXPRESSION = {"Convolution": "1 - hf*wf/(hi*wi)", "ReLU": "1 - 1/(c*h*w)", "Max-pooling": "1 - hf*wf/(ci*hi*wi)"}

@@ -124,7 +124,7 @@ def _curves(results: Path) -> str:
 
 
 def _speed(results: Path) -> str:
-    from .bench.speed import summary
+    from ..bench.speed import summary
 
     parts = []
     for label, folder in device_dirs(results):

@@ -1,6 +1,6 @@
 """The numbers the paper prints (Wang, Bai & Pekhimenko, MLSys 2020), with where and on what they were measured.
 
-Reference values only: nothing here is measured.  ``bppsa.claims`` sets them beside what this harness
+Reference values only: nothing here is measured.  ``bppsa.analysis.claims`` sets them beside what this harness
 measured.
 """
 from __future__ import annotations
