@@ -53,3 +53,16 @@ def test_both_profiles_validate_and_list_the_paper_grid(tmp_path):
     # Fig 7's two curves, and their float64 twins
     for v in ("baseline", "bppsa-paper"):
         assert f"curve_{v}.csv" in out and f"curve_{v}_float64.csv" in out
+
+
+def test_config_readme_names_every_key_of_the_schemas():
+    """config/README.md lists every section and key the schemas define, so it cannot fall behind them."""
+    import glob
+
+    text = Path(ROOT, "config", "README.md").read_text()
+    missing = []
+    for f in glob.glob(str(Path(ROOT, "workflow", "schemas", "*.schema.yaml"))):
+        for key, spec in yaml.safe_load(Path(f).read_text()).get("properties", {}).items():
+            names = [key] + list((spec.get("properties") or {}).keys())
+            missing += [f"{key}.{n}" if n != key else key for n in names if f"`{n}`" not in text]
+    assert not missing, f"config/README.md does not name: {missing}"

@@ -1,6 +1,6 @@
 """The timing protocol every benchmark shares: interleaved methods, medians with intervals, a stop rule.
 
-Why these choices (measured effects are in the README's "Timing protocol" section):
+Why these choices (their measured effect under load is in docs/measurements.md; the protocol in docs/timing.md):
 
 - **Median, not mean.** On a shared machine single iterations are sometimes 100x slower than their
   neighbours (a preempted thread); one such outlier moves a 10-sample mean by 10x and leaves the median
