@@ -87,7 +87,7 @@ def test_unknown_layout_and_backend_are_rejected():
 def test_auto_backend_is_the_cpu_fast_path_on_cpu(monkeypatch):
     """'auto' on a CPU is the compiled fast path; where its kernel cannot be built, the torch twin, with a
     warning that gives the reason."""
-    from bppsa.kernels import native
+    from bppsa.backends.cpu import native
 
     if native.available():
         with warnings.catch_warnings():
