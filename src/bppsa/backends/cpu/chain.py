@@ -24,10 +24,11 @@ FACTOR_FLOP = 50  # a factor builder's cost per value written (~1 ns, a strided 
 class FactoredChain:
     """A chain of transposed Jacobians kept as its weights ``Wt`` [NW, H, H] (transposed) and per-step
     factors ``f`` [steps, NR, B] (lane order: the compiled kernel reads each row's batch lanes side by
-    side), the kinds of ``chain_scan.c``, instead of n·B dense H×H matrices: what :class:`CpuBackend`
-    builds.  The last I + H rows of a step are x_t and h' = h_{t-1}, for the parameter gradients the
-    kernel accumulates as it scans (zero rows where the chain was built without x, ``I = 0``).  It stands
-    where a dense chain ``[n, B, H, H]`` would (``shape``, ``dim()``); :meth:`dense` is that chain."""
+    side), the kinds of ``chain_scan.c``, instead of n·B dense H×H matrices: what
+    :class:`~bppsa.backends.cpu.CpuBackend` builds.  The last I + H rows of a step are x_t and h' = h_{t-1},
+    for the parameter gradients the kernel accumulates as it scans (zero rows where the chain was built
+    without x, ``I = 0``).  It stands where a dense chain ``[n, B, H, H]`` would (``shape``, ``dim()``);
+    :meth:`dense` is that chain."""
 
     kind: str
     NF: int  # rows of H factors per step before x and h'
