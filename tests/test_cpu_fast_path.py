@@ -1,4 +1,4 @@
-"""The CPU fast path (backend 'cpu', bppsa.kernels.cpu) held to its torch reference twin."""
+"""The CPU fast path (backend 'cpu', bppsa.backends.cpu) held to its torch reference twin."""
 import copy
 import json
 import math
@@ -14,9 +14,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from bppsa import backends, scan
+from bppsa.backends import cpu
+from bppsa.backends.cpu import native, pool
+from bppsa.backends.cpu.chain import FactoredChain, lane_slices, native_chain_scan
 from bppsa.jacobians.gru import gru_gate_grads, gru_gates, gru_jacobians_t, gru_param_grads
 from bppsa.jacobians.recurrent import rnn_grad_preact, rnn_jacobians_t
-from bppsa.kernels import cpu, native
 from bppsa.models import build
 from bppsa.models.rnn import RNNClassifier
 from bppsa.verify import verify
@@ -36,13 +38,13 @@ def _rel(a, b):
 def chunking(request, monkeypatch):
     """Run each test single-chunk and with every level split across threads (tiny chunks)."""
     if request.param == "many chunks":
-        monkeypatch.setattr(cpu, "MIN_CHUNK_FLOP", 1)
+        monkeypatch.setattr(pool, "MIN_CHUNK_FLOP", 1)
         old = torch.get_num_threads()
         torch.set_num_threads(3)  # more chunks than this machine's cores: the split itself is exercised
         yield
         torch.set_num_threads(old)
     else:
-        monkeypatch.setattr(cpu, "MIN_CHUNK_FLOP", float("inf"))
+        monkeypatch.setattr(pool, "MIN_CHUNK_FLOP", float("inf"))
         yield
 
 
@@ -53,7 +55,7 @@ def test_scan_equals_torch_twin(chunking, n, B, H, L_m, seed):
     assume(n & (n + 1))  # scan length N = n + 1 not a power of two
     g, J = _chain(n, B, H, seed)
     J0 = J.clone()
-    got = cpu.blelloch_scan(g, J, L_m)
+    got = cpu.cpu_scan(g, J, L_m)
     assert torch.equal(J, J0)  # the chain is not used as scratch
     ref = scan.blelloch_scan(g, J, L_m)
     assert got.shape == ref.shape == (n, B, H)
@@ -127,7 +129,7 @@ def test_factored_chain_scan_equals_torch_twin(chunking, chain_path, kind, T, B,
     g, chain, dense, ref_grads, exact = _factored(kind, T, B, H, seed, dtype, I=I)
     n = dense.shape[0]
     assume(n & (n + 1))  # scan length N = n + 1 not a power of two
-    assert isinstance(chain, cpu.FactoredChain) and chain.shape == dense.shape
+    assert isinstance(chain, FactoredChain) and chain.shape == dense.shape
     if kind == "gru":  # its gates recomputed by the kernel's own vector exp: a few ulp from torch's
         assert _rel(chain.dense(), dense) <= (1e-14 if dtype == torch.float64 else 1e-6)
     else:
@@ -135,7 +137,7 @@ def test_factored_chain_scan_equals_torch_twin(chunking, chain_path, kind, T, B,
     ref = scan.blelloch_scan(g, dense.clone(), L_m)
     assume(torch.isfinite(ref).all())  # an fp32 chain that overflows has no relative error to check
     tol = 1e-12 if dtype == torch.float64 else 1e-5
-    assert _rel(cpu.blelloch_scan(g, chain, L_m), ref) <= tol
+    assert _rel(cpu.cpu_scan(g, chain, L_m), ref) <= tol
     grads = cpu.param_grads(g, chain, L_m, scan.Workspace(), ref_grads)
     if dtype == torch.float64:
         assert _rel_grads(grads, ref_grads(ref)) <= tol
@@ -152,7 +154,7 @@ def test_compiled_kernel_both_thread_splits(kind, mode, n, B, H, dtype, monkeypa
     """Threads taking whole lane slices, or splitting each slice's blocks (B = 1: blocks as the lanes):
     the same scan and parameter gradients, at the sizes the benchmarks run (full vector registers of
     lanes, several slices, hidden size 20)."""
-    monkeypatch.setattr(cpu, "MIN_CHUNK_FLOP", 1)
+    monkeypatch.setattr(pool, "MIN_CHUNK_FLOP", 1)
     g, chain, dense, ref_grads, _ = _factored(kind, n, B, H, n, dtype, scale=0.3, I=12 if kind == "gru" else 1)
     old = torch.get_num_threads()
     torch.set_num_threads(3)
@@ -161,9 +163,9 @@ def test_compiled_kernel_both_thread_splits(kind, mode, n, B, H, dtype, monkeypa
             L = scan.tree_levels(dense.shape[0] + 1, L_m)
             ref = scan.blelloch_scan(g.double(), dense.double(), L_m)
             tol = 1e-12 if dtype == torch.float64 else 1e-5
-            got = cpu._native_chain_scan(g, chain, L, scan.Workspace(), mode)
+            got = native_chain_scan(g, chain, L, scan.Workspace(), mode)
             assert _rel(got.double(), ref) <= tol, (L_m, mode)
-            got = cpu._native_chain_scan(g, chain, L, scan.Workspace(), mode, grads=True)
+            got = native_chain_scan(g, chain, L, scan.Workspace(), mode, grads=True)
             assert _rel_grads(got, ref_grads(ref.to(dtype))) <= tol, (L_m, mode)
     finally:
         torch.set_num_threads(old)
@@ -181,10 +183,10 @@ def test_the_kernel_builds_where_a_c_compiler_is():
 
 
 def test_lane_slices_are_register_wide_and_balanced():
-    assert cpu.lane_slices(16, 2, 16) == [[(0, 8)], [(8, 8)]]
-    assert cpu.lane_slices(1, 2, 16) == [[(0, 1)]]
+    assert lane_slices(16, 2, 16) == [[(0, 8)], [(8, 8)]]
+    assert lane_slices(1, 2, 16) == [[(0, 1)]]
     for B, p, vl in [(5, 2, 16), (100, 2, 16), (7, 4, 8), (64, 3, 8)]:
-        groups = cpu.lane_slices(B, p, vl)
+        groups = lane_slices(B, p, vl)
         slices = sorted(s for gr in groups for s in gr)
         assert len(groups) <= p and sum(w for _, w in slices) == B
         assert all(w & (w - 1) == 0 and w <= vl for _, w in slices)  # powers of two, one register at most
@@ -195,12 +197,13 @@ def test_lane_slices_are_register_wide_and_balanced():
 
 def test_kernel_falls_back_to_numpy_without_a_compiler(tmp_path):
     """No C compiler: the reason is given (doctor prints it) and the cpu backend still gives the scan."""
-    code = ("import torch; from bppsa.kernels import native, cpu; from bppsa import scan\n"
+    code = ("import torch; from bppsa import scan; from bppsa.backends import cpu\n"
+            "from bppsa.backends.cpu import native\n"
             "print(native.unavailable_reason())\n"
             "h = torch.rand(50, 3, 4, dtype=torch.float64); W = torch.randn(4, 4, dtype=torch.float64)\n"
             "c = cpu.RnnChain.from_states(h, W); g = torch.randn(3, 4, dtype=torch.float64)\n"
             "ref = scan.blelloch_scan(g, c.dense())\n"
-            "print(((cpu.blelloch_scan(g, c) - ref).abs().max() / ref.abs().max()).item())")
+            "print(((cpu.cpu_scan(g, c) - ref).abs().max() / ref.abs().max()).item())")
     env = {**os.environ, "CC": "no-such-compiler", "BPPSA_CACHE_DIR": str(tmp_path)}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -211,7 +214,7 @@ def test_kernel_falls_back_to_numpy_without_a_compiler(tmp_path):
 
 @pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
 def test_kernel_builds_once_into_the_cache(tmp_path):
-    code = "from bppsa.kernels import native; print(native.available())"
+    code = "from bppsa.backends.cpu import native; print(native.available())"
     env = {**os.environ, "BPPSA_CACHE_DIR": str(tmp_path)}
     for _ in range(2):
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -236,19 +239,19 @@ def test_cli_shortens_the_openmp_spin_unless_set():
 @pytest.mark.parametrize("n", [1, 2, 5, 100, 1000])
 def test_dense_linear_scan_equals_torch(chunking, n):
     g, J = _chain(n, 4, 20, n)
-    assert _rel(cpu.blelloch_scan(g, J, 0), scan.linear_scan(g, J)) <= 1e-12
+    assert _rel(cpu.cpu_scan(g, J, 0), scan.linear_scan(g, J)) <= 1e-12
 
 
 def test_workspace_reuse_gives_the_same_result():
     ws = scan.Workspace()
     for seed in range(3):  # same shapes, new values: stale scratch must never leak into the result
         g, J = _chain(77, 3, 6, seed)
-        assert _rel(cpu.blelloch_scan(g, J, None, ws), scan.blelloch_scan(g, J)) <= 1e-12
+        assert _rel(cpu.cpu_scan(g, J, None, ws), scan.blelloch_scan(g, J)) <= 1e-12
 
 
 def test_float32_scan_matches(chunking):
     g, J = _chain(999, 16, 20, 1, torch.float32)
-    assert _rel(cpu.blelloch_scan(g, J), scan.linear_scan(g.double(), J.double()).float()) <= 1e-4
+    assert _rel(cpu.cpu_scan(g, J), scan.linear_scan(g.double(), J.double()).float()) <= 1e-4
 
 
 @pytest.mark.parametrize("model", ["rnn", "gru"])
@@ -294,20 +297,20 @@ def test_cpu_backend_refuses_cuda_and_falls_back_with_a_warning(monkeypatch):
     with pytest.raises(RuntimeError, match="CPU tensors only"):
         backends.get_backend("cpu", torch.device("cuda"))
     assert backends.get_backend("cpu", torch.device("cpu")).name == "cpu"
-    monkeypatch.setitem(sys.modules, "bppsa.kernels.cpu", None)  # import fails like a broken install
+    monkeypatch.setitem(sys.modules, "bppsa.backends.cpu", None)  # import fails like a broken install
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         be = backends.get_backend("cpu")
     assert be.name == "torch"
-    assert any("backend 'cpu' unavailable" in str(x.message) and "bppsa.kernels.cpu" in str(x.message) for x in w)
+    assert any("backend 'cpu' unavailable" in str(x.message) and "bppsa.backends.cpu" in str(x.message) for x in w)
 
 
 def test_scan_rejects_bad_operands():
     g, J = _chain(5, 2, 3, 0)
     with pytest.raises(ValueError, match="expected g"):
-        cpu.blelloch_scan(g[:, :2], J)
+        cpu.cpu_scan(g[:, :2], J)
     with pytest.raises(ValueError, match="one dtype"):
-        cpu.blelloch_scan(g.float(), J)
+        cpu.cpu_scan(g.float(), J)
 
 
 def test_worker_threads_follow_the_subnormal_mode():
@@ -315,13 +318,13 @@ def test_worker_threads_follow_the_subnormal_mode():
     try:
         for flag in (True, False, True):
             torch.set_flush_denormal(flag)
-            assert cpu._executor(2).submit(cpu._flushing).result() is flag is cpu._flushing()
+            assert pool.executor(2).submit(pool.flushing).result() is flag is pool.flushing()
     finally:
         torch.set_flush_denormal(False)
 
 
 def test_numpy_blas_is_made_single_threaded():
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    cpu.blelloch_scan(*_chain(9, 2, 3, 0))
+    cpu.cpu_scan(*_chain(9, 2, 3, 0))
     libs = [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas" and "numpy" in i["filepath"]]
     assert libs and all(i["num_threads"] == 1 for i in libs)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bppsa import doctor
-from bppsa.backends import TorchBackend
+from bppsa.backends.twin import TorchBackend
 
 
 def _run(*args):

@@ -4,10 +4,11 @@ Three layers, so that as much as possible is checked on a machine without a GPU:
 
 * every ``.cu`` file compiles with ``nvcc`` for the oldest and the newest architecture we target
   (and with NVRTC and CuPy's own options: ``tests/test_nvrtc.py``);
-* the launch plan (:func:`bppsa.kernels.scan_plan`) reproduces the tree of :func:`bppsa.scan.levels`,
+* the launch plan (:func:`bppsa.backends.cuda.plan.scan_plan`) reproduces the tree of :func:`bppsa.scan.levels`,
   and the *actual kernel sources*, compiled as host C++ with a thin shim (blocks run one after the
   other, the threads of a block as real threads meeting at a ``std::barrier``), reproduce
-  :func:`bppsa.scan.blelloch_scan` and ``rnn_jacobians_t`` when driven by that plan;
+  :func:`bppsa.scan.blelloch_scan` and ``rnn_jacobians_t`` when driven by that plan (the emulator:
+  ``tests/cuda_emulator.py``);
 * ``@pytest.mark.gpu``: the real CuPy backend against the torch twins, and a whole RNN training
   step against autograd.
 """
@@ -15,28 +16,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
-import functools
 import shutil
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from cuda_emulator import KERNEL_NAMES, Buf, build_emulator, emulated_launch, emulated_scan
 
-from bppsa import kernels
+from bppsa.backends import cuda
+from bppsa.backends.cuda import plan, runtime
 from bppsa.jacobians.recurrent import rnn_jacobians_t
 from bppsa.precision import ieee_fp32
 from bppsa.scan import blelloch_scan, levels, middle_ends, reference_scan
-
-KERNEL_NAMES = {
-    "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
-    "rnn_jacobians.cu": [f"bppsa_rnn_jacobians_{k}_{s}" for k in ("paper", "fused") for s in ("f32", "f64")],
-}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,7 +57,7 @@ def _compile_targets():
             skip = pytest.mark.skip(reason=f"sm_{want} not supported by this nvcc")
             out.append(pytest.param(None, None, marks=skip, id=f"sm{want}-unsupported"))
     params = []
-    for src in kernels.SOURCES:
+    for src in runtime.SOURCES:
         for item in out:
             if isinstance(item, tuple):
                 params.append(pytest.param(src, item[0], id=f"{src}-{item[1]}"))
@@ -76,7 +71,7 @@ def test_nvcc_compiles(source, arch, tmp_path):
     cubin = tmp_path / "k.cubin"
     proc = subprocess.run(
         ["nvcc", "-std=c++17", f"-arch=sm_{arch}", "-cubin", "-Werror", "all-warnings",
-         "-o", str(cubin), str(kernels.KERNEL_DIR / source)],
+         "-o", str(cubin), str(runtime.KERNEL_DIR / source)],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -86,14 +81,14 @@ def test_nvcc_compiles(source, arch, tmp_path):
 
 
 def test_sources_ship_with_the_package():
-    for src in kernels.SOURCES:
-        assert (kernels.KERNEL_DIR / src).is_file()
+    for src in runtime.SOURCES:
+        assert (runtime.KERNEL_DIR / src).is_file()
 
 
 def test_plan_uses_only_kernels_that_exist():
     used = {launch.kernel for N in range(1, 40) for L_m in (None, 0, 1, 2)
-            for launch in kernels.scan_plan(N, 2, 3, L_m)[1]}
-    used |= {kernels.rnn_jacobians_launch(3, 2, 4, lay).kernel for lay in ("paper", "fused")}
+            for launch in plan.scan_plan(N, 2, 3, L_m)[1]}
+    used |= {plan.rnn_jacobians_launch(3, 2, 4, lay).kernel for lay in ("paper", "fused")}
     defined = {n.rsplit("_", 1)[0] for names in KERNEL_NAMES.values() for n in names}
     assert used <= defined
 
@@ -113,7 +108,7 @@ def _block_pair(ints, block):
 def test_plan_reproduces_the_tree(L_m):
     for N in list(range(1, 300)) + [1000, 1025, 2001, 60001]:
         B = 1 + N % 4
-        L, launches = kernels.scan_plan(N, B, 5, L_m)
+        L, launches = plan.scan_plan(N, B, 5, L_m)
         lv = levels(N)
         assert L == (len(lv) if L_m is None else min(L_m, len(lv)))
         ups = [x for x in launches if x.kernel == "bppsa_up_sweep"]
@@ -141,146 +136,21 @@ def test_plan_reproduces_the_tree(L_m):
 
 def test_block_threads_and_shared_memory():
     for H in range(1, 80):
-        t = kernels.block_threads(H)
-        assert t % 32 == 0 and 32 <= t <= kernels.MAX_THREADS
-        assert t >= min(H * H, kernels.MAX_THREADS)
+        t = plan.block_threads(H)
+        assert t % 32 == 0 and 32 <= t <= plan.MAX_THREADS
+        assert t >= min(H * H, plan.MAX_THREADS)
     # fp64 64x64 needs two 32 KiB operands: over the 48 KiB static limit, within Turing's 64 KiB opt-in
-    assert kernels.max_hidden(torch.float64, 64 * 1024) == 64
-    assert kernels.max_hidden(torch.float32, 64 * 1024) == 90
-    assert kernels.max_hidden(torch.float64, 48 * 1024) == 55
+    assert plan.max_hidden(torch.float64, 64 * 1024) == 64
+    assert plan.max_hidden(torch.float32, 64 * 1024) == 90
+    assert plan.max_hidden(torch.float64, 48 * 1024) == 55
 
 
 # ---------------------------------------------------------------------------------------------
 # 3. the kernel sources themselves, emulated on the CPU
 # ---------------------------------------------------------------------------------------------
-_SHIM = r"""
-#include <barrier>
-#include <cstring>
-#include <thread>
-#include <vector>
-struct emu_uint3 { unsigned x, y, z; };
-static thread_local emu_uint3 threadIdx;
-static emu_uint3 blockIdx, blockDim, gridDim;
-static std::barrier<>* emu_barrier;
-static unsigned char* emu_smem;
-#define BPPSA_SMEM emu_smem
-#define __global__
-#define __device__
-#define __syncthreads() emu_barrier->arrive_and_wait()
-static inline float __fmul_rn(float a, float b) { return a * b; }
-static inline double __dmul_rn(double a, double b) { return a * b; }
-static inline float __fsub_rn(float a, float b) { return a - b; }
-static inline double __dsub_rn(double a, double b) { return a - b; }
-"""
-
-_DRIVER = r"""
-static const size_t EMU_GUARD = 256;
-// Shared memory starts as 0xFF bytes (NaN in either dtype), so reading anything a block did not
-// stage poisons its result; bytes past the requested size must still be 0xFF afterwards.
-template <typename... A>
-static int emu_run(void (*fn)(A...), unsigned grid, unsigned block, unsigned long long smem, A... args) {
-  std::vector<unsigned char> buf(smem + EMU_GUARD);
-  for (unsigned bx = 0; bx < grid; ++bx) {
-    std::memset(buf.data(), 0xFF, buf.size());
-    emu_smem = buf.data();
-    blockIdx = {bx, 0, 0};
-    blockDim = {block, 1, 1};
-    gridDim = {grid, 1, 1};
-    std::barrier<> bar(block);
-    emu_barrier = &bar;
-    std::vector<std::thread> threads;
-    for (unsigned t = 0; t < block; ++t)
-      threads.emplace_back([&, t] {
-        threadIdx = {t, 0, 0};
-        fn(args...);
-        bar.arrive_and_drop();  // like an exited GPU thread: no longer waited for
-      });
-    for (auto& th : threads) th.join();
-    for (size_t i = smem; i < buf.size(); ++i)
-      if (buf[i] != 0xFF) return 1;
-  }
-  return 0;
-}
-template <typename F> struct Emu;
-template <typename... A> struct Emu<void (*)(A...)> {
-  template <void (*Fn)(A...)>
-  static int run(unsigned g, unsigned b, unsigned long long s, A... a) { return emu_run<A...>(Fn, g, b, s, a...); }
-};
-"""
-
-
-@functools.cache
-def _emulator(build_dir: str):
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not on PATH: cannot emulate the kernels on the CPU")
-    names = [n for src in kernels.SOURCES for n in KERNEL_NAMES[src]]
-    exports = "\n".join(
-        f'extern "C" {{ auto emu_{n} = &Emu<decltype(&{n})>::template run<&{n}>; }}' for n in names
-    )
-    # Each source is its own module on the GPU; here they share one translation unit, which works
-    # because they define disjoint names (and typedef idx_t identically, which C++ allows).
-    body = _SHIM + "".join((kernels.KERNEL_DIR / s).read_text() + "\n" for s in kernels.SOURCES) + _DRIVER + exports
-    src = Path(build_dir) / "emu.cpp"
-    src.write_text(body)
-    lib = Path(build_dir) / "emu.so"
-    proc = subprocess.run(
-        ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", "-o", str(lib), str(src)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return ctypes.CDLL(str(lib))
-
-
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    return _emulator(str(tmp_path_factory.mktemp("emu")))
-
-
-SENTINEL = 1234.5  # in the guard bands around every global buffer: must stay, must never be read
-
-
-class _Buf:
-    """A global-memory buffer with guard bands on both sides."""
-
-    G = 64
-
-    def __init__(self, arr: np.ndarray):
-        self.shape = arr.shape
-        self.flat = np.full(arr.size + 2 * self.G, SENTINEL, dtype=arr.dtype)
-        self.flat[self.G : self.G + arr.size] = arr.ravel()
-
-    @property
-    def ptr(self) -> int:
-        return self.flat.ctypes.data + self.G * self.flat.itemsize
-
-    def value(self) -> np.ndarray:
-        guards = np.concatenate([self.flat[: self.G], self.flat[-self.G :]])
-        assert (guards == SENTINEL).all(), "write out of bounds"
-        return self.flat[self.G : -self.G].reshape(self.shape).copy()
-
-
-def _emu_launch(lib, launch, dtype, bufs):
-    name = f"{launch.kernel}_{'f32' if dtype == np.float32 else 'f64'}"
-    addr = ctypes.c_void_p.in_dll(lib, f"emu_{name}").value
-    proto = ctypes.CFUNCTYPE(
-        ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_ulonglong,
-        *([ctypes.c_void_p] * len(bufs)), *([ctypes.c_longlong] * len(launch.ints)),
-    )
-    smem = launch.smem_elems * np.dtype(dtype).itemsize
-    rc = proto(addr)(launch.grid, launch.block, smem, *(b.ptr for b in bufs), *launch.ints)
-    assert rc == 0, f"{name} wrote past its {smem} bytes of dynamic shared memory"
-
-
-def _emulated_scan(lib, g: np.ndarray, J: np.ndarray, L_m):
-    """CupyBackend.scan with the kernels run by the emulator: same plan, same buffers."""
-    n, B, H, _ = J.shape
-    L, launches = kernels.scan_plan(n + 1, B, H, L_m)
-    S = np.full((L + 1, B, H), np.nan, dtype=g.dtype)
-    S[0] = g
-    bufs = [_Buf(J), _Buf(S), _Buf(np.full((n, B, H), np.nan, dtype=g.dtype))]
-    for launch in launches:
-        _emu_launch(lib, launch, g.dtype.type, bufs)
-    return bufs[2].value(), bufs[0].value()
+    return build_emulator(str(tmp_path_factory.mktemp("emu")))
 
 
 @pytest.mark.parametrize(
@@ -296,7 +166,7 @@ def test_emulated_scan_matches_torch(emu, n, B, H, L_m):
     g = torch.randn(B, H, generator=gen, dtype=torch.float64)
     J = torch.randn(n, B, H, H, generator=gen, dtype=torch.float64) / H**0.5
     ref = blelloch_scan(g, J, L_m)
-    out, J_after = _emulated_scan(emu, g.numpy(), J.numpy(), L_m)
+    out, J_after = emulated_scan(emu, g.numpy(), J.numpy(), L_m)
     assert not np.isnan(out).any(), "a prefix was never written (or read unstaged shared memory)"
     np.testing.assert_allclose(out, ref.numpy(), rtol=1e-12, atol=1e-12)
     # the workspace holds the textbook in-place up-sweep's partial products, position by position
@@ -313,7 +183,7 @@ def test_emulated_scan_float32(emu):
     g = torch.randn(3, 5, generator=gen)
     J = torch.randn(13, 3, 5, 5, generator=gen) / 5**0.5
     ref = blelloch_scan(g.double(), J.double())
-    out, _ = _emulated_scan(emu, g.numpy(), J.numpy(), None)
+    out, _ = emulated_scan(emu, g.numpy(), J.numpy(), None)
     assert out.dtype == np.float32
     np.testing.assert_allclose(out, ref.numpy(), rtol=1e-4, atol=1e-5)
 
@@ -327,22 +197,22 @@ def test_emulated_rnn_jacobians_bit_identical(emu, layout, dtype, T, B, H):
     h = torch.tanh(torch.randn(T, B, H, generator=gen, dtype=tdt))
     W = torch.randn(H, H, generator=gen, dtype=tdt)
     ref = rnn_jacobians_t(h, W, layout).numpy()
-    launch = kernels.rnn_jacobians_launch(T, B, H, layout)
-    out = _Buf(np.full(ref.shape, np.nan, dtype=dtype))
-    _emu_launch(emu, launch, dtype, [_Buf(h.numpy()), _Buf(W.numpy()), out])
+    launch = plan.rnn_jacobians_launch(T, B, H, layout)
+    out = Buf(np.full(ref.shape, np.nan, dtype=dtype))
+    emulated_launch(emu, launch, dtype, [Buf(h.numpy()), Buf(W.numpy()), out])
     np.testing.assert_array_equal(out.value(), ref)
 
 
 def test_emulated_grid_stride_fill(emu, monkeypatch):
     # Force fewer blocks than elements so every thread takes several grid-stride steps.
-    monkeypatch.setattr(kernels, "FILL_MAX_BLOCKS", 2)
+    monkeypatch.setattr(plan, "FILL_MAX_BLOCKS", 2)
     T, B, H = 4, 3, 6
     h = torch.tanh(torch.randn(T, B, H, dtype=torch.float64))
     W = torch.randn(H, H, dtype=torch.float64)
-    launch = kernels.rnn_jacobians_launch(T, B, H, "paper")
+    launch = plan.rnn_jacobians_launch(T, B, H, "paper")
     assert launch.grid == 2 and launch.grid * launch.block < 2 * T * B * H * H
-    out = _Buf(np.full((2 * T, B, H, H), np.nan))
-    _emu_launch(emu, launch, np.float64, [_Buf(h.numpy()), _Buf(W.numpy()), out])
+    out = Buf(np.full((2 * T, B, H, H), np.nan))
+    emulated_launch(emu, launch, np.float64, [Buf(h.numpy()), Buf(W.numpy()), out])
     np.testing.assert_array_equal(out.value(), rnn_jacobians_t(h, W, "paper").numpy())
 
 
@@ -368,9 +238,9 @@ def test_emulated_fill_keeps_subnormals(emu, keep_denormals):
     h, W = _subnormal_case(torch.float32)
     ref = rnn_jacobians_t(h, W, "fused")
     assert (ref != 0).any() and (ref.abs() < torch.finfo(torch.float32).tiny).all()  # the case is what it says
-    launch = kernels.rnn_jacobians_launch(*h.shape, "fused")
-    out = _Buf(np.full(ref.shape, np.nan, dtype=np.float32))
-    _emu_launch(emu, launch, np.float32, [_Buf(h.numpy()), _Buf(W.numpy()), out])
+    launch = plan.rnn_jacobians_launch(*h.shape, "fused")
+    out = Buf(np.full(ref.shape, np.nan, dtype=np.float32))
+    emulated_launch(emu, launch, np.float32, [Buf(h.numpy()), Buf(W.numpy()), out])
     np.testing.assert_array_equal(out.value(), ref.numpy())
 
 
@@ -378,7 +248,7 @@ def test_emulated_fill_keeps_subnormals(emu, keep_denormals):
 # 4. without CuPy / CUDA
 # ---------------------------------------------------------------------------------------------
 def test_import_needs_no_cupy():
-    code = "import sys; sys.modules['cupy'] = None; import bppsa.kernels as k; print(k.CupyBackend.name)"
+    code = "import sys; sys.modules['cupy'] = None; import bppsa.backends.cuda as k; print(k.CupyBackend.name)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "cupy", proc.stderr
 
@@ -417,17 +287,17 @@ def test_ieee_fp32_turns_tf32_off_and_restores():
 def fresh_probe():
     from bppsa import backends
 
-    for cache in (backends._probe_cuda, kernels._module, kernels._kernel):
+    for cache in (backends._probe_cuda, runtime._module, runtime.kernel):
         cache.cache_clear()
     yield backends
-    for cache in (backends._probe_cuda, kernels._module, kernels._kernel):
+    for cache in (backends._probe_cuda, runtime._module, runtime.kernel):
         cache.cache_clear()
 
 
 def _fake_cupy(compile_error: Exception | None):
     class RawModule:
         def __init__(self, code, options):
-            assert "bppsa" in code and tuple(options) == kernels.NVRTC_OPTIONS
+            assert "bppsa" in code and tuple(options) == runtime.NVRTC_OPTIONS
             if compile_error is not None:
                 raise compile_error
 
@@ -480,32 +350,32 @@ def _torch_stream(handle, index=0):
 
 def test_stream_from_external_with_fallback(monkeypatch):
     made = []
-    monkeypatch.setattr(kernels, "_cupy_per_thread_default_stream", lambda: False)
+    monkeypatch.setattr(runtime, "_cupy_per_thread_default_stream", lambda: False)
     from_external = lambda s: made.append(("from_external", s)) or "S"  # noqa: E731
     new = SimpleNamespace(cuda=SimpleNamespace(Stream=SimpleNamespace(from_external=from_external)))
     ts = _torch_stream(0x7F00)
-    assert kernels._cupy_stream(new, ts) == "S" and made == [("from_external", ts)]
+    assert runtime._cupy_stream(new, ts) == "S" and made == [("from_external", ts)]
     external = lambda ptr, dev: made.append(("External", ptr, dev)) or "E"  # noqa: E731
     old = SimpleNamespace(cuda=SimpleNamespace(Stream=SimpleNamespace(),  # CuPy < 14: no from_external
                                                ExternalStream=external))
-    assert kernels._cupy_stream(old, _torch_stream(0x7F00, 1)) == "E" and made[-1] == ("External", 0x7F00, 1)
+    assert runtime._cupy_stream(old, _torch_stream(0x7F00, 1)) == "E" and made[-1] == ("External", 0x7F00, 1)
 
 
 def test_per_thread_default_stream_is_refused(monkeypatch):
     cp = SimpleNamespace(cuda=SimpleNamespace(Stream=SimpleNamespace(from_external=lambda s: "S")))
-    monkeypatch.setattr(kernels, "_cupy_per_thread_default_stream", lambda: True)
+    monkeypatch.setattr(runtime, "_cupy_per_thread_default_stream", lambda: True)
     with pytest.raises(RuntimeError, match="per-thread default stream.*CUPY_CUDA_PER_THREAD_DEFAULT_STREAM"):
-        kernels._cupy_stream(cp, _torch_stream(0))
-    assert kernels._cupy_stream(cp, _torch_stream(0x7F00)) == "S"  # a real torch stream is unambiguous
+        runtime._cupy_stream(cp, _torch_stream(0))
+    assert runtime._cupy_stream(cp, _torch_stream(0x7F00)) == "S"  # a real torch stream is unambiguous
 
 
 def test_per_thread_default_stream_switch_without_cupy(monkeypatch):
     for mod in ("cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.stream"):
         monkeypatch.setitem(sys.modules, mod, None)  # as on a machine without CuPy's internals
     monkeypatch.setenv("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "1")
-    assert kernels._cupy_per_thread_default_stream()
+    assert runtime._cupy_per_thread_default_stream()
     monkeypatch.setenv("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "0")
-    assert not kernels._cupy_per_thread_default_stream()
+    assert not runtime._cupy_per_thread_default_stream()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,7 +388,7 @@ def _cupy_or_skip():
         import cupy  # noqa: F401
     except Exception as exc:  # noqa: BLE001
         pytest.skip(f"cupy not importable: {exc}")
-    return kernels.CupyBackend()
+    return cuda.CupyBackend()
 
 
 SCAN_SHAPES = [(n, B, H) for n in (1, 2, 3, 5, 17, 64, 100, 1000) for B in (1, 5, 16) for H in (1, 7, 20, 64)]

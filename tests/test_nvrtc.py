@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from bppsa import kernels
-from bppsa.kernels import nvrtc
+from bppsa.backends import cuda
+from bppsa.backends.cuda import nvrtc, runtime
 
 ARCHS = (90, 80, 75)
 KERNELS = {
@@ -50,7 +50,7 @@ def _diagnostics(log: str) -> list[str]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("source", kernels.SOURCES)
+@pytest.mark.parametrize("source", runtime.SOURCES)
 def test_compiles_clean_with_cupys_options(nv, source, arch):
     r = _compiled(source, arch)
     assert not _diagnostics(r.log), r.log
@@ -121,14 +121,14 @@ def _recorded_launches(monkeypatch) -> list[tuple[str, tuple, int]]:
         def __call__(self, grid, block, args, shared_mem=0):
             calls.append((self.name, args, shared_mem))
 
-    monkeypatch.setattr(kernels, "_import_cupy", lambda: SimpleNamespace(__version__="recorder"))
-    monkeypatch.setattr(kernels, "_kernel", lambda source, name: Fn(name))
-    monkeypatch.setattr(kernels, "_OnTorchStream", lambda dev: contextlib.nullcontext())
-    monkeypatch.setattr(kernels, "_as_cupy", lambda t: _Pointer())
-    monkeypatch.setattr(kernels, "_check_cuda", lambda dtype, *ts: torch.device("cuda", 0))
-    monkeypatch.setattr(kernels, "_smem_optin", lambda dev: 227 * 1024)
-    monkeypatch.setattr(kernels, "_opted_in", {})
-    be = kernels.CupyBackend()
+    monkeypatch.setattr(runtime, "import_cupy", lambda: SimpleNamespace(__version__="recorder"))
+    monkeypatch.setattr(runtime, "kernel", lambda source, name: Fn(name))
+    monkeypatch.setattr(runtime, "OnTorchStream", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(runtime, "as_cupy", lambda t: _Pointer())
+    monkeypatch.setattr(runtime, "check_cuda", lambda dtype, *ts: torch.device("cuda", 0))
+    monkeypatch.setattr(runtime, "smem_optin", lambda dev: 227 * 1024)
+    monkeypatch.setattr(runtime, "_opted_in", {})
+    be = cuda.CupyBackend()
     for dtype in (torch.float32, torch.float64):
         g, J = torch.zeros(2, 5, dtype=dtype), torch.zeros(20, 2, 5, 5, dtype=dtype)
         be.scan(g, J)
@@ -148,7 +148,7 @@ def _width(arg) -> int:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ptx_parameters_match_the_launchers(nv, arch, monkeypatch):
     entries = {}
-    for source in kernels.SOURCES:
+    for source in runtime.SOURCES:
         entries.update(nvrtc.ptx_entries(_compiled(source, arch).ptx))
     calls = _recorded_launches(monkeypatch)
     assert {name for name, _, _ in calls} == set(entries), "every kernel launched, and only those"
@@ -189,8 +189,8 @@ def test_options_mirror_what_cupy_passes():
     mp.setenv("CUPY_CACHE_IN_MEMORY", "1")
     with patched:
         try:
-            compiler._compile_module_with_cache((kernels.KERNEL_DIR / "rnn_jacobians.cu").read_text(),
-                                                kernels.NVRTC_OPTIONS, arch="90", backend="nvrtc")
+            compiler._compile_module_with_cache((runtime.KERNEL_DIR / "rnn_jacobians.cu").read_text(),
+                                                runtime.NVRTC_OPTIONS, arch="90", backend="nvrtc")
         except Stop:
             pass
     assert seen == [nvrtc.cupy_options(90)]

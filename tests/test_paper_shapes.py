@@ -66,14 +66,15 @@ def _storage_bytes(*tensors) -> int:
 def _cupy_scan_allocations(monkeypatch, g, J):
     """Run CupyBackend.scan on CPU tensors with the CUDA launches stubbed out; return the bytes it allocates
     besides J (what it hands to the kernels: S and P)."""
-    from bppsa import kernels
+    from bppsa.backends import cuda
+    from bppsa.backends.cuda import runtime
 
     seen = []
-    monkeypatch.setattr(kernels, "_import_cupy", lambda: None)
-    monkeypatch.setattr(kernels, "_check_cuda", lambda dtype, *t: torch.device("cpu"))
-    monkeypatch.setattr(kernels, "_smem_optin", lambda dev: 1 << 30)
-    monkeypatch.setattr(kernels, "_launch", lambda *a, **k: None)
-    monkeypatch.setattr(kernels, "_as_cupy", lambda t: seen.append(t) or t)
+    monkeypatch.setattr(runtime, "import_cupy", lambda: None)
+    monkeypatch.setattr(runtime, "check_cuda", lambda dtype, *t: torch.device("cpu"))
+    monkeypatch.setattr(runtime, "smem_optin", lambda dev: 1 << 30)
+    monkeypatch.setattr(runtime, "launch", lambda *a, **k: None)
+    monkeypatch.setattr(runtime, "as_cupy", lambda t: seen.append(t) or t)
 
     class _Ctx:
         def __init__(self, dev):
@@ -85,8 +86,8 @@ def _cupy_scan_allocations(monkeypatch, g, J):
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(kernels, "_OnTorchStream", _Ctx)
-    be = kernels.CupyBackend()
+    monkeypatch.setattr(runtime, "OnTorchStream", _Ctx)
+    be = cuda.CupyBackend()
     P = be.scan(g, J)
     J_seen, S, P_seen = seen[:3]
     assert J_seen is J and P_seen is P

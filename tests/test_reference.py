@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bppsa import flops, kernels, scan
-from bppsa.kernels import cpu
+from bppsa import flops, scan
+from bppsa.backends import cpu
+from bppsa.backends.cuda import plan
 
 
 def _mv(a, v):
@@ -39,7 +40,7 @@ def test_torch_scan_and_cpu_fast_path_equal_the_reference(n, B, H, L_m, seed):
     J = torch.randn(n, B, H, H, generator=gen, dtype=torch.float64) / H ** 0.5
     ref = _reference(g, J, L_m)
     assert _rel(scan.blelloch_scan(g, J, L_m), ref) <= 1e-12
-    assert _rel(cpu.blelloch_scan(g, J, L_m), ref) <= 1e-12
+    assert _rel(cpu.cpu_scan(g, J, L_m), ref) <= 1e-12
 
 
 def _products(N, L_m):
@@ -63,7 +64,7 @@ def _blocks(launch):
 @settings(max_examples=150, deadline=None)
 @given(N=st.integers(1, 5000).filter(lambda N: N & (N - 1)), L_m=L_ms, B=st.integers(1, 3))
 def test_cuda_launch_plan_walks_the_reference_tree(N, L_m, B):
-    L, launches = kernels.scan_plan(N, B, 4, L_m)
+    L, launches = plan.scan_plan(N, B, 4, L_m)
     assert L == scan.tree_levels(N, L_m)
     products = _products(N, L_m)
     for launch in launches:

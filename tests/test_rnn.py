@@ -84,10 +84,23 @@ def test_unknown_layout_and_backend_are_rejected():
         get_backend("cupy")
 
 
+def test_every_backend_is_a_backend():
+    """Each backend provides what the models call (bppsa.backends.Backend); CupyBackend without constructing it."""
+    from bppsa.backends import Backend
+    from bppsa.backends.cpu import CpuBackend
+    from bppsa.backends.cuda import CupyBackend
+
+    for be in (TorchBackend(), CpuBackend(), CpuBackend(sequential=True), get_backend("torch")):
+        assert isinstance(be, Backend), be
+    for name in ("scan", "rnn_jacobians_t", "gru_jacobians_t", "cell_grads"):
+        assert callable(getattr(CupyBackend, name))
+    assert CupyBackend.name == "cupy"
+
+
 def test_auto_backend_is_the_cpu_fast_path_on_cpu(monkeypatch):
     """'auto' on a CPU is the compiled fast path; where its kernel cannot be built, the torch twin, with a
     warning that gives the reason."""
-    from bppsa.kernels import native
+    from bppsa.backends.cpu import native
 
     if native.available():
         with warnings.catch_warnings():

@@ -167,7 +167,7 @@ def test_speed_runs_the_gru_on_a_dataset(tmp_path):
 
 
 def test_scan_methods_refuse_a_wrong_scan(monkeypatch):
-    from bppsa.kernels import cpu
+    from bppsa.backends import cpu
 
     monkeypatch.setattr(cpu.CpuBackend, "scan", lambda self, g, J, L_m=None: scan.blelloch_scan(g, J, L_m) * 1.01)
     torch.manual_seed(0)

@@ -201,3 +201,8 @@ def describe(device: str | torch.device = "auto") -> dict:
         except Exception:  # noqa: BLE001
             info["cupy"] = None
     return info
+
+
+def default_threads() -> int:
+    """All the cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

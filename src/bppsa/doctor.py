@@ -77,7 +77,8 @@ def cupy_info() -> dict:
 
 def nvrtc_compile(archs: tuple[int, ...]) -> dict:
     """The kernels through the NVRTC wheel, with CuPy's effective options (no GPU needed)."""
-    from .kernels import SOURCES, nvrtc
+    from .backends.cuda import nvrtc
+    from .backends.cuda.runtime import SOURCES
 
     try:
         ver = nvrtc.version()
@@ -118,7 +119,7 @@ def _scan_check(be, dev: torch.device) -> str:
     return "scan vs sequential " + ", ".join(msgs)
 
 
-CHECKED = ("torch", "cupy", "cpu")  # every backend but 'auto'; 'cpu' is the CPU fast path (bppsa.kernels.cpu)
+CHECKED = ("torch", "cupy", "cpu")  # every backend but 'auto'; 'cpu' is the CPU fast path (bppsa.backends.cpu)
 
 
 def check_backend(name: str, dev: torch.device) -> dict:
@@ -151,8 +152,8 @@ def check_backend(name: str, dev: torch.device) -> dict:
 
 
 def cpu_kernel_info() -> dict:
-    """Whether the CPU fast path's compiled kernel (:mod:`bppsa.kernels.native`) builds and runs here."""
-    from .kernels import native
+    """Whether the CPU fast path's compiled kernel (:mod:`bppsa.backends.cpu.native`) builds and runs here."""
+    from .backends.cpu import native
 
     reason = native.unavailable_reason()
     return {"ok": reason is None, "reason": reason or f"built with {native.compiler_name()} into {native.cache_dir()}"}

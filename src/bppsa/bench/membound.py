@@ -26,7 +26,7 @@ def scan_bytes(n: int, B: int, H: int, itemsize: int, L_m: int | None = None) ->
     down-sweep step copies one vector; a middle (linear) step reads a matrix and a vector and
     writes a vector.  The Jacobian fill is not included (see :func:`jacobian_fill_bytes`).
     """
-    from ..kernels import scan_plan
+    from ..backends.cuda.plan import scan_plan
 
     if n == 0:
         return 0
@@ -98,7 +98,7 @@ def _mean_std(ts: list[float]) -> tuple[float, float]:
 def measure(dev: torch.device, backends: list[str], T: int, B: int, H: int, dtype: torch.dtype, layout: str,
             L_m: int | None, iters: int, warmup: int, seed: int) -> list[dict]:
     """One row per backend that runs here: the scan's and the Jacobian fill's time against the bound."""
-    from ..backends import TorchBackend
+    from ..backends.twin import TorchBackend
 
     h, W, g = rnn_operands(T, B, H, dtype, dev, seed)
     J = TorchBackend().rnn_jacobians_t(h, W, layout).contiguous()

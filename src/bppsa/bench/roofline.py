@@ -8,7 +8,7 @@
   mat-vec down-sweep): every product's operands read once and its result written once, with no
   reuse between products assumed.
 * **The factored chains' scan** (:func:`chain_scan_cost`, method ``scan-cpu-chain``): what the compiled
-  kernel does for a chain of ``kind`` (``bppsa.kernels.chain_scan.c``: the RNN's fused or paper layout,
+  kernel does for a chain of ``kind`` (``bppsa/backends/cpu/chain_scan.c``: the RNN's fused or paper layout,
   the GRU): the spine's and the blocks' factored mat-vecs, each block's product accumulated from the
   weights and factors, then the tree above the fused levels as counted by :func:`scan_cost`; bytes: the
   factors read twice (up and down), the output written once, the level-``c`` array written once, plus
@@ -73,7 +73,7 @@ def chain_scan_cost(n: int, B: int, H: int, L_m: int | None = None, itemsize: in
     """FLOP and compulsory bytes of the compiled scan over a factored chain of ``n`` Jacobians of ``kind``
     (``L_m = 0``: the sequential scan), and ``depth``: the dependent multiply-adds on its critical path
     when it is sequential."""
-    from ..kernels.native import FUSED_LEVELS
+    from ..backends.cpu.native import FUSED_LEVELS
 
     mv, mul, first, terms = _chain_ops(kind, H)
     rows = 5 * H if kind == "gru" else H             # factor rows per step the scan reads
@@ -120,7 +120,7 @@ def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
 
 def fma_latency(dtype=torch.float32, n: int = 20_000_000) -> float | None:
     """Seconds per dependent multiply-add on this core (a chain of n, compiled); None without the kernel."""
-    from ..kernels import native
+    from ..backends.cpu import native
 
     lib = native.library("rnn", 1, 0, 1, dtype) if native.available() else None
     if lib is None:

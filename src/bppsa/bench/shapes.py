@@ -398,9 +398,9 @@ def run_job(job: dict, rounds: int = 3, fp64: bool = True, threads: int = 0) -> 
     """Run one job in this process; returns measurements, including this process's peak RSS so far."""
     import torch
 
-    from ..kernels.cpu import _flushing
+    from ..backends.cpu.pool import flushing
 
-    old_threads, old_flush = torch.get_num_threads(), _flushing()
+    old_threads, old_flush = torch.get_num_threads(), flushing()
     if threads:
         torch.set_num_threads(threads)
     torch.set_flush_denormal(True)  # as the commands do by default

@@ -6,7 +6,7 @@ one iteration per round, so each ratio is a median of *paired* iterations):
 ``backward`` group (metric: Jacobian generation + backward, what BPPSA replaces):
 * ``autograd``: ``loss.backward()`` of the baseline nn.RNN / nn.GRU (eager autograd);
 * ``sequential``: the strongest sequential rival, built with BPPSA's care
-  (``bppsa.kernels.cpu.CpuBackend(sequential=True)``): the same forward, head and factored chain, the same
+  (``bppsa.backends.cpu.CpuBackend(sequential=True)``): the same forward, head and factored chain, the same
   compiled kernel, but T dependent mat-vecs and no matrix products, the batch split over the threads;
 * ``bppsa-<backend>-<layout>[-L<L_m>]``: the BPPSA backward (Jacobians + scan + parameter gradients).
 
@@ -31,7 +31,6 @@ import torch.nn.functional as F
 
 from ..backends import get_backend
 from ..data.sequences import open_dataset
-from ..kernels import cpu as _cpu
 from ..models import build
 from ..scan import linear_scan
 from .protocol import StopRule, interleave, ratio_ci
@@ -83,7 +82,9 @@ def setup(model: str, B: int, seed: int, dtype, seq_len: int | None = None, hidd
 
 
 def sequential_backend():
-    return _cpu.CpuBackend(sequential=True)
+    from ..backends.cpu import CpuBackend
+
+    return CpuBackend(sequential=True)
 
 
 def _phased(step):

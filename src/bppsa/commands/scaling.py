@@ -8,7 +8,7 @@ import pandas as pd
 from .. import io
 from ..bench import scaling
 from ..bench.protocol import StopRule
-from ..kernels.cpu import default_threads
+from ..device import default_threads
 from ..models import MODELS
 from ..precision import DTYPES
 from .speed import add_timing_args, cpu_setup, labelled

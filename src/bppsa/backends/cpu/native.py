@@ -8,7 +8,7 @@ nodes of a cluster sharing a home directory each get their own build.  A build i
 temporary name and renamed: concurrent jobs never load half a file.
 
 Where no compiler works, :func:`unavailable_reason` says why and the fast path runs on numpy
-(:mod:`bppsa.kernels.cpu`); nothing else changes.
+(:mod:`bppsa.backends.cpu`); nothing else changes.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11"]
 
 
 def _source() -> bytes:
-    return resources.files("bppsa.kernels").joinpath("chain_scan.c").read_bytes()
+    return resources.files(__package__).joinpath("chain_scan.c").read_bytes()
 
 
 def cache_dir() -> Path:
@@ -134,7 +134,7 @@ def unavailable_reason() -> str | None:
     """None when the kernel builds here and agrees with the reference scan on a small case, else why not."""
     if library("rnn", 3, 0, 2, torch.float64) is None:
         return _errors.get("cc", "the kernel could not be built")
-    from .. import scan as _scan
+    from ... import scan as _scan
 
     gen = torch.Generator().manual_seed(0)
     n, B, H, L = 11, 2, 3, 4

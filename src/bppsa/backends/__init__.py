@@ -1,17 +1,14 @@
-"""Where the BPPSA backward runs: the torch backend (any device) or CuPy RawKernels (CUDA only).
+"""Where the BPPSA backward runs: the torch backend (any device), the CPU fast path, or CuPy RawKernels (CUDA).
 
-A backend provides these operations, on torch tensors in the layout of :mod:`bppsa.scan`:
+Every backend is a :class:`Backend` (:mod:`.base`: the methods the models call, and :func:`check_operands`,
+the one check of a scan's operands they all make):
 
-* ``scan(g, J, L_m=None)``: the exclusive scan (a backend may overwrite ``J`` as workspace);
-* ``rnn_jacobians_t(h, W_hh, layout, x=None)``, ``gru_jacobians_t(x, h, cell, gates=None)``: the
-  transposed Jacobians of a tanh RNN or a GRU in scan order (dense ``[n, B, H, H]``, or a chain kept as
-  its factors, which also keeps the inputs ``x`` for the parameter gradients; ``gates()`` gives the
-  GRU's recomputed gates to a backend that builds from them);
-* ``cell_grads(g, J, L_m, from_scan)``: the cell's parameter gradients, ``from_scan(scan(g, J, L_m))``
-  unless the backend accumulates them as it scans;
+* ``torch``: :class:`TorchBackend` (:mod:`.twin`), the reference twin the others are held to;
+* ``cpu``: :class:`bppsa.backends.cpu.CpuBackend`, the factored chains and the compiled kernel;
+* ``cupy``: :class:`bppsa.backends.cuda.CupyBackend`, the scan and the RNN's Jacobians as CUDA kernels.
 
-and a ``workspace`` (:class:`bppsa.scan.Workspace`) into which a model may build Jacobians that
-the same step's scan consumes.
+:func:`get_backend` resolves a name; the CPU and CUDA packages are imported only when asked for (they
+import :mod:`.base` and :mod:`.twin`, never this module).
 """
 from __future__ import annotations
 
@@ -20,38 +17,12 @@ import warnings
 
 import torch
 
-from . import scan as _scan
-from .jacobians import gru as _gru
-from .jacobians import recurrent as _rec
+from .base import Backend, check_operands
+from .twin import TorchBackend
+
+__all__ = ["BACKENDS", "Backend", "TorchBackend", "check_operands", "cupy_probe", "get_backend"]
 
 BACKENDS = ("auto", "torch", "cupy", "cpu")
-
-
-class TorchBackend:
-    """Batched torch ops on any device; scratch buffers are reused across iterations."""
-
-    name = "torch"
-
-    def __init__(self):
-        self.workspace = _scan.Workspace()
-
-    def scan(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> torch.Tensor:
-        return _scan.blelloch_scan(g, J, L_m, self.workspace)
-
-    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x=None) -> torch.Tensor:
-        # the Jacobians are consumed by the scan of the same step, so their buffer can be reused
-        T, B, H = h.shape
-        shape = (_rec.num_jacobians(T, layout), B, H, H)
-        return _rec.rnn_jacobians_t(h, W_hh, layout, out=self.workspace.get(("jacobians", layout), shape, h))
-
-    def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates=None) -> torch.Tensor:
-        g = gates() if gates is not None else _gru.gru_gates(x, h, cell.weight_ih_l0, cell.weight_hh_l0,
-                                                             cell.bias_ih_l0, cell.bias_hh_l0)
-        T, B, H = h.shape
-        return _gru.gru_jacobians_t(g, cell.weight_hh_l0, out=self.workspace.get(("jacobians", "gru"), (T, B, H, H), h))
-
-    def cell_grads(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None, from_scan) -> dict:
-        return from_scan(self.scan(g, J, L_m))
 
 
 _PROBE_KERNEL = ("rnn_jacobians.cu", "bppsa_rnn_jacobians_fused_f32")
@@ -73,15 +44,15 @@ def cupy_probe(device: torch.device | str | None = None) -> tuple[bool, str]:
 
 @functools.cache
 def _probe_cuda(index: int) -> tuple[bool, str]:
-    from . import kernels
+    from .cuda import runtime
 
     try:
-        cp = kernels._import_cupy()
+        cp = runtime.import_cupy()
     except RuntimeError as exc:
         return False, str(exc)
     try:
         with cp.cuda.Device(index):
-            kernels._kernel(*_PROBE_KERNEL)
+            runtime.kernel(*_PROBE_KERNEL)
     except Exception as exc:  # noqa: BLE001 - NVRTC, driver and loader errors all mean "unusable"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return False, (f"CuPy {cp.__version__} could not compile and load the kernels on cuda:{index}: "
@@ -90,13 +61,12 @@ def _probe_cuda(index: int) -> tuple[bool, str]:
 
 
 def _cpu_backend(device, fallback_reason: bool = False):
-    """The CPU fast path (bppsa.kernels.cpu); the torch backend, with a warning saying why, where it cannot load
+    """The CPU fast path (bppsa.backends.cpu); the torch backend, with a warning saying why, where it cannot load
     (``fallback_reason``: also where its compiled kernel cannot be built, what ``auto`` asks)."""
     if device is not None and torch.device(device).type != "cpu":
         raise RuntimeError(f"backend 'cpu' runs on CPU tensors only (device {device}); use --device cpu")
     try:
-        from .kernels import native
-        from .kernels.cpu import CpuBackend
+        from .cpu import CpuBackend, native
     except Exception as e:  # noqa: BLE001 - any failure to load means "use the reference"
         warnings.warn(f"backend 'cpu' unavailable ({type(e).__name__}: {e}); using the torch backend", stacklevel=3)
         return TorchBackend()
@@ -108,7 +78,7 @@ def _cpu_backend(device, fallback_reason: bool = False):
     return CpuBackend()
 
 
-def get_backend(name: str = "auto", device: torch.device | None = None):
+def get_backend(name: str = "auto", device: torch.device | None = None) -> Backend:
     """Resolve a backend name. 'auto' is cupy on a CUDA device where the kernels compile and load
     (:func:`cupy_probe`), else torch, with a warning that says why; on a CPU (or no device given) it is
     the CPU fast path where its compiled kernel builds, else torch, with a warning that says why."""
@@ -136,6 +106,6 @@ def get_backend(name: str = "auto", device: torch.device | None = None):
     if device is not None and torch.device(device).index is not None:
         # CuPy launches on the current device, so make the requested one current
         torch.cuda.set_device(device)
-    from .kernels import CupyBackend
+    from .cuda import CupyBackend
 
     return CupyBackend()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from . import CUPY_APPENDED_OPTIONS, KERNEL_DIR, NVRTC_OPTIONS
+from .runtime import CUPY_APPENDED_OPTIONS, KERNEL_DIR, NVRTC_OPTIONS
 
 # wheels that ship libnvrtc: CUDA 13's (nvidia/cu13/lib) first, then CUDA 12's (nvidia/cuda_nvrtc/lib)
 WHEELS = ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12")

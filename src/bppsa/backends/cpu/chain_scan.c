@@ -1,6 +1,6 @@
 /* The BPPSA scan over a recurrent network's factored Jacobian chain on a CPU, for one slice of batch lanes.
  *
- * Compiled at first use by bppsa.kernels.native (cc -O3 -march=native) once per chain KIND, hidden size
+ * Compiled at first use by bppsa.backends.cpu.native (cc -O3 -march=native) once per chain KIND, hidden size
  * HID, lane count LANES and REAL type, and called through ctypes (the GIL released; a thread runs a
  * slice, or a range of a slice's blocks in the phases chain_up / chain_tree / chain_down).
  *
@@ -364,7 +364,7 @@ static void take(real *out, int mode, group *gp, real *acc, long B, long b0, lon
     if (++gp->np == GRP) grp_flush(gp, acc);
 }
 
-/* -- the dense tree above the fused levels (bppsa.kernels.cpu._tree, per lane) --------------------- */
+/* -- the dense tree above the fused levels (bppsa.backends.cpu.dense._tree, per lane) -------------- */
 
 /* Scratch a tree over n entries with L levels uses (reals). */
 static long tree_work(long n, int L) {

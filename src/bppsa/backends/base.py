@@ -1,0 +1,47 @@
+"""What every backend provides (:class:`Backend`), and the one check of a scan's operands they all make."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ..scan import Workspace
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A backend of the BPPSA backward, on torch tensors in the layout of :mod:`bppsa.scan`.
+
+    * ``name``: what results and logs call it ("torch", "cpu", "cpu-sequential", "cupy");
+    * ``workspace``: scratch buffers reused across iterations, into which a model may build Jacobians that
+      the same step's scan consumes;
+    * :meth:`scan`: the exclusive scan (a backend may overwrite ``J`` as workspace);
+    * :meth:`rnn_jacobians_t`, :meth:`gru_jacobians_t`: the transposed Jacobians of a tanh RNN or a GRU in
+      scan order (dense ``[n, B, H, H]``, or a chain kept as its factors, which also keeps the inputs ``x``
+      for the parameter gradients; ``gates()`` gives the GRU's recomputed gates to a backend that builds
+      from them);
+    * :meth:`cell_grads`: the cell's parameter gradients, ``from_scan(scan(g, J, L_m))`` unless the backend
+      accumulates them as it scans.
+    """
+
+    name: str
+    workspace: Workspace
+
+    def scan(self, g: torch.Tensor, J: Any, L_m: int | None = None) -> torch.Tensor: ...
+
+    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x: torch.Tensor | None = None): ...
+
+    def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates: Callable | None = None): ...
+
+    def cell_grads(self, g: torch.Tensor, J: Any, L_m: int | None,
+                   from_scan: Callable[[torch.Tensor], dict]) -> dict[str, torch.Tensor]: ...
+
+
+def check_operands(g: torch.Tensor, J) -> None:
+    """Raise ValueError unless ``g`` is [B, H] and ``J`` (a tensor, or anything with ``dim()``, ``shape`` and
+    ``dtype``, such as a factored chain) is [n, B, H, H] of g's dtype."""
+    if g.dim() != 2 or J.dim() != 4 or J.shape[1:3] != g.shape or J.shape[2] != J.shape[3]:
+        raise ValueError(f"expected g [B, H] and J [n, B, H, H], got {tuple(g.shape)} and {tuple(J.shape)}")
+    if g.dtype != J.dtype:
+        raise ValueError(f"g and J must have one dtype (got {g.dtype} and {J.dtype})")

@@ -1,0 +1,113 @@
+"""The CPU fast path of the BPPSA backward, and the sequential rival it is measured against.
+
+**The recurrent chains are never built** (:mod:`.chain`: :class:`FactoredChain`, :class:`RnnChain` and
+:class:`PaperChain` for the RNN's two layouts, :class:`GruChain`): the backend keeps each as its
+weights and per-step factors, in lane order, beside the inputs the parameter gradients need.  The
+compiled kernel of :mod:`.native` (``chain_scan.c``: the batch as the vector lanes, the lowest up-sweep
+levels fused per block) scans them and accumulates the cell's parameter gradients as the prefixes come
+out (:func:`param_grads`), on lane slices or block ranges spread over the threads
+(:func:`.chain.native_chain_scan`).  Where no C compiler works, the RNN's chain takes
+:func:`.chain.rnn_chain_scan` (level 0 as one GEMM from the factors) and the others their dense chain.
+
+**The scan of a dense chain** (:func:`.dense.dense_tree_scan`, reference twin
+:func:`bppsa.scan.blelloch_scan`): the same tree, the same ``L_m`` semantics, the same numbers, as
+stacked numpy products over the threads.  :func:`cpu_scan` takes either kind of chain.
+
+**The sequential rival** (``CpuBackend(sequential=True)``): the linear scan (``L_m = 0``) of the same
+factored chain through the same kernel, the batch split over the threads -- back-propagation built with
+the care BPPSA gets, against which its speedups should be read.
+
+Threads: ``torch.get_num_threads()`` (set by ``--threads``), in the calling thread's subnormal mode
+(:mod:`.pool`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ... import scan as _scan
+from ..base import check_operands
+from ..twin import TorchBackend
+from . import native
+from .chain import FactoredChain, GruChain, PaperChain, RnnChain, native_chain_scan, rnn_chain_scan
+from .dense import dense_tree_scan
+
+__all__ = ["CpuBackend", "FactoredChain", "RnnChain", "PaperChain", "GruChain", "cpu_scan", "param_grads", "native"]
+
+
+@torch.no_grad()
+def cpu_scan(g: torch.Tensor, J: torch.Tensor | FactoredChain, L_m: int | None = None,
+            workspace: _scan.Workspace | None = None, split: str = "auto") -> torch.Tensor:
+    """The modified (heterogeneous) Blelloch scan of :func:`bppsa.scan.blelloch_scan`, multi-threaded.
+
+    ``J`` is the dense chain ``[n, B, H, H]`` or a :class:`FactoredChain` (the compiled kernel,
+    :func:`.chain.native_chain_scan`; without it :func:`.chain.rnn_chain_scan` for the RNN's chain, else the dense
+    chain, :func:`.dense.dense_tree_scan`).
+    ``split`` says how the compiled kernel's threads split the work (:func:`.chain.native_chain_scan`)."""
+    check_operands(g, J)
+    L = _scan.tree_levels(J.shape[0] + 1, L_m)
+    ws = workspace if workspace is not None else _scan.Workspace()
+    if isinstance(J, FactoredChain):
+        out = native_chain_scan(g, J, L, ws, split)
+        if out is not None:
+            return out
+        if isinstance(J, RnnChain) and L > 0:
+            return rnn_chain_scan(g, J, L, ws)
+        J = J.dense()
+    return dense_tree_scan(g, J, L, ws)
+
+
+@torch.no_grad()
+def param_grads(g: torch.Tensor, chain: FactoredChain, L_m: int | None, ws: _scan.Workspace, from_scan,
+                split: str = "auto") -> dict[str, torch.Tensor]:
+    """The cell's parameter gradients from the scan over ``chain``: accumulated by the compiled kernel as
+    the prefixes come out, or ``from_scan(scan)`` without it (or for a chain built without x).
+    ``L_m = 0`` is the sequential backward over the same chain."""
+    L = _scan.tree_levels(chain.shape[0] + 1, L_m)
+    out = native_chain_scan(g, chain, L, ws, split, grads=True) if chain.I else None
+    return out if out is not None else from_scan(cpu_scan(g, chain, L_m, ws, split))
+
+
+class CpuBackend(TorchBackend):
+    """The CPU fast path: the recurrent chains stay factored (:class:`FactoredChain`), scanned by the
+    compiled kernel, which also accumulates the cell's parameter gradients; dense chains take the
+    threaded numpy tree.
+
+    ``sequential=True`` is the strongest sequential rival built with the same care (name
+    ``cpu-sequential``): every scan is the linear one (``L_m = 0``: T dependent mat-vecs, no matrix
+    products) through the same kernel, with the batch split over the threads where each gets at least 32 bytes
+    of lanes or one batch element (measured: narrower slices made it slower)."""
+
+    name = "cpu"
+
+    def __init__(self, sequential: bool = False):
+        super().__init__()
+        self.sequential = sequential
+        if sequential:
+            self.name = "cpu-sequential"
+        self._split = "slices" if sequential else "auto"
+
+    def _L_m(self, L_m):
+        return 0 if self.sequential else L_m
+
+    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x: torch.Tensor | None = None):
+        if h.device.type != "cpu" or layout not in ("fused", "paper"):
+            return super().rnn_jacobians_t(h, W_hh, layout, x)  # its error names the layouts
+        T, B, H = h.shape
+        rows = 2 * H + (0 if x is None else x.shape[2])
+        cls = RnnChain if layout == "fused" else PaperChain
+        return cls.from_states(h, W_hh, x, out=self.workspace.get(("factors", "rnn"), (T, rows, B), h))
+
+    def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates=None):
+        if h.device.type != "cpu":
+            return super().gru_jacobians_t(x, h, cell, gates)
+        T, B, H = h.shape
+        out = self.workspace.get(("factors", "gru"), (T, 6 * H + x.shape[2], B), h)
+        return GruChain.from_states(x, h, cell, out=out)
+
+    def scan(self, g: torch.Tensor, J, L_m: int | None = None) -> torch.Tensor:
+        return cpu_scan(g, J, self._L_m(L_m), self.workspace, self._split)
+
+    def cell_grads(self, g: torch.Tensor, J, L_m, from_scan) -> dict[str, torch.Tensor]:
+        if isinstance(J, FactoredChain):
+            return param_grads(g, J, self._L_m(L_m), self.workspace, from_scan, self._split)
+        return from_scan(self.scan(g, J, L_m))

@@ -1,0 +1,300 @@
+"""The recurrent chains of the CPU fast path, never built: kept as their factors, and scanned as such.
+
+:class:`FactoredChain` (:class:`RnnChain` and :class:`PaperChain` for the RNN's two layouts,
+:class:`GruChain`) keeps a chain as its weights and per-step factors, in lane order, beside the inputs
+the parameter gradients need.  :func:`native_chain_scan` scans one with the compiled kernel of
+:mod:`.native` (``chain_scan.c``: the batch as the vector lanes, the lowest up-sweep levels fused per
+block) on lane slices or block ranges spread over the threads, and can accumulate the cell's parameter
+gradients as the prefixes come out; without a C compiler, :func:`rnn_chain_scan` takes the RNN's chain
+(level 0 as one GEMM from the factors).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ... import scan as _scan
+from . import native, pool
+from .dense import dense_tree_scan
+
+FACTOR_FLOP = 50  # a factor builder's cost per value written (~1 ns, a strided store), in those FLOP
+
+
+class FactoredChain:
+    """A chain of transposed Jacobians kept as its weights ``Wt`` [NW, H, H] (transposed) and per-step
+    factors ``f`` [steps, NR, B] (lane order: the compiled kernel reads each row's batch lanes side by
+    side), the kinds of ``chain_scan.c``, instead of n·B dense H×H matrices: what
+    :class:`~bppsa.backends.cpu.CpuBackend` builds.  The last I + H rows of a step are x_t and h' = h_{t-1},
+    for the parameter gradients the kernel accumulates as it scans (zero rows where the chain was built
+    without x, ``I = 0``).  It stands where a dense chain ``[n, B, H, H]`` would (``shape``, ``dim()``);
+    :meth:`dense` is that chain."""
+
+    kind: str
+    NF: int  # rows of H factors per step before x and h'
+
+    def __init__(self, W_hh: torch.Tensor, Wt: torch.Tensor, f: torch.Tensor, n: int, I: int):
+        steps, rows, B = f.shape
+        H = Wt.shape[-1]
+        if rows != self.NF * H + I + H or Wt.dtype != f.dtype:
+            raise ValueError(f"{type(self).__name__}: factors {tuple(f.shape)} {f.dtype} do not fit weights "
+                             f"{tuple(Wt.shape)} {Wt.dtype} and input size {I}")
+        self.W_hh, self.Wt, self.f, self.I = W_hh.detach(), Wt.detach().contiguous(), f, I
+        self.shape = torch.Size((n, B, H, H))
+        self.dtype, self.device = f.dtype, f.device
+
+    def dim(self) -> int:
+        return 4
+
+    def lanes(self, i: int) -> torch.Tensor:
+        """Factor i ([steps, H, B]) of every step."""
+        H = self.shape[2]
+        return self.f[:, i * H:(i + 1) * H]
+
+    def dense(self) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def param_grads(self, acc: torch.Tensor) -> dict[str, torch.Tensor]:  # pragma: no cover - abstract
+        """The cell's parameter gradients from the kernel's sums ``acc`` [NA, I + 1 + H] (summed over lanes)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _fill(f: torch.Tensor, NF: int, H: int, x: torch.Tensor | None, h: torch.Tensor) -> None:
+        """The x and h' rows of ``f`` in torch (the compiled kernel's factor builders write them otherwise)."""
+        T, _, B = f.shape
+        I = 0 if x is None else x.shape[2]
+        if I:
+            f[:, NF * H:NF * H + I].copy_(x.flip(0).permute(0, 2, 1))
+        hp = f[:, NF * H + I:]
+        hp[-1].zero_()
+        hp[:-1].copy_(h[:-1].flip(0).permute(0, 2, 1))
+
+
+def _factor_buffer(h: torch.Tensor, rows: int, out: torch.Tensor | None) -> torch.Tensor:
+    T, B, _ = h.shape
+    return out if out is not None and tuple(out.shape) == (T, rows, B) else h.new_empty((T, rows, B))
+
+
+def _rnn_factors(h: torch.Tensor, x: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    """d_k = 1 - h_{T-k}², then x and h' in scan order and lane order, [T, 2H + I, B]."""
+    T, B, H = h.shape
+    h = h.detach().contiguous()
+    I = 0 if x is None else x.shape[2]
+    f = _factor_buffer(h, 2 * H + I, out)
+    if native.available() and native.library("rnn", H, I, 1, h.dtype) is not None:
+        xc = (x if x is not None else h[:, :, :0]).detach().contiguous()
+        pool.parallel(lambda a, b: native.rnn_factors(h, xc, f, a, b), T, FACTOR_FLOP * B * f.shape[1])
+        return f
+    hf = h.flip(0)
+    torch.sub(torch.ones((), dtype=h.dtype), hf * hf, out=f[:, :H].permute(0, 2, 1))  # as 1 - h * h, bit for bit
+    FactoredChain._fill(f, 1, H, x, h)
+    return f
+
+
+class _RnnParams:
+    """The tanh RNN's parameter gradients from the kernel's sums: rows ∇a, columns (x, 1, h')."""
+
+    def param_grads(self, acc: torch.Tensor) -> dict[str, torch.Tensor]:
+        I = self.I
+        return {"weight_ih_l0": acc[:, :I].contiguous(), "bias_ih_l0": acc[:, I].contiguous(),
+                "bias_hh_l0": acc[:, I].clone(), "weight_hh_l0": acc[:, I + 1:].contiguous()}
+
+
+class RnnChain(_RnnParams, FactoredChain):
+    """The fused-layout chain of a tanh RNN, ``J_k = W_hhᵀ diag(d_k)`` (k = 0 .. T-1, scan order, d_k =
+    1 - h_{T-k}²): ``W_hh`` and ``d_lanes`` [T, H, B] (``d`` [T, B, H] is a view of it).  :meth:`dense` is
+    the chain :func:`bppsa.jacobians.recurrent.rnn_jacobians_t` builds."""
+
+    kind, NF = "rnn", 1
+
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0):
+        super().__init__(W_hh, W_hh.detach().t()[None], f, f.shape[0], I)
+        self.d_lanes = self.lanes(0)
+        self.d = self.d_lanes.permute(0, 2, 1)  # [T, B, H], a view
+
+    @classmethod
+    def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> RnnChain:
+        """From the forward's states ``h`` [T, B, H] and inputs ``x`` [T, B, I] (None: the scan only);
+        ``out``: a buffer for the factors, used where its shape fits."""
+        return cls(W_hh, _rnn_factors(h, x, out), 0 if x is None else x.shape[2])
+
+    def dense(self) -> torch.Tensor:
+        return self.W_hh.t() * self.d.unsqueeze(-2)  # as rnn_jacobians_t(h, W_hh, "fused")
+
+
+class PaperChain(_RnnParams, FactoredChain):
+    """The paper layout of a tanh RNN, two Jacobians per step: ``J_2k = diag(d_k)``, ``J_2k+1 = W_hhᵀ``
+    (the factors are the fused chain's)."""
+
+    kind, NF = "paper", 1
+
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0):
+        super().__init__(W_hh, W_hh.detach().t()[None], f, 2 * f.shape[0], I)
+
+    @classmethod
+    def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> PaperChain:
+        return cls(W_hh, _rnn_factors(h, x, out), 0 if x is None else x.shape[2])
+
+    def dense(self) -> torch.Tensor:
+        n, B, H, _ = self.shape
+        J = self.f.new_zeros((n // 2, 2, B, H, H))
+        J[:, 0].diagonal(dim1=-2, dim2=-1).copy_(self.lanes(0).permute(0, 2, 1))
+        J[:, 1] = self.W_hh.t()
+        return J.view(n, B, H, H)  # as rnn_jacobians_t(h, W_hh, "paper")
+
+
+class GruChain(FactoredChain):
+    """The GRU's chain (Appendix E), ``J_k = Σ_g W_hgᵀ diag(c_g) + diag(z)`` for the gates g = r, z, n:
+    ``W_hh`` and the factors (c_r, c_z, c_n, z, e = (1 - z)(1 - n²)) in scan order; ``e`` and the c's
+    also turn ∇h into the gates' gradients (dR, dZ, dN, dM), the rows of the kernel's sums."""
+
+    kind, NF = "gru", 5
+
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0):
+        H = W_hh.shape[1]
+        super().__init__(W_hh, W_hh.detach().view(3, H, H).transpose(1, 2), f, f.shape[0], I)
+
+    @classmethod
+    def from_states(cls, x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor | None = None) -> GruChain:
+        """From the forward's inputs ``x`` and states ``h`` (time order) and ``cell`` (its torch.nn.GRU): the
+        gates recomputed and the factors written in one compiled pass (:func:`bppsa.backends.cpu.native.gru_factors`),
+        or by torch without the kernel; ``out``: a [T, 6H + I, B] buffer, used where its shape fits."""
+        T, B, H = h.shape
+        I = x.shape[2]
+        f = _factor_buffer(h, 6 * H + I, out)
+        h, x = h.detach().contiguous(), x.detach().contiguous()
+        if native.available() and native.library("gru", H, I, 1, h.dtype) is not None:
+            pool.parallel(lambda a, b: native.gru_factors(x, h, cell, f, a, b), T, FACTOR_FLOP * B * f.shape[1])
+            return cls(cell.weight_hh_l0, f, I)
+        from ...jacobians.gru import gru_gates
+
+        c = cell
+        g = gru_gates(x, h, c.weight_ih_l0, c.weight_hh_l0, c.bias_ih_l0, c.bias_hh_l0)
+        e = (1 - g.z) * (1 - g.n * g.n)
+        for i, t in enumerate((e * g.M * g.r * (1 - g.r), (g.hp - g.n) * g.z * (1 - g.z), e * g.r, g.z, e)):
+            f[:, i * H:(i + 1) * H].copy_(t.flip(0).permute(0, 2, 1))
+        FactoredChain._fill(f, 5, H, x, h)
+        return cls(cell.weight_hh_l0, f, I)
+
+    def dense(self) -> torch.Tensor:
+        c = [self.lanes(i).permute(0, 2, 1).unsqueeze(-2) for i in range(4)]  # [T, B, 1, H]: column scalings
+        J = torch.mul(self.Wt[0], c[0])
+        J.addcmul_(self.Wt[1], c[1])
+        J.addcmul_(self.Wt[2], c[2])
+        J.diagonal(dim1=-2, dim2=-1).add_(self.lanes(3).permute(0, 2, 1))
+        return J  # as bppsa.jacobians.gru.gru_jacobians_t
+
+    def param_grads(self, acc: torch.Tensor) -> dict[str, torch.Tensor]:
+        H, I = self.shape[2], self.I
+        rzm = torch.cat([acc[:2 * H], acc[3 * H:]])  # (dR, dZ, dM): the recurrent affine map's gradient
+        return {"weight_ih_l0": acc[:3 * H, :I].contiguous(), "bias_ih_l0": acc[:3 * H, I].contiguous(),
+                "weight_hh_l0": rzm[:, I + 1:].contiguous(), "bias_hh_l0": rzm[:, I].contiguous()}
+
+
+def lane_slices(B: int, p: int, max_lanes: int) -> list[list[tuple[int, int]]]:
+    """Split the batch into slices ``(b0, lanes)`` of power-of-two widths (at most ``max_lanes``, at
+    most ~B/p so that p threads get work), grouped into at most p lists of about equal lanes."""
+    cap = 1
+    while cap * 2 <= min(max_lanes, -(-B // p)):
+        cap *= 2
+    slices, b0 = [], 0
+    while b0 < B:
+        w = cap
+        while w > B - b0:
+            w //= 2
+        slices.append((b0, w))
+        b0 += w
+    groups: list[list[tuple[int, int]]] = [[] for _ in range(min(p, len(slices)))]
+    for s in sorted(slices, key=lambda s: -s[1]):  # largest first, each to the least loaded thread
+        min(groups, key=lambda gr: sum(w for _, w in gr)).append(s)
+    return groups
+
+
+def native_chain_scan(g: torch.Tensor, chain: FactoredChain, L: int, ws: _scan.Workspace, split: str = "auto",
+                       grads: bool = False):
+    """The scan over a :class:`FactoredChain` by the compiled kernel (:mod:`.native`); None where it is
+    unavailable.  ``grads``: instead of the scan, the cell's parameter gradients (a dict), accumulated by
+    the kernel as the prefixes come out (the chain must have been built with x).  Lane slices as wide as
+    one vector register; where every thread gets a slice of at least 32 bytes of lanes or a single batch
+    element the threads take whole slices (one hand-off per scan), otherwise ("blocks") they split each
+    slice's blocks in the up phase and, where it carries enough work, the down phase.  ``split`` "slices"
+    (the sequential rival, whose chain cannot be split by blocks) takes whole slices only, on one thread
+    where they would be narrower than that."""
+    n, B, H, _ = chain.shape
+    min_flop = pool.KERNEL_SPEEDUP * pool.MIN_CHUNK_FLOP  # the same hand-off, repaid only by more of the kernel's FLOP
+    p = pool.threads() if split == "slices" else min(pool.threads(), max(1, int(n * B * 2 * H ** 3 // min_flop)))
+    vl = native.lane_width(chain.kind, g.dtype)
+    # slices for every thread where each is at least 32 bytes of lanes, or one batch element (whose blocks
+    # then fill the lanes); narrower ones waste the vector units, so the threads split the blocks instead
+    # (measured on a 2-core Zen 4: e.g. B = 16 in two 8-lane slices 1.9 ms against 2.4 split by blocks,
+    # B = 8 split by blocks 1.35 against 1.8 in 4-lane slices, B = 2 one element each 0.53 against 1.5)
+    wide_enough = B <= p or B >= p * (32 // g.element_size())
+    by_slice = split == "slices" or (split == "auto" and wide_enough)
+    if split == "slices" and not wide_enough:
+        p = 1  # narrower slices would cost more than the second thread brings (the same measurements)
+    groups = lane_slices(B, p if by_slice else 1, vl)
+    if not native.available() or any(native.library(chain.kind, H, chain.I, w, g.dtype) is None
+                                     for gr in groups for _, w in gr):
+        return None
+    out = None if grads else g.new_empty((n, B, H))
+    if n == 0:
+        return out
+    g = g.contiguous()
+    # the down phase is ~H times lighter than the up phase: split only where it repays a hand-off
+    p_down = 1 if by_slice else min(p, max(1, int(n * B * (2 * H * H + H) // min_flop)))
+    kernels = [[native.ChainScan(chain.kind, chain.Wt, chain.f, chain.I, g, out, L, b0, w,
+                                 lambda size, key=(b0, w): ws.get(("cpu", "native", *key), (size,), g), p_down)
+                for b0, w in gr] for gr in groups]
+    if by_slice:
+        pool.spread([lambda gr=gr: [k.run() for k in gr] for gr in kernels])
+    else:
+        for k in kernels[0]:
+            for phase, parts in ((k.up, p), (k.middle, 0), (k.down, p_down)):
+                if not parts:
+                    phase()
+                    continue
+                cuts = k.cuts(parts)
+                if phase == k.down:
+                    pool.spread([functools.partial(phase, a, b, i) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))])
+                else:
+                    pool.spread([functools.partial(phase, a, b) for a, b in zip(cuts, cuts[1:])])
+    if not grads:
+        return out
+    return chain.param_grads(sum(a.sum(-1) for gr in kernels for k in gr for a in k.accumulators()))
+
+
+def rnn_chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Workspace) -> torch.Tensor:
+    """The scan over an :class:`RnnChain` with ``L >= 1`` levels, its level 0 straight from the factors.
+
+    Up: the level's products J_{2j+2} J_{2j+1} = Wᵀ D_a Wᵀ D_b (a = d_{2j+2}, b = d_{2j+1}) need no
+    chain: vec(Wᵀ D_a Wᵀ) = K a with K[(i, l), m] = Wᵀ[i, m] Wᵀ[m, l], so all of them are ONE
+    [pairs·B, H] × [H, H²] GEMM (torch's BLAS on all threads: ~150 GFLOP/s per core here against
+    ~50 for stacked 20×20 products), then a column scaling by b.  The levels above are the scan of
+    that level's array (:func:`.dense.dense_tree_scan` on ``L - 1`` levels).  Down: a right child's prefix is
+    J_{2j+1} Q_j = Wᵀ (d_{2j+1} ⊙ Q_j), as rows one GEMM with W_hh.
+    """
+    W, d = chain.W_hh, chain.d.contiguous()
+    n, B, H = d.shape
+    pairs, carry = (n - 1) // 2, (n - 1) % 2
+    level = ws.get(("cpu", "chain-level0"), (pairs + carry, B, H, H), d)
+    if pairs:
+        pair_d = d[1:1 + 2 * pairs].view(pairs, 2, B, H)  # [j, 0] = d_{2j+1} (right), [j, 1] = d_{2j+2} (left)
+        left = ws.get(("cpu", "chain-left"), (pairs * B, H), d)
+        left.view(pairs, B, H).copy_(pair_d[:, 1])
+        K = torch.einsum("mi,lm->mil", W, W).reshape(H, H * H)  # K[m, (i, l)] = Wᵀ[i, m] Wᵀ[m, l]
+        torch.mm(left, K, out=level[:pairs].view(pairs * B, H * H))
+        level[:pairs].mul_(pair_d[:, 0].unsqueeze(-2))
+    if carry:
+        level[pairs] = W.t() * d[n - 1].unsqueeze(-2)  # J_{n-1}, the odd one out
+    Q = dense_tree_scan((d[0] * g) @ W, level, L - 1, ws)  # the spine after level 0: J_0 g
+
+    out = g.new_empty((n, B, H))
+    out[0] = g
+    kids = out[1:1 + 2 * pairs].view(pairs, 2, B, H)
+    kids[:, 0] = Q[:pairs]  # a left child inherits its parent's prefix
+    kids[:, 1] = (d[1:2 * pairs:2] * Q[:pairs]) @ W
+    if carry:
+        out[n - 1] = Q[pairs]
+    return out

@@ -1,0 +1,37 @@
+"""The torch backend: the reference twin every other backend is held to, on any device."""
+from __future__ import annotations
+
+import torch
+
+from .. import scan as _scan
+from ..jacobians import gru as _gru
+from ..jacobians import recurrent as _rec
+from .base import check_operands
+
+
+class TorchBackend:
+    """Batched torch ops on any device; scratch buffers are reused across iterations."""
+
+    name = "torch"
+
+    def __init__(self):
+        self.workspace = _scan.Workspace()
+
+    def scan(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> torch.Tensor:
+        check_operands(g, J)
+        return _scan.blelloch_scan(g, J, L_m, self.workspace)
+
+    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x=None) -> torch.Tensor:
+        # the Jacobians are consumed by the scan of the same step, so their buffer can be reused
+        T, B, H = h.shape
+        shape = (_rec.num_jacobians(T, layout), B, H, H)
+        return _rec.rnn_jacobians_t(h, W_hh, layout, out=self.workspace.get(("jacobians", layout), shape, h))
+
+    def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates=None) -> torch.Tensor:
+        g = gates() if gates is not None else _gru.gru_gates(x, h, cell.weight_ih_l0, cell.weight_hh_l0,
+                                                             cell.bias_ih_l0, cell.bias_hh_l0)
+        T, B, H = h.shape
+        return _gru.gru_jacobians_t(g, cell.weight_hh_l0, out=self.workspace.get(("jacobians", "gru"), (T, B, H, H), h))
+
+    def cell_grads(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None, from_scan) -> dict:
+        return from_scan(self.scan(g, J, L_m))
