@@ -1,11 +1,22 @@
 # Shared by every file of workflow/rules/: the device folder, resources, command-line flags, the
-# grids, the variant names and the workflow's final outputs (get_final_output). Only functions and
-# values, so the order of the includes does not matter; every value comes from the configuration,
-# which the Snakefile has checked against workflow/schemas/ already.
+# grids, the variant names, the wildcards' constraints and the workflow's final outputs
+# (get_final_output). Only functions, values and the one wildcard_constraints block, so the order of
+# the rule files does not matter; every value comes from the configuration, which checks.smk
+# (included before this file) has checked against workflow/schemas/ already.
 
 from bppsa.bench.protocol import StopRule
 from bppsa.data.irmas import MFCC_SETS
 from bppsa.models import SPECS
+
+
+wildcard_constraints:
+    T=r"\d+",
+    B=r"\d+",
+    set="s|m|l",
+    layout="paper|fused",
+    variant="baseline|bppsa-paper|bppsa-fused",
+    model="rnn|gru",
+    dtype="float32|float64",
 
 
 def _device_folder():

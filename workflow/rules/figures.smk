@@ -1,15 +1,72 @@
-# Figures of the RNN experiments; they overlay every results/<device>/ folder present
-# (including committed results/reference/<device>/ ones).
+# Every figure and Table 1's text. The RNN, GRU, VGG-11 and Table 1 rules overlay every
+# results/<device>/ folder present (committed results/reference/<device>/ ones too).
 
 
-rule figures_rnn:
+rule rnn_plot:
     input:
         get_rnn_summaries() + get_rnn_curves(),
     output:
-        ["results/fig_7.png"] + [f"results/fig_8_{panel}.png" for panel in "abcdef"],
+        "results/fig_7.png",
+        [f"results/fig_8_{panel}.png" for panel in "abcdef"],
     log:
-        "logs/figures_rnn.log",
+        "logs/rnn_plot.log",
     resources:
         **job_resources("default"),
     shell:
         "bppsa plot-rnn --results results --out-dir results 2> {log}"
+
+
+rule gru_plot:
+    input:
+        get_gru_summaries() + get_gru_curves(),
+    output:
+        "results/fig_9.png",
+        "results/fig_13.png",
+        "results/fig_9_data.csv",
+    log:
+        "logs/gru_plot.log",
+    resources:
+        **job_resources("default"),
+    shell:
+        "bppsa plot-gru --results results --out-dir results 2> {log}"
+
+
+rule vgg11_plot:
+    input:
+        f"{VGG_DIR}/flops.csv",
+    output:
+        "results/fig_10.png",
+    log:
+        "logs/vgg11_plot.log",
+    resources:
+        **job_resources("default"),
+    shell:
+        "bppsa fig10 --results results --out {output} 2> {log}"
+
+
+rule table1_render:
+    input:
+        f"{JAC_DIR}/table1_timings.csv",
+    output:
+        "results/table_1_last_column.txt",
+    log:
+        "logs/table1_render.log",
+    resources:
+        **job_resources("default"),
+    shell:
+        "bppsa table1 --results results --out {output} 2> {log}"
+
+
+# On CPU machines only (get_cpu_benchmarks): one figure per model, from this machine's scaling.csv alone.
+rule cpu_scaling_plot:
+    input:
+        f"{RESULTS}/{{model}}/scaling.csv",
+    output:
+        fig=f"{RESULTS}/fig_scaling_{{model}}.png",
+        crossover=f"{RESULTS}/{{model}}/scaling_crossover.csv",
+    log:
+        "logs/cpu_scaling_plot/{model}.log",
+    resources:
+        **job_resources("default"),
+    shell:
+        "bppsa plot-scaling {input} --out {output.fig} --crossover {output.crossover} 2> {log}"

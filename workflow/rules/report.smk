@@ -1,14 +1,15 @@
-# results/report.md: every measured number on one page; results/claims.md: the paper's claims checked. Rendered last.
+# results/report.md: every measured number on one page; results/claims.md: the paper's claims checked.
+# Rendered last.
 
 
-rule report:
+rule report_render:
     input:
         get_report_input(),
     output:
         report=REPORT,
         claims=CLAIMS,
     log:
-        "logs/report.log",
+        "logs/report_render.log",
     resources:
         **job_resources("default"),
     shell:
