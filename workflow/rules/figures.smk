@@ -1,10 +1,15 @@
 # Every figure and Table 1's text. The RNN, GRU, VGG-11 and Table 1 rules overlay every
-# results/<device>/ folder present (committed results/reference/<device>/ ones too).
+# results/<device>/ folder present (committed results/reference/<device>/ ones too), so besides this
+# run's files they declare those of every other folder (get_other_devices): a folder added or changed
+# redraws them.
 
 
 rule rnn_plot:
     input:
         get_rnn_summaries() + get_rnn_curves(),
+        other_devices=get_other_devices(
+            "rnn/speedups.csv", "rnn/latency.csv", "rnn/curve_*.csv"
+        ),
     output:
         "results/fig_7.png",
         [f"results/fig_8_{panel}.png" for panel in "abcdef"],
@@ -19,6 +24,9 @@ rule rnn_plot:
 rule gru_plot:
     input:
         get_gru_summaries() + get_gru_curves(),
+        other_devices=get_other_devices(
+            "gru/speedups.csv", "gru/latency.csv", "gru/curve_*.csv"
+        ),
     output:
         "results/fig_9.png",
         "results/fig_13.png",
@@ -34,6 +42,7 @@ rule gru_plot:
 rule vgg11_plot:
     input:
         f"{VGG_DIR}/flops.csv",
+        other_devices=get_other_devices("vgg11/flops.csv"),
     output:
         "results/fig_10.png",
     log:
@@ -47,6 +56,7 @@ rule vgg11_plot:
 rule table1_render:
     input:
         f"{JAC_DIR}/table1_timings.csv",
+        other_devices=get_other_devices("jacobians/table1*.csv"),
     output:
         "results/table_1_last_column.txt",
     log:

@@ -1,10 +1,12 @@
 # results/report.md: every measured number on one page; results/claims.md: the paper's claims checked.
-# Rendered last.
+# Rendered last, from this run's outputs and from what every other device folder holds (report.py and
+# claims.py read these files in each of them).
 
 
 rule report_render:
     input:
         get_report_input(),
+        other_devices=get_other_devices(*REPORT_READS),
     output:
         report=REPORT,
         claims=CLAIMS,
