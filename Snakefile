@@ -9,6 +9,9 @@ from pathlib import Path
 configfile: str(Path(workflow.basedir, "config", "config.yaml"))
 
 
+report: "workflow/report/workflow.rst"
+
+
 include: "workflow/rules/checks.smk"
 include: "workflow/rules/common.smk"
 

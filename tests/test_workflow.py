@@ -1,6 +1,8 @@
 """The whole DAG end to end on the `.test` configuration, run once for this module: the RNN part checked
-(data -> verify -> bench -> speedups -> figures -> report and claims), and the figures redrawn when another
-device's folder appears."""
+(data -> verify -> bench -> speedups -> figures -> report and claims), and `snakemake --report` of the run:
+one HTML file with every figure, its caption and the claims table."""
+import base64
+import json
 import re
 import shutil
 import subprocess
@@ -124,6 +126,71 @@ def test_rnn_workflow_end_to_end(test_run, tmp_path):
     assert any("T=1000, B=16 is not in this profile's grid" in c.reason for c in claims)
     (curve,) = [c for c in claims if c.claim == "BPPSA's training curve overlaps the baseline's (RNN)"]
     assert "in float64" in curve.measured and "BPPSA backend" in curve.measured
+
+
+# every output `snakemake --report` shows, with its caption (workflow/report/) and its category
+REPORT_ENTRIES = {
+    "results/fig_7.png": ("fig_7.rst", "RNN (Sec 5.1)"),
+    **{f"results/fig_8_{p}.png": (f"fig_8_{p}.rst", "RNN (Sec 5.1)") for p in "abcdef"},
+    "results/fig_9.png": ("fig_9.rst", "GRU (Sec 5.2)"),
+    "results/fig_13.png": ("fig_13.rst", "GRU (Sec 5.2)"),
+    "results/fig_10.png": ("fig_10.rst", "Pruned VGG-11 (Sec 5.3)"),
+    "results/table_1_last_column.txt": ("table_1.rst", "Sparse Jacobians (Sec 3.4)"),
+    "results/report.md": ("report_md.rst", "Claims and report"),
+    "results/claims.md": ("claims_md.rst", "Claims and report"),
+    # on a CPU machine (the folder `cpu`) only
+    "results/cpu/fig_scaling_rnn.png": ("fig_scaling.rst", "CPU benchmarks"),
+    "results/cpu/fig_scaling_gru.png": ("fig_scaling.rst", "CPU benchmarks"),
+}
+
+
+def _caption_lines(name):
+    """The caption's lines as the HTML shows them (rst literals unquoted), but those with Jinja in them."""
+    text = (ROOT / "workflow" / "report" / name).read_text()
+    text = re.sub(r"(?<![/\w])\*([^*/]+)\*", r"\1", text.replace("``", ""))  # *emphasis*, not results/*/
+    return [ln.strip().removeprefix("- ") for ln in text.splitlines() if ln.strip() and "{{" not in ln]
+
+
+@pytest.mark.slow
+def test_snakemake_report_holds_every_figure_with_its_caption_and_the_claims(test_run):
+    import html as html_lib
+
+    (test_run / "tmp").mkdir()
+    r = subprocess.run([sys.executable, "-m", "snakemake", "--report", "tmp/report.html", "--configfile",
+                        str(TEST_CONFIG), "--directory", str(test_run)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "ERROR/" not in out and "WARNING/" not in out, out[-4000:]  # docutils' complaints about a caption
+    assert [p.name for p in (test_run / "tmp").iterdir()] == ["report.html"]  # one self-contained file
+    page = (test_run / "tmp" / "report.html").read_text()
+    results = json.loads(re.search(r"var results = (\{.*?\});\s*</script>", page, re.S).group(1))
+    categories = json.loads(re.search(r"var categories = (\{.*?\});\s*</script>", page, re.S).group(1))
+
+    expected = {k: v for k, v in REPORT_ENTRIES.items() if "/cpu/" not in k or (test_run / "results/cpu").is_dir()}
+    assert set(results) == set(expected)
+    pngs = {str(p.relative_to(test_run)) for p in (test_run / "results").rglob("*.png")}
+    assert pngs == {k for k in results if k.endswith(".png")}  # every figure the run drew is in the report
+    for path, (caption, category) in expected.items():
+        entry = results[path]
+        # the file itself, embedded
+        data = base64.b64decode(entry["data_uri"].split("base64,", 1)[1])
+        assert data == (test_run / path).read_bytes(), path
+        # its caption, rendered, and its category
+        shown = html_lib.unescape(re.sub(r"<[^>]+>", "", entry["caption"]))
+        for line in _caption_lines(caption):
+            assert line.strip() in shown, (path, line)
+        assert any(path in files for files in categories[category].values()), (path, category)
+    scaling = results.get("results/cpu/fig_scaling_rnn.png")
+    if scaling:  # the caption's Jinja filled in from the job
+        assert "Backward pass of the RNN against worker threads" in scaling["caption"]
+        assert "results/cpu/rnn/scaling.csv" in scaling["caption"]
+
+    claims = base64.b64decode(results["results/claims.md"]["data_uri"].split("base64,", 1)[1]).decode()
+    assert "| claim | paper value | paper device | measured | device | verdict | reason |" in claims
+    assert "max backward speedup (RNN)" in claims
+    # the workflow's description, with the profile filled in
+    assert "BPPSA reproduction: the figures and tables" in page and "<strong>test</strong>" in page
 
 
 @pytest.mark.slow

@@ -8,8 +8,18 @@ rule report_render:
         get_report_input(),
         other_devices=get_other_devices(*REPORT_READS),
     output:
-        report=REPORT,
-        claims=CLAIMS,
+        report=report(
+            REPORT,
+            caption="../report/report_md.rst",
+            category="Claims and report",
+            subcategory="Every measured number",
+        ),
+        claims=report(
+            CLAIMS,
+            caption="../report/claims_md.rst",
+            category="Claims and report",
+            subcategory="The paper's claims, checked",
+        ),
     log:
         "logs/report_render.log",
     resources:
