@@ -182,7 +182,7 @@ def test_workflow_irmas_mirror_survives_a_drop_and_a_503_then_a_416(irmas_bytes,
         assert [s for _, _, s in srv.log] == [200, 503, 206]
         mf = irmas.load_mfcc(one / "data" / "irmas" / "mfcc_s.npz")
         assert mf["X"].shape[0] == len(IRMAS_FILES) and mf["source"] == "IRMAS"
-        assert "HTTP 503" in (one / "logs" / "make_irmas.log").read_text()
+        assert "HTTP 503" in (one / "logs" / "irmas_make.log").read_text()
 
         two = tmp_path / "two"
         (two / "data" / "irmas").mkdir(parents=True)
