@@ -1,72 +1,19 @@
 # BPPSA reproduction: `snakemake --cores all` (default, CPU-capable) or
 # `snakemake --cores all --configfile config/paper.yaml` (the paper's grids, for a GPU);
 # on a cluster `snakemake --profile profiles/slurm --configfile config/paper.yaml --config device_slug=h100`.
-# Rules are thin: each calls one `bppsa <command>`; the logic lives in src/bppsa.
+# Rules are thin: each calls one `bppsa <command>`; the logic lives in src/bppsa. Rule names are
+# <object>_<step> (rnn_bench, gru_plot, irmas_make ...); the checks run first, before any rule is read.
 from pathlib import Path
-
-from snakemake.exceptions import WorkflowError
-from snakemake.settings.types import DeploymentMethod
-from snakemake.utils import min_version, validate
-
-min_version("8.0")
 
 
 configfile: str(Path(workflow.basedir, "config", "config.yaml"))
 
 
-# Every section is checked before any job runs; misspelt keys and bad values are named.
-for _schema in sorted(
-    Path(workflow.basedir, "workflow", "schemas").glob("*.schema.yaml")
-):
-    validate(config, str(_schema))
-
-# --use-singularity (an alias of --use-apptainer) must never run a job on the host.
-IN_CONTAINERS = (
-    DeploymentMethod.APPTAINER in workflow.deployment_settings.deployment_method
-)
-BUILD_IMAGE = (
-    "apptainer build --build-arg BPPSA_TORCH_CUDA=12 bppsa.sif docker/bppsa.def"
-)
-if IN_CONTAINERS and not config.get("container"):
-    raise WorkflowError(
-        "--use-singularity/--use-apptainer is set but the config key `container` names no image, so every job "
-        f"would run on the host. Build the image (BPPSA_TORCH_CUDA: 12 or 13, what the nodes' driver supports; "
-        f"cpu without a GPU):\n    {BUILD_IMAGE}\nthen add `--config container=bppsa.sif device_slug=<name>`."
-    )
-if (
-    IN_CONTAINERS
-    and config["container"].endswith(".sif")
-    and not Path(config["container"]).is_file()
-):
-    raise WorkflowError(
-        f"the config key `container` names the image {config['container']}, which is not here. Build it "
-        f"(BPPSA_TORCH_CUDA: 12 or 13, what the nodes' driver supports; cpu without a GPU):\n    {BUILD_IMAGE}"
-    )
-if config.get("container"):
-
-    container: config["container"]
+report: "workflow/report/workflow.rst"
 
 
-wildcard_constraints:
-    T=r"\d+",
-    B=r"\d+",
-    set="s|m|l",
-    layout="paper|fused",
-    variant="baseline|bppsa-paper|bppsa-fused",
-    model="rnn|gru",
-    dtype="float32|float64",
-
-
+include: "workflow/rules/checks.smk"
 include: "workflow/rules/common.smk"
-
-
-onstart:
-    # the executor is only known once the DAG is built, so this check runs here, still before any job
-    if not workflow.local_exec and not config["device_slug"]:
-        raise WorkflowError(
-            "this run submits jobs to other machines, so the config key `device_slug` must be set "
-            f"(e.g. --config device_slug=h100); the detected '{DEVICE}' is the submitting host's hardware."
-        )
 
 
 rule all:
@@ -77,9 +24,9 @@ rule all:
 include: "workflow/rules/environment.smk"
 include: "workflow/rules/datasets.smk"
 include: "workflow/rules/rnn.smk"
-include: "workflow/rules/figures.smk"
 include: "workflow/rules/gru.smk"
 include: "workflow/rules/cpu.smk"
 include: "workflow/rules/jacobians.smk"
 include: "workflow/rules/vgg11.smk"
+include: "workflow/rules/figures.smk"
 include: "workflow/rules/report.smk"

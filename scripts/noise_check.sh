@@ -26,8 +26,8 @@ run() {  # run NAME [snakemake arguments]
   ln -sfn "$DATA_DIR" "$dir/data"
   local t0=$SECONDS
   # targets first: --forcerun and --configfile take several values each
-  python -m snakemake speedups_rnn speedups_gru --snakefile "$ROOT/Snakefile" --directory "$dir" --cores all \
-    --forcerun bench_rnn bench_gru "$@" >"$dir/snakemake.log" 2>&1 \
+  python -m snakemake rnn_speedups gru_speedups --snakefile "$ROOT/Snakefile" --directory "$dir" --cores all \
+    --forcerun rnn_bench gru_bench "$@" >"$dir/snakemake.log" 2>&1 \
     || { echo "snakemake failed; see $dir/snakemake.log" >&2; tail -20 "$dir/snakemake.log" >&2; exit 2; }
   echo "$name run: $(( SECONDS - t0 )) s"
 }

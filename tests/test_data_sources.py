@@ -182,7 +182,7 @@ def test_workflow_irmas_mirror_survives_a_drop_and_a_503_then_a_416(irmas_bytes,
         assert [s for _, _, s in srv.log] == [200, 503, 206]
         mf = irmas.load_mfcc(one / "data" / "irmas" / "mfcc_s.npz")
         assert mf["X"].shape[0] == len(IRMAS_FILES) and mf["source"] == "IRMAS"
-        assert "HTTP 503" in (one / "logs" / "make_irmas.log").read_text()
+        assert "HTTP 503" in (one / "logs" / "irmas_make.log").read_text()
 
         two = tmp_path / "two"
         (two / "data" / "irmas").mkdir(parents=True)
@@ -197,7 +197,7 @@ def test_workflow_irmas_mirror_survives_a_drop_and_a_503_then_a_416(irmas_bytes,
 
 @pytest.mark.slow
 def test_workflow_cifar10_mirror_through_vgg11_training(cifar_bytes, tmp_path, monkeypatch):
-    """The CIFAR-10 equivalent: make_cifar10 (a localrule) downloads through a drop and a 503, then
+    """The CIFAR-10 equivalent: cifar10_make (a localrule) downloads through a drop and a 503, then
     VGG-11 trains at the .test size from the manifest; a complete .part left behind ends in a 416."""
     md5 = hashlib.md5(cifar_bytes).hexdigest()
     conf = ROOT / ".test" / "config" / "config.yaml"

@@ -171,41 +171,41 @@ def test_fits_flags_follow_the_formula():
 
 
 DRY_RUN = """\
-rule verify_rnn:
+rule rnn_verify:
     output: results/x/verify.json
     jobid: 3
     resources: tmpdir=/tmp, mem_mb=16000, runtime=60, gpu=1
-localrule report:
+localrule report_render:
     jobid: 4
     resources: tmpdir=/tmp, runtime=60, mem_mb=4000
 Job stats:
 job           count
 ----------  -------
-verify_rnn        1
-report            1
+rnn_verify        1
+report_render     1
 total             2
 """
 
 
 def test_dry_run_parser():
     d = shapes.parse_dry_run(DRY_RUN)
-    assert d["total"] == 2 and d["counts"] == {"verify_rnn": 1, "report": 1}
-    assert [(j["rule"], j["runtime_min"], j["gpu"]) for j in d["jobs"]] == [("verify_rnn", 60.0, True),
-                                                                             ("report", 60.0, False)]
+    assert d["total"] == 2 and d["counts"] == {"rnn_verify": 1, "report_render": 1}
+    assert [(j["rule"], j["runtime_min"], j["gpu"]) for j in d["jobs"]] == [("rnn_verify", 60.0, True),
+                                                                             ("report_render", 60.0, False)]
 
 
 def test_gpu_time_estimate_is_derived_from_config_and_paper():
     cfg = shapes.load_config(PAPER)
-    rows = {r["item"]: r for r in shapes.gpu_time_estimate(cfg, {"bench_rnn": 15, "bench_gru": 9, "train_rnn": 2,
-                                                                 "train_gru": 6}, None)}
-    assert rows["bench_rnn"]["hours"] == pytest.approx(15 * cfg["bench"]["max_seconds"] / 3600)
+    rows = {r["item"]: r for r in shapes.gpu_time_estimate(cfg, {"rnn_bench": 15, "gru_bench": 9, "rnn_train": 2,
+                                                                 "gru_train": 6}, None)}
+    assert rows["rnn_bench"]["hours"] == pytest.approx(15 * cfg["bench"]["max_seconds"] / 3600)
     # 80 epochs x (53.33 + 29.29 + 2 x 2.13) s (PAPER.md Table 4/5) at 32,000 samples
-    assert rows["train_rnn"]["hours"] == pytest.approx(80 * (53.33 + 29.29 + 2 * 2.13) / 3600)
+    assert rows["rnn_train"]["hours"] == pytest.approx(80 * (53.33 + 29.29 + 2 * 2.13) / 3600)
     assert math.isnan(rows["vgg11_train"]["hours"])
     cfg2 = copy.deepcopy(cfg)
     cfg2["bitstream"]["samples"] = 16000
-    half = {r["item"]: r for r in shapes.gpu_time_estimate(cfg2, {"train_rnn": 2}, None)}
-    assert half["train_rnn"]["hours"] == pytest.approx(rows["train_rnn"]["hours"] / 2)
+    half = {r["item"]: r for r in shapes.gpu_time_estimate(cfg2, {"rnn_train": 2}, None)}
+    assert half["rnn_train"]["hours"] == pytest.approx(rows["rnn_train"]["hours"] / 2)
 
 
 def test_command_end_to_end_tiny(tmp_path, capsys):

@@ -16,13 +16,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SLUG = "localhost-slurm"
 # rules that run on the measuring device ask for a GPU; the others must not
-GPU_RULES = {"environment", "verify_rnn", "bench_rnn", "train_rnn", "train_rnn_in_dtype", "verify_gru", "bench_gru",
-             "train_gru", "vgg11_train"}
-TIMING_RULES = {"bench_rnn", "bench_gru", "train_rnn", "train_rnn_in_dtype", "train_gru", "speed", "table1_timings",
-                "bench_bitstream", "roofline", "scaling"}
-LOCAL_RULES = {"all", "make_irmas"}
+GPU_RULES = {"environment_record", "rnn_verify", "rnn_bench", "rnn_train", "rnn_train_in_dtype", "gru_verify",
+             "gru_bench", "gru_train", "vgg11_train"}
+TIMING_RULES = {"rnn_bench", "gru_bench", "rnn_train", "rnn_train_in_dtype", "gru_train", "cpu_speed", "table1_bench",
+                "bitstream_bench", "cpu_roofline", "cpu_scaling"}
+LOCAL_RULES = {"all", "irmas_make"}
 # CPU benchmarks are targets only when the folder is the CPU's (`cpu`); this run's slug is not
-CPU_FOLDER_RULES = {"speed", "roofline", "scaling"}
+CPU_FOLDER_RULES = {"cpu_speed", "cpu_roofline", "cpu_scaling"}
 
 
 @pytest.mark.slurm
@@ -61,7 +61,7 @@ def check_slurm_run(tmp_path, out):
     logs = list((tmp_path / ".snakemake" / "slurm_logs").rglob("*.log"))
     assert len(logs) == len(calls)
     # the CPU benchmarks are only targets in a folder named `cpu`
-    assert set(by_rule) >= GPU_RULES | (TIMING_RULES - CPU_FOLDER_RULES) | {"figures_rnn", "report"}
+    assert set(by_rule) >= GPU_RULES | (TIMING_RULES - CPU_FOLDER_RULES) | {"rnn_plot", "report_render"}
     for rule, rule_calls in by_rule.items():
         for call in rule_calls:
             assert ("--gpus=1" in call) == (rule in GPU_RULES), call

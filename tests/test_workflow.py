@@ -1,5 +1,10 @@
-"""The RNN part of the DAG end to end on the `.test` configuration: data -> verify -> bench -> speedups
--> figures -> report and claims."""
+"""The whole DAG end to end on the `.test` configuration, run once for this module: the RNN part checked
+(data -> verify -> bench -> speedups -> figures -> report and claims), and `snakemake --report` of the run:
+one HTML file with every figure, its caption and the claims table."""
+import base64
+import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -50,20 +55,31 @@ def test_no_twin_without_also_dtypes_or_in_the_workflow_dtype(tmp_path):
     assert len(cmds) == 2 and all("--dtype float64" in c and "_float64.csv" not in c for c in cmds)
 
 
+TEST_CONFIG = ROOT / ".test" / "config" / "config.yaml"
+
+
+@pytest.fixture(scope="module")
+def test_run(tmp_path_factory):
+    """`snakemake all` on the .test configuration in a fresh folder (2 cores: about 4 min), shared by the
+    tests below: every experiment, figure and table, the report and the claims."""
+    tmp_path = tmp_path_factory.mktemp("test_run")
+    r = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", str(TEST_CONFIG),
+                        "--directory", str(tmp_path), "all"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return tmp_path
+
+
 @pytest.mark.slow
-def test_rnn_workflow_end_to_end(tmp_path):
-    conf = ROOT / ".test" / "config" / "config.yaml"
-    cfg = yaml.safe_load(conf.read_text())
+def test_rnn_workflow_end_to_end(test_run, tmp_path):
+    cfg = yaml.safe_load(TEST_CONFIG.read_text())
     assert cfg["rnn"]["seq_lens"] == [5, 9] and cfg["rnn"]["batches"] == [2, 4]
     targets = ["results/fig_7.png"] + [f"results/fig_8_{p}.png" for p in "abcdef"] + ["results/cpu/rnn/speedups.csv"]
-    r = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", str(conf),
-                        "--directory", str(tmp_path), *targets],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    run = test_run
     for t in targets[:-1]:
-        png = tmp_path / t
+        png = run / t
         assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
-    rnn = tmp_path / "results" / "cpu" / "rnn"
+    rnn = run / "results" / "cpu" / "rnn"
     bench = pd.concat(pd.read_csv(p) for p in rnn.glob("bench_*.csv"))
     assert set(bench["seq_len"]) == {5, 9} and set(bench["batch"]) == {2, 4}
     assert set(bench["profile"]) == {"test"}
@@ -82,7 +98,7 @@ def test_rnn_workflow_end_to_end(tmp_path):
     # every BPPSA configuration that was timed was verified first, and the check passed
     for (T, B, layout), _ in bench[bench["method"] == "bppsa"].groupby(["seq_len", "batch", "layout"]):
         assert (rnn / f"verify_T{T}_B{B}_{layout}.json").exists()
-    assert not list(tmp_path.rglob("*.tmp*")), "temporary files were left behind"
+    assert not list(run.rglob("*.tmp*")), "temporary files were left behind"
     # Fig 7's curves in the workflow's dtype and their float64 twins, each naming its backend
     curves = {p.name: pd.read_csv(p) for p in rnn.glob("curve_*.csv")}
     assert sorted(curves) == ["curve_baseline.csv", "curve_baseline_float64.csv", "curve_bppsa-fused.csv",
@@ -91,9 +107,10 @@ def test_rnn_workflow_end_to_end(tmp_path):
         assert set(c["dtype"]) == {"float64" if "float64" in name else "float32"}
         assert c["backend"].notna().all()
 
-    # the report renders from whatever was measured, saying what is missing
+    # the report renders from whatever was measured, saying what is missing: here the RNN's results alone
     from bppsa.analysis.report import build
 
+    shutil.copytree(run / "results" / "cpu" / "rnn", tmp_path / "results" / "cpu" / "rnn")
     report = build(tmp_path / "results")
     assert "## RNN (Fig 8)" in report and "largest backward speedup" in report and "backward-nobp" in report
     assert "| cpu | rnn | float32 | cpu | fused |" in report  # the verify results, per group: auto is the fast path
@@ -101,7 +118,7 @@ def test_rnn_workflow_end_to_end(tmp_path):
 
     from bppsa.analysis.claims import collect, render
 
-    claims = collect(tmp_path / "results")
+    claims = collect(run / "results")
     text = render(claims)
     assert "max backward speedup (RNN)" in text and "rises with T" in text and "falls with B" in text
     # measured on a CPU: the GPU magnitudes are shown but not judged
@@ -109,3 +126,93 @@ def test_rnn_workflow_end_to_end(tmp_path):
     assert any("T=1000, B=16 is not in this profile's grid" in c.reason for c in claims)
     (curve,) = [c for c in claims if c.claim == "BPPSA's training curve overlaps the baseline's (RNN)"]
     assert "in float64" in curve.measured and "BPPSA backend" in curve.measured
+
+
+# every output `snakemake --report` shows, with its caption (workflow/report/) and its category
+REPORT_ENTRIES = {
+    "results/fig_7.png": ("fig_7.rst", "RNN (Sec 5.1)"),
+    **{f"results/fig_8_{p}.png": (f"fig_8_{p}.rst", "RNN (Sec 5.1)") for p in "abcdef"},
+    "results/fig_9.png": ("fig_9.rst", "GRU (Sec 5.2)"),
+    "results/fig_13.png": ("fig_13.rst", "GRU (Sec 5.2)"),
+    "results/fig_10.png": ("fig_10.rst", "Pruned VGG-11 (Sec 5.3)"),
+    "results/table_1_last_column.txt": ("table_1.rst", "Sparse Jacobians (Sec 3.4)"),
+    "results/report.md": ("report_md.rst", "Claims and report"),
+    "results/claims.md": ("claims_md.rst", "Claims and report"),
+    # on a CPU machine (the folder `cpu`) only
+    "results/cpu/fig_scaling_rnn.png": ("fig_scaling.rst", "CPU benchmarks"),
+    "results/cpu/fig_scaling_gru.png": ("fig_scaling.rst", "CPU benchmarks"),
+}
+
+
+def _caption_lines(name):
+    """The caption's lines as the HTML shows them (rst literals unquoted), but those with Jinja in them."""
+    text = (ROOT / "workflow" / "report" / name).read_text()
+    text = re.sub(r"(?<![/\w])\*([^*/]+)\*", r"\1", text.replace("``", ""))  # *emphasis*, not results/*/
+    return [ln.strip().removeprefix("- ") for ln in text.splitlines() if ln.strip() and "{{" not in ln]
+
+
+@pytest.mark.slow
+def test_snakemake_report_holds_every_figure_with_its_caption_and_the_claims(test_run):
+    import html as html_lib
+
+    (test_run / "tmp").mkdir()
+    r = subprocess.run([sys.executable, "-m", "snakemake", "--report", "tmp/report.html", "--configfile",
+                        str(TEST_CONFIG), "--directory", str(test_run)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "ERROR/" not in out and "WARNING/" not in out, out[-4000:]  # docutils' complaints about a caption
+    assert [p.name for p in (test_run / "tmp").iterdir()] == ["report.html"]  # one self-contained file
+    page = (test_run / "tmp" / "report.html").read_text()
+    results = json.loads(re.search(r"var results = (\{.*?\});\s*</script>", page, re.S).group(1))
+    categories = json.loads(re.search(r"var categories = (\{.*?\});\s*</script>", page, re.S).group(1))
+
+    expected = {k: v for k, v in REPORT_ENTRIES.items() if "/cpu/" not in k or (test_run / "results/cpu").is_dir()}
+    assert set(results) == set(expected)
+    pngs = {str(p.relative_to(test_run)) for p in (test_run / "results").rglob("*.png")}
+    assert pngs == {k for k in results if k.endswith(".png")}  # every figure the run drew is in the report
+    for path, (caption, category) in expected.items():
+        entry = results[path]
+        # the file itself, embedded
+        data = base64.b64decode(entry["data_uri"].split("base64,", 1)[1])
+        assert data == (test_run / path).read_bytes(), path
+        # its caption, rendered, and its category
+        shown = html_lib.unescape(re.sub(r"<[^>]+>", "", entry["caption"]))
+        for line in _caption_lines(caption):
+            assert line.strip() in shown, (path, line)
+        assert any(path in files for files in categories[category].values()), (path, category)
+    scaling = results.get("results/cpu/fig_scaling_rnn.png")
+    if scaling:  # the caption's Jinja filled in from the job
+        assert "Backward pass of the RNN against worker threads" in scaling["caption"]
+        assert "results/cpu/rnn/scaling.csv" in scaling["caption"]
+
+    claims = base64.b64decode(results["results/claims.md"]["data_uri"].split("base64,", 1)[1]).decode()
+    assert "| claim | paper value | paper device | measured | device | verdict | reason |" in claims
+    assert "max backward speedup (RNN)" in claims
+    # the workflow's description, with the profile filled in
+    assert "BPPSA reproduction: the figures and tables" in page and "<strong>test</strong>" in page
+
+
+@pytest.mark.slow
+def test_another_devices_folder_redraws_the_figures_that_overlay_it(test_run, tmp_path):
+    """The figure, Table 1 and report rules declare what they read in other device folders: a folder
+    added makes exactly the rules that read its files (and what depends on them) run again."""
+    run = tmp_path / "run"
+    shutil.copytree(test_run, run, symlinks=True, ignore=shutil.ignore_patterns("tmp"))
+
+    def dry_run():
+        r = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile",
+                            str(TEST_CONFIG), "--directory", str(run)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        return set(re.findall(r"^(?:local)?rule (\w+):", r.stdout, re.M))
+
+    assert dry_run() == set()  # the run is complete
+    other = run / "results" / "reference" / "other-gpu" / "rnn"
+    other.mkdir(parents=True)
+    shutil.copy(run / "results" / "cpu" / "rnn" / "speedups.csv", other)
+    assert dry_run() == {"rnn_plot", "report_render", "all"}
+    shutil.rmtree(run / "results" / "reference")
+    (run / "results" / "h100" / "vgg11").mkdir(parents=True)
+    shutil.copy(run / "results" / "cpu" / "vgg11" / "flops.csv", run / "results" / "h100" / "vgg11")
+    assert dry_run() == {"vgg11_plot", "report_render", "all"}

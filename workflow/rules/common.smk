@@ -1,11 +1,24 @@
 # Shared by every file of workflow/rules/: the device folder, resources, command-line flags, the
-# grids, the variant names and the workflow's final outputs (get_final_output). Only functions and
-# values, so the order of the includes does not matter; every value comes from the configuration,
-# which the Snakefile has checked against workflow/schemas/ already.
+# grids, the variant names, the wildcards' constraints and the workflow's final outputs
+# (get_final_output). Only functions, values and the one wildcard_constraints block, so the order of
+# the rule files does not matter; every value comes from the configuration, which checks.smk
+# (included before this file) has checked against workflow/schemas/ already.
+
+from pathlib import Path
 
 from bppsa.bench.protocol import StopRule
 from bppsa.data.irmas import MFCC_SETS
 from bppsa.models import SPECS
+
+
+wildcard_constraints:
+    T=r"\d+",
+    B=r"\d+",
+    set="s|m|l",
+    layout="paper|fused",
+    variant="baseline|bppsa-paper|bppsa-fused",
+    model="rnn|gru",
+    dtype="float32|float64",
 
 
 def _device_folder():
@@ -221,6 +234,59 @@ def get_cpu_benchmarks():
                 f"{RESULTS}/{model}/scaling_crossover.csv",
             ]
     return out
+
+
+def get_other_devices(*patterns):
+    """Input function: the files matching ``patterns`` (relative to a device folder, e.g. "rnn/curve_*.csv")
+    in every other device folder, found when the DAG is built.
+
+    The figure, Table 1 and report commands overlay every results/<device>/ folder and every committed
+    results/reference/<device>/ one (bppsa's results.device_dirs: every sub-folder of results/ but
+    reference/ and hidden ones, then those of results/reference/); declaring what they read there makes
+    Snakemake redraw a figure when another device's folder is added or one of its files changes. This
+    run's own folder is left out: the rules name its files, those this configuration produces (a stale
+    file of an older configuration there is read but not declared, so it never triggers its rule).
+    """
+
+    def inputs(wildcards):
+        folders = [
+            p
+            for p in sorted(Path("results").glob("*"))
+            if p.is_dir() and p.name != "reference" and not p.name.startswith(".")
+        ]
+        folders += [
+            p for p in sorted(Path("results", "reference").glob("*")) if p.is_dir()
+        ]
+        return [
+            str(f)
+            for folder in folders
+            if folder != Path(RESULTS)
+            for pattern in patterns
+            for f in sorted(folder.glob(pattern))
+        ]
+
+    return inputs
+
+
+# What `bppsa report` (report.py, claims.py) reads in each device folder: declared for the other folders.
+REPORT_READS = [
+    "environment.json",
+    "*/verify_*.json",
+    *(
+        f"{model}/{name}"
+        for model in ("rnn", "gru")
+        for name in (
+            "speedups.csv",
+            "curve_*.csv",
+            "speed.csv",
+            "roofline.csv",
+            "scaling_crossover.csv",
+        )
+    ),
+    "jacobians/table1_timings.csv",
+    "vgg11/accuracy.csv",
+    "vgg11/flops_summary.csv",
+]
 
 
 def get_report_input():

@@ -1,15 +1,16 @@
 # On CPU machines, per model (RNN on bitstreams, GRU on an MFCC set): the speed benchmark (BPPSA's backward
 # against eager autograd and the strongest sequential backward, paired), the roofline of the scans, and the
-# backward's scaling with worker threads with the extrapolated crossover (Sec 3.6's worker argument).
+# backward's scaling with worker threads with the extrapolated crossover (Sec 3.6's worker argument),
+# drawn by cpu_scaling_plot in figures.smk.
 
 
-rule speed:
+rule cpu_speed:
     input:
         get_cpu_bench_input("speed"),
     output:
         f"{RESULTS}/{{model}}/speed.csv",
     log:
-        "logs/speed_{model}.log",
+        "logs/cpu_speed/{model}.log",
     threads: job_threads("cpu_timing")
     resources:
         **job_resources("cpu_timing"),
@@ -25,13 +26,13 @@ rule speed:
         "--L-m {params.L_m} {params.protocol} --threads {threads} --profile {params.profile} --out {output} 2> {log}"
 
 
-rule roofline:
+rule cpu_roofline:
     input:
         get_cpu_bench_input("roofline"),
     output:
         f"{RESULTS}/{{model}}/roofline.csv",
     log:
-        "logs/roofline_{model}.log",
+        "logs/cpu_roofline/{model}.log",
     threads: job_threads("cpu_timing")
     resources:
         **job_resources("cpu_timing"),
@@ -48,13 +49,13 @@ rule roofline:
         "2> {log}"
 
 
-rule scaling:
+rule cpu_scaling:
     input:
         get_cpu_bench_input("scaling"),
     output:
         f"{RESULTS}/{{model}}/scaling.csv",
     log:
-        "logs/scaling_{model}.log",
+        "logs/cpu_scaling/{model}.log",
     threads: job_threads("cpu_timing")
     resources:
         **job_resources("cpu_timing"),
@@ -67,17 +68,3 @@ rule scaling:
     shell:
         "bppsa scaling --device cpu {params.model} --batches {params.batches} --dtype {params.dtype} "
         "{params.protocol} --max-threads {threads} --profile {params.profile} --out {output} 2> {log}"
-
-
-rule figure_scaling:
-    input:
-        f"{RESULTS}/{{model}}/scaling.csv",
-    output:
-        fig=f"{RESULTS}/fig_scaling_{{model}}.png",
-        crossover=f"{RESULTS}/{{model}}/scaling_crossover.csv",
-    log:
-        "logs/figure_scaling_{model}.log",
-    resources:
-        **job_resources("default"),
-    shell:
-        "bppsa plot-scaling {input} --out {output.fig} --crossover {output.crossover} 2> {log}"

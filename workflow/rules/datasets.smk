@@ -1,11 +1,11 @@
 # Bitstream datasets of Sec 4.1 (Eq. 8): one file per sequence length.
 
 
-rule make_bitstream:
+rule bitstream_make:
     output:
         "data/bitstream/T{T}.npz",
     log:
-        "logs/make_bitstream/T{T}.log",
+        "logs/bitstream_make/T{T}.log",
     threads: 1
     resources:
         **job_resources("data"),
@@ -17,12 +17,12 @@ rule make_bitstream:
         "--out {output} 2> {log}"
 
 
-rule bench_bitstream:
+rule bitstream_bench:
     """Budget of the paper's largest set (T = 30,000, 32,000 samples): time, peak memory, size."""
     output:
         f"{RESULTS}/datasets/bitstream_T30000.csv",
     log:
-        "logs/bench_bitstream.log",
+        "logs/bitstream_bench.log",
     threads: job_threads("cpu_timing")
     resources:
         **job_resources("cpu_timing"),

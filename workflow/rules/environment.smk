@@ -1,11 +1,11 @@
 # results/<device>/environment.json: the hardware, software, SLURM allocation and container a run saw.
 
 
-rule environment:
+rule environment_record:
     output:
         f"{RESULTS}/environment.json",
     log:
-        "logs/environment.log",
+        "logs/environment_record.log",
     threads: job_threads("verify")
     resources:
         **job_resources("verify"),

@@ -1,17 +1,18 @@
 # GRU on IRMAS (Sec 4.2 / 5.2): the corpus (download, offline stand-in or an existing folder), the
 # MFCC sets of Table 3, exactness checks, per-phase timings over sets x batch sizes (Fig 9) and
-# training curves (Fig 13).  Timing and training reuse the generic `bppsa bench` / `bppsa train`.
+# training curves (Fig 13).  Timing and training reuse the generic `bppsa bench` / `bppsa train`;
+# the figures are in figures.smk.
 
 
 localrules:
-    make_irmas,  # it downloads (irmas.source: download); compute nodes are often offline
+    irmas_make,  # it downloads (irmas.source: download); compute nodes are often offline
 
 
-rule make_irmas:
+rule irmas_make:
     output:
         "data/irmas/corpus.json",
     log:
-        "logs/make_irmas.log",
+        "logs/irmas_make.log",
     threads: job_threads("data")
     resources:
         **job_resources("data"),
@@ -27,14 +28,14 @@ rule make_irmas:
         "--clips {params.clips} --seed {params.seed} --threads {threads} --out {output} 2> {log}"
 
 
-rule mfcc:
+rule irmas_mfcc:
     input:
         "data/irmas/corpus.json",
     output:
         npz="data/irmas/mfcc_{set}.npz",
         skipped="data/irmas/mfcc_{set}.skipped.txt",
     log:
-        "logs/mfcc/{set}.log",
+        "logs/irmas_mfcc/{set}.log",
     threads: job_threads("data")
     resources:
         **job_resources("data"),
@@ -45,11 +46,11 @@ rule mfcc:
         "--out {output.npz} 2> {log}"
 
 
-rule verify_gru:
+rule gru_verify:
     output:
         f"{GRU_DIR}/verify_{{set}}_B{{B}}.json",
     log:
-        "logs/verify_gru/{set}_B{B}.log",
+        "logs/gru_verify/{set}_B{B}.log",
     threads: job_threads("verify")
     resources:
         **job_resources("verify"),
@@ -64,15 +65,15 @@ rule verify_gru:
         "--hidden {params.hidden} --layout fused --backend {params.backend} {params.args} --out {output} > {log} 2>&1"
 
 
-rule bench_gru:
-    # every variant of one (set, B), interleaved round by round in one process (README: Timing protocol)
+rule gru_bench:
+    # every variant of one (set, B), interleaved round by round in one process (docs/timing.md)
     input:
         data="data/irmas/mfcc_{set}.npz",
         verified=f"{GRU_DIR}/verify_{{set}}_B{{B}}.json",
     output:
         f"{GRU_DIR}/bench_{{set}}_B{{B}}.csv",
     log:
-        "logs/bench_gru/{set}_B{B}.log",
+        "logs/gru_bench/{set}_B{B}.log",
     threads: job_threads("timing")
     resources:
         **job_resources("timing"),
@@ -89,27 +90,27 @@ rule bench_gru:
         "--threads {threads} {params.args} --out {output} 2> {log}"
 
 
-rule speedups_gru:
+rule gru_speedups:
     input:
         get_gru_bench(),
     output:
         speedups=f"{GRU_DIR}/speedups.csv",
         latency=f"{GRU_DIR}/latency.csv",
     log:
-        "logs/speedups_gru.log",
+        "logs/gru_speedups.log",
     resources:
         **job_resources("default"),
     shell:
         "bppsa speedups {input} --out {output.speedups} --latency-out {output.latency} 2> {log}"
 
 
-rule train_gru:
+rule gru_train:
     input:
         data="data/irmas/mfcc_{set}.npz",
     output:
         f"{GRU_DIR}/curve_{{set}}_{{variant}}.csv",
     log:
-        "logs/train_gru/{set}_{variant}.log",
+        "logs/gru_train/{set}_{variant}.log",
     threads: job_threads("timing")
     resources:
         **job_resources("timing"),
@@ -125,18 +126,3 @@ rule train_gru:
         "bppsa train --model gru --data {input.data} {params.method} "
         "--backend {params.backend} --batch {params.batch} --hidden {params.hidden} "
         "--epochs {params.epochs} --lr {params.lr} --threads {threads} {params.args} --out {output} 2> {log}"
-
-
-rule figures_gru:
-    input:
-        get_gru_summaries() + get_gru_curves(),
-    output:
-        "results/fig_9.png",
-        "results/fig_13.png",
-        "results/fig_9_data.csv",
-    log:
-        "logs/figures_gru.log",
-    resources:
-        **job_resources("default"),
-    shell:
-        "bppsa plot-gru --results results --out-dir results 2> {log}"

@@ -1,11 +1,12 @@
-# Table 1 (Sec 3.4, Appendix D): guaranteed-zero sparsity and analytic CSR generation vs autograd.
+# Table 1 (Sec 3.4, Appendix D): guaranteed-zero sparsity and analytic CSR generation vs autograd
+# (its text: table1_render in figures.smk).
 
 
-rule table1_timings:
+rule table1_bench:
     output:
         f"{JAC_DIR}/table1_timings.csv",
     log:
-        "logs/jacobians/table1_timings.log",
+        "logs/table1_bench.log",
     threads: job_threads("cpu_timing")
     resources:
         **job_resources("cpu_timing"),
@@ -21,16 +22,3 @@ rule table1_timings:
         "bppsa jacobians-table1 --repeats-analytic {params.repeats_analytic} "
         "--repeats-autograd {params.repeats_autograd} {params.mkldnn} --device {params.device} --threads {threads} "
         "--profile {params.profile} --seed {params.seed} --device-slug {params.slug} --out {output} > {log} 2>&1"
-
-
-rule table1_text:
-    input:
-        f"{JAC_DIR}/table1_timings.csv",
-    output:
-        "results/table_1_last_column.txt",
-    log:
-        "logs/jacobians/table1_text.log",
-    resources:
-        **job_resources("default"),
-    shell:
-        "bppsa table1 --results results --out {output} 2> {log}"

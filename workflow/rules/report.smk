@@ -1,14 +1,27 @@
-# results/report.md: every measured number on one page; results/claims.md: the paper's claims checked. Rendered last.
+# results/report.md: every measured number on one page; results/claims.md: the paper's claims checked.
+# Rendered last, from this run's outputs and from what every other device folder holds (report.py and
+# claims.py read these files in each of them).
 
 
-rule report:
+rule report_render:
     input:
         get_report_input(),
+        other_devices=get_other_devices(*REPORT_READS),
     output:
-        report=REPORT,
-        claims=CLAIMS,
+        report=report(
+            REPORT,
+            caption="../report/report_md.rst",
+            category="Claims and report",
+            subcategory="Every measured number",
+        ),
+        claims=report(
+            CLAIMS,
+            caption="../report/claims_md.rst",
+            category="Claims and report",
+            subcategory="The paper's claims, checked",
+        ),
     log:
-        "logs/report.log",
+        "logs/report_render.log",
     resources:
         **job_resources("default"),
     shell:

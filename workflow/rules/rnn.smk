@@ -1,12 +1,13 @@
 # RNN experiments (Sec 4.1 / 5.1): exactness checks, per-phase timings over the T and B grids and
-# training curves (Fig 7); the CPU benchmarks of both models are in cpu.smk.
+# training curves (Fig 7); the CPU benchmarks of both models are in cpu.smk, the figures in
+# figures.smk.
 
 
-rule verify_rnn:
+rule rnn_verify:
     output:
         f"{RNN_DIR}/verify_T{{T}}_B{{B}}_{{layout}}.json",
     log:
-        "logs/verify_rnn/T{T}_B{B}_{layout}.log",
+        "logs/rnn_verify/T{T}_B{B}_{layout}.log",
     threads: job_threads("verify")
     resources:
         **job_resources("verify"),
@@ -21,8 +22,8 @@ rule verify_rnn:
         "--out {output} > {log} 2>&1"
 
 
-rule bench_rnn:
-    # every variant of one (T, B), interleaved round by round in one process (README: Timing protocol)
+rule rnn_bench:
+    # every variant of one (T, B), interleaved round by round in one process (docs/timing.md)
     input:
         data="data/bitstream/T{T}.npz",
         verified=expand(
@@ -32,7 +33,7 @@ rule bench_rnn:
     output:
         f"{RNN_DIR}/bench_T{{T}}_B{{B}}.csv",
     log:
-        "logs/bench_rnn/T{T}_B{B}.log",
+        "logs/rnn_bench/T{T}_B{B}.log",
     threads: job_threads("timing")
     resources:
         **job_resources("timing"),
@@ -50,27 +51,27 @@ rule bench_rnn:
         "{params.protocol} --threads {threads} {params.args} --out {output} 2> {log}"
 
 
-rule speedups_rnn:
+rule rnn_speedups:
     input:
         get_rnn_bench(),
     output:
         speedups=f"{RNN_DIR}/speedups.csv",
         latency=f"{RNN_DIR}/latency.csv",
     log:
-        "logs/speedups_rnn.log",
+        "logs/rnn_speedups.log",
     resources:
         **job_resources("default"),
     shell:
         "bppsa speedups {input} --out {output.speedups} --latency-out {output.latency} 2> {log}"
 
 
-rule train_rnn:
+rule rnn_train:
     input:
         data=f"data/bitstream/T{RNN['curves']['seq_len']}.npz",
     output:
         f"{RNN_DIR}/curve_{{variant}}.csv",
     log:
-        "logs/train_rnn/{variant}.log",
+        "logs/rnn_train/{variant}.log",
     threads: job_threads("timing")
     resources:
         **job_resources("timing"),
@@ -91,10 +92,10 @@ rule train_rnn:
 
 # Fig 7's curves again in another precision (rnn.curves.also_dtypes): in float64 exact gradients keep the two
 # curves together far longer, which tells float32 round-off amplified by training from a wrong gradient.
-use rule train_rnn as train_rnn_in_dtype with:
+use rule rnn_train as rnn_train_in_dtype with:
     output:
         f"{RNN_DIR}/curve_{{variant}}_{{dtype}}.csv",
     log:
-        "logs/train_rnn/{variant}_{dtype}.log",
+        "logs/rnn_train_in_dtype/{variant}_{dtype}.log",
     params:
         args=get_runtime_args_in_dtype,

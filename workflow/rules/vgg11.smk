@@ -1,15 +1,16 @@
-# Pruned VGG-11 micro-benchmark (Sec 4.3 / 5.3): train, prune, retrain; static FLOP analysis (Fig 10).
+# Pruned VGG-11 micro-benchmark (Sec 4.3 / 5.3): train, prune, retrain; static FLOP analysis (Fig 10, drawn
+# by vgg11_plot in figures.smk).
 
 
 localrules:
-    make_cifar10,  # it downloads (cifar10.source: download); no job that asks for a GPU touches the network
+    cifar10_make,  # it downloads (cifar10.source: download); no job that asks for a GPU touches the network
 
 
-rule make_cifar10:
+rule cifar10_make:
     output:
         CIFAR_MANIFEST,
     log:
-        "logs/make_cifar10.log",
+        "logs/cifar10_make.log",
     resources:
         **job_resources("data"),
     params:
@@ -30,7 +31,7 @@ rule vgg11_train:
         models=f"{VGG_DIR}/models.pt",
         acc=f"{VGG_DIR}/accuracy.csv",
     log:
-        "logs/vgg11/train.log",
+        "logs/vgg11_train.log",
     threads: job_threads("train")
     resources:
         **job_resources("train"),
@@ -61,7 +62,7 @@ rule vgg11_flops:
         flops=f"{VGG_DIR}/flops.csv",
         summary=f"{VGG_DIR}/flops_summary.csv",
     log:
-        "logs/vgg11/flops.log",
+        "logs/vgg11_flops.log",
     threads: job_threads("analysis")
     resources:
         **job_resources("analysis"),
@@ -81,16 +82,3 @@ rule vgg11_flops:
         "--dtype {params.dtype} --dense-limit-gb {params.dense_limit_gb} --device cpu --threads {threads} "
         "--profile {params.profile} --seed {params.seed} --device-slug {params.slug} "
         "--out {output.flops} --out-summary {output.summary} > {log} 2>&1"
-
-
-rule fig10:
-    input:
-        f"{VGG_DIR}/flops.csv",
-    output:
-        "results/fig_10.png",
-    log:
-        "logs/vgg11/fig10.log",
-    resources:
-        **job_resources("default"),
-    shell:
-        "bppsa fig10 --results results --out {output} 2> {log}"

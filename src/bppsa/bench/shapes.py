@@ -568,7 +568,7 @@ def gpu_time_estimate(cfg: Mapping, counts: Mapping[str, int], vgg_step_ms: floa
     g = lambda k: cfg_get(cfg, k, source)  # noqa: E731
     rows = []
     cap = float(g("bench.max_seconds"))
-    for rule in ("bench_rnn", "bench_gru"):
+    for rule in ("rnn_bench", "gru_bench"):
         n = counts.get(rule, 0)
         rows.append(dict(item=rule, jobs=n, hours=n * cap / 3600,
                          derivation=f"{n} jobs x bench.max_seconds = {cap:g} s of timed rounds each (the cap; a "
@@ -579,7 +579,7 @@ def gpu_time_estimate(cfg: Mapping, counts: Mapping[str, int], vgg_step_ms: floa
     acc, acc_src = PAPER_EPOCH_S[("rnn", "forward@256")]
     per = {m: PAPER_EPOCH_S[("rnn", m)] for m in ("baseline", "bppsa")}
     same_shape = (T, B) == (1000, 16)
-    for rule, note in (("train_rnn", ""), ("train_rnn_in_dtype", " ASSUMPTION: the fp32 rate (PAPER.md gives no "
+    for rule, note in (("rnn_train", ""), ("rnn_train_in_dtype", " ASSUMPTION: the fp32 rate (PAPER.md gives no "
                                                                  "float64 times), so fp64 on a GPU is likely longer")):
         n = counts.get(rule, 0)
         if not n:
@@ -601,8 +601,8 @@ def gpu_time_estimate(cfg: Mapping, counts: Mapping[str, int], vgg_step_ms: floa
         b, bp, fw = (PAPER_EPOCH_S[(f"gru-{st}", k)] for k in ("baseline", "bppsa", "forward@64"))
         secs += epochs_g * scale_g * (b[0] + bp[0] + 2 * fw[0])
         parts.append(f"{st.upper()}: {b[0]} + {bp[0]} + 2 x {fw[0]}")
-    n = counts.get("train_gru", 0)
-    rows.append(dict(item="train_gru", jobs=n, hours=secs / 3600,
+    n = counts.get("gru_train", 0)
+    rows.append(dict(item="gru_train", jobs=n, hours=secs / 3600,
                      derivation=f"gru.curves.epochs = {epochs_g} x per set (V100 s/epoch, PAPER.md Table 6, B = 16: "
                                 f"baseline + BPPSA + 2 accuracy passes at the B = 64 FP rate, an upper bound for "
                                 f"chunk 256): {'; '.join(parts)}; x irmas clips / 6,705 = {scale_g:g}"
@@ -615,8 +615,8 @@ def gpu_time_estimate(cfg: Mapping, counts: Mapping[str, int], vgg_step_ms: floa
                                 + (f" (this CPU's measured step, {vgg_step_ms:.0f} ms, would take "
                                    f"{steps * vgg_step_ms / 3.6e6:.1f} h: a CPU figure, not a GPU estimate)"
                                    if vgg_step_ms and math.isfinite(vgg_step_ms) else "")))
-    nv = counts.get("verify_rnn", 0) + counts.get("verify_gru", 0)
-    rows.append(dict(item="verify_rnn + verify_gru", jobs=nv, hours=float("nan"),
+    nv = counts.get("rnn_verify", 0) + counts.get("gru_verify", 0)
+    rows.append(dict(item="rnn_verify + gru_verify", jobs=nv, hours=float("nan"),
                      derivation="one batch each; PAPER.md gives no time for them, so not estimated"))
     return rows
 

@@ -51,7 +51,7 @@ def load(path: str | Path) -> tuple[np.ndarray, np.ndarray, int]:
     """Read and validate a bitstream file; any defect raises DatasetError naming the file."""
     path = Path(path)
     if not path.is_file():
-        raise DatasetError(f"{path}: no such dataset file (run the make_bitstream rule)")
+        raise DatasetError(f"{path}: no such dataset file (run the bitstream_make rule)")
     try:
         with np.load(path, allow_pickle=False) as z:
             missing = {"x_bits", "y", "seq_len"} - set(z.files)

@@ -3,7 +3,7 @@
 ``source`` is ``download`` (fetch the canonical tarball, MD5-checked and resumable), ``standin``
 (scikit-learn's bundled 8x8 digits scaled to 32x32x3 -- no network needed, always labelled
 "stand-in") or a path to an existing ``cifar-10-python.tar.gz`` or extracted
-``cifar-10-batches-py`` folder.  ``prepare`` resolves the source once (the workflow's ``make_cifar10``
+``cifar-10-batches-py`` folder.  ``prepare`` resolves the source once (the workflow's ``cifar10_make``
 rule, which runs where the network is) into a manifest; training and analysis read the manifest.
 
 The batches are pickles, and a pickle can run code when it is loaded.  They are read with an

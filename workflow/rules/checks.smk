@@ -1,0 +1,50 @@
+# Included first: the checks that stop a run before any job. The configuration against
+# workflow/schemas/, the container settings, and (onstart) the device slug of runs that submit jobs.
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+from snakemake.settings.types import DeploymentMethod
+from snakemake.utils import min_version, validate
+
+min_version("8.0")
+
+# Every section is checked before any job runs; misspelt keys and bad values are named.
+for _schema in sorted(
+    Path(workflow.basedir, "workflow", "schemas").glob("*.schema.yaml")
+):
+    validate(config, str(_schema))
+
+# --use-singularity (an alias of --use-apptainer) must never run a job on the host.
+IN_CONTAINERS = (
+    DeploymentMethod.APPTAINER in workflow.deployment_settings.deployment_method
+)
+BUILD_IMAGE = (
+    "apptainer build --build-arg BPPSA_TORCH_CUDA=12 bppsa.sif docker/bppsa.def"
+)
+if IN_CONTAINERS and not config.get("container"):
+    raise WorkflowError(
+        "--use-singularity/--use-apptainer is set but the config key `container` names no image, so every job "
+        f"would run on the host. Build the image (BPPSA_TORCH_CUDA: 12 or 13, what the nodes' driver supports; "
+        f"cpu without a GPU):\n    {BUILD_IMAGE}\nthen add `--config container=bppsa.sif device_slug=<name>`."
+    )
+if (
+    IN_CONTAINERS
+    and config["container"].endswith(".sif")
+    and not Path(config["container"]).is_file()
+):
+    raise WorkflowError(
+        f"the config key `container` names the image {config['container']}, which is not here. Build it "
+        f"(BPPSA_TORCH_CUDA: 12 or 13, what the nodes' driver supports; cpu without a GPU):\n    {BUILD_IMAGE}"
+    )
+if config.get("container"):
+
+    container: config["container"]
+
+
+onstart:
+    # the executor is only known once the DAG is built, so this check runs here, still before any job
+    if not workflow.local_exec and not config["device_slug"]:
+        raise WorkflowError(
+            "this run submits jobs to other machines, so the config key `device_slug` must be set "
+            f"(e.g. --config device_slug=h100); the detected '{DEVICE}' is the submitting host's hardware."
+        )
