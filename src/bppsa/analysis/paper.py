@@ -41,3 +41,20 @@ TABLE1_SPEEDUP = {"Convolution": 8.3e3, "ReLU": 1.2e6, "Max-pooling": 1.5e5}
 VGG11_DENSE_TOP1 = PaperValue(0.901, "RTX 2070 (training)", "Sec 4.3")
 VGG11_PRUNED_TOP1 = PaperValue(0.889, "RTX 2070 (training)", "Sec 4.3 (97 % pruned, retrained)")
 VGG11_TOP1_BY_STAGE = {"trained": VGG11_DENSE_TOP1.value, "retrained": VGG11_PRUNED_TOP1.value}
+
+# PAPER.md, Appendix G (V100), seconds per epoch: the only GPU times the paper reports.
+PAPER_EPOCH_S = {
+    ("rnn", "baseline"): (53.33, "Table 4, T = 1000, B = 16, baseline"),
+    ("rnn", "bppsa"): (29.29, "Table 4, T = 1000, B = 16, BPPSA"),
+    ("rnn", "forward@256"): (2.13, "Table 5, 1/B = 1/256, forward only"),
+    ("gru-s", "baseline"): (3.71, "Table 6, set S, B = 16, baseline"),
+    ("gru-s", "bppsa"): (2.94, "Table 6, set S, B = 16, BPPSA"),
+    ("gru-m", "baseline"): (6.19, "Table 6, set M, B = 16, baseline"),
+    ("gru-m", "bppsa"): (4.2, "Table 6, set M, B = 16, BPPSA"),
+    ("gru-l", "baseline"): (11.43, "Table 6, set L, B = 16, baseline"),
+    ("gru-l", "bppsa"): (6.91, "Table 6, set L, B = 16, BPPSA"),
+    ("gru-s", "forward@64"): (0.52, "Table 6, set S, B = 64, FP"),
+    ("gru-m", "forward@64"): (0.86, "Table 6, set M, B = 64, FP"),
+    ("gru-l", "forward@64"): (1.64, "Table 6, set L, B = 64, FP"),
+}
+PAPER_SAMPLES = {"rnn": 32000, "gru": 6705}  # PAPER.md: 32,000 bitstreams; 6,705 IRMAS clips

@@ -27,6 +27,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..analysis.paper import PAPER_EPOCH_S, PAPER_SAMPLES
+
 GB = 10**9
 CAPACITIES_GB = (16, 80)  # the GPU sizes the table flags; decimal GB, i.e. below the cards' 16/80 GiB
 INDEX_BYTES = 8  # int64: class labels, max-pool indices
@@ -542,22 +544,6 @@ def parse_dry_run(text: str) -> dict:
     return {"counts": counts, "total": int(m.group(2)), "jobs": jobs}
 
 
-# PAPER.md, Appendix G (V100), seconds per epoch: the only GPU times the paper reports.
-PAPER_EPOCH_S = {
-    ("rnn", "baseline"): (53.33, "Table 4, T = 1000, B = 16, baseline"),
-    ("rnn", "bppsa"): (29.29, "Table 4, T = 1000, B = 16, BPPSA"),
-    ("rnn", "forward@256"): (2.13, "Table 5, 1/B = 1/256, forward only"),
-    ("gru-s", "baseline"): (3.71, "Table 6, set S, B = 16, baseline"),
-    ("gru-s", "bppsa"): (2.94, "Table 6, set S, B = 16, BPPSA"),
-    ("gru-m", "baseline"): (6.19, "Table 6, set M, B = 16, baseline"),
-    ("gru-m", "bppsa"): (4.2, "Table 6, set M, B = 16, BPPSA"),
-    ("gru-l", "baseline"): (11.43, "Table 6, set L, B = 16, baseline"),
-    ("gru-l", "bppsa"): (6.91, "Table 6, set L, B = 16, BPPSA"),
-    ("gru-s", "forward@64"): (0.52, "Table 6, set S, B = 64, FP"),
-    ("gru-m", "forward@64"): (0.86, "Table 6, set M, B = 64, FP"),
-    ("gru-l", "forward@64"): (1.64, "Table 6, set L, B = 64, FP"),
-}
-PAPER_SAMPLES = {"rnn": 32000, "gru": 6705}  # PAPER.md: 32,000 bitstreams; 6,705 IRMAS clips
 CIFAR10_TRAIN = 50000  # the CIFAR-10 training set
 
 

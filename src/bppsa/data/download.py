@@ -83,6 +83,10 @@ def _content_range(value: str | None) -> tuple[int, int | None] | None:
     return int(m.group(1)), None if m.group(2) == "*" else int(m.group(2))
 
 
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
 def _finish(part: Path, dest: Path, url: str, md5: str, log) -> Path:
     got = md5sum(part)
     if got != md5:
@@ -97,7 +101,7 @@ def _finish(part: Path, dest: Path, url: str, md5: str, log) -> Path:
 def _attempt(url: str, part: Path, timeout: float, progress: bool, desc: str) -> bool:
     """One request, appending to ``part``.  True when the body arrived whole, False when the server
     says the range is past the end (416: the part is complete); ``_Retry`` for transient failures."""
-    have = part.stat().st_size if part.exists() else 0
+    have = _size(part)
     req = urllib.request.Request(url, headers={"Range": f"bytes={have}-", "Accept-Encoding": "identity"}
                                  if have else {"Accept-Encoding": "identity"})
     try:
@@ -172,11 +176,11 @@ def fetch(url: str, dest: str | Path, md5: str, *, retries: int = 8, backoff: fl
             except _Retry as exc:
                 if attempt == retries:
                     raise DownloadError(f"downloading {url} failed after {retries + 1} attempts (last: {exc}); "
-                                        f"the {part.stat().st_size if part.exists() else 0} bytes in {part} "
+                                        f"the {_size(part)} bytes in {part} "
                                         "are kept, so the next run resumes") from exc
                 wait = exc.wait if exc.wait is not None else backoff * 2**attempt * random.uniform(0.75, 1.25)
                 wait = min(wait, MAX_WAIT_S)
                 log(f"{url}: {exc}; attempt {attempt + 2} of {retries + 1} in {wait:.1f} s, resuming from "
-                    f"{part.stat().st_size if part.exists() else 0} bytes")
+                    f"{_size(part)} bytes")
                 time.sleep(wait)
     raise AssertionError("unreachable")
