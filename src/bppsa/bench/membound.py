@@ -30,18 +30,7 @@ def scan_bytes(n: int, B: int, H: int, itemsize: int, L_m: int | None = None) ->
 
     if n == 0:
         return 0
-    HH = H * H
-    elems = 0
-    for launch in scan_plan(n + 1, B, H, L_m)[1]:
-        pairs = launch.grid // B
-        if launch.kernel == "bppsa_up_sweep":
-            elems += (HH + 2 * H) + (pairs - 1) * 3 * HH
-        elif launch.kernel == "bppsa_down_sweep":
-            elems += 2 * H + (pairs - 1) * (HH + 3 * H)
-        else:  # middle scan: K block ends, the first prefix copied, then K - 2 products
-            K = launch.ints[4]
-            elems += 2 * H + (K - 2) * (HH + 2 * H)
-    return elems * B * itemsize
+    return sum(launch.moved for launch in scan_plan(n + 1, B, H, L_m)[1]) * itemsize
 
 
 def jacobian_fill_bytes(T: int, B: int, H: int, itemsize: int, layout: str) -> int:
