@@ -309,6 +309,9 @@ def get_report_input():
     )
 
 
+GPU_MODEL = [f"results/gpu_model/{name}.csv" for name in ("rnn_seq_lens", "rnn_batches", "gru_sets")]
+
+
 def get_final_output():
     """What a plain `snakemake` builds: the inputs of the first target, `all`."""
-    return get_report_input() + [REPORT, CLAIMS]
+    return get_report_input() + [REPORT, CLAIMS] + GPU_MODEL

@@ -1,0 +1,182 @@
+"""A cost model of the GPU backward: bytes, FLOP and launches counted from the launch plan, and a time
+predicted from a GPU's published peaks.
+
+Each layout is the list of steps one backward runs on the GPU (:func:`steps`):
+
+* ``faithful`` -- the paper's design: every per-step Jacobian written to global memory (the paper layout's
+  fill for the RNN, torch's Jacobian build for the GRU), then one launch per level of the Blelloch scan
+  (:func:`.plan.scan_plan`), then the parameter gradients as torch GEMMs over the scan's output;
+* ``factored`` -- the chain kept as its factors (:class:`bppsa.backends.cpu.chain.RnnChain`,
+  ``GruChain``, built by torch), then the chunked kernels of :func:`.plan.factored_plan`, which never
+  write a per-step Jacobian and sum the parameter gradients as they replay the chain.
+
+A kernel's ``moved`` and ``flop`` come from its :class:`.plan.Launch`; torch's own kernels (the factors,
+the GRU's gates and Jacobians, the faithful path's GEMMs) are counted here per tensor pass, as one step
+with the number of kernels torch launches for it.  A step takes
+
+    max(bytes / bandwidth, FLOP / peak) / fill + kernels x launch overhead,
+
+where ``fill = min(1, threads launched / (SMs x resident threads per SM))`` charges a launch too small
+to occupy the GPU with the idle part of it.  The peaks are the vendors' published figures (:data:`GPUS`),
+not measurements; the launch overhead (:data:`LAUNCH_S`) is an assumed typical value, an option of
+``bppsa gpu-model``.  A real kernel reaches some fraction of either peak, so the prediction is a floor:
+``scripts/gpu_reference.sh`` measures the same layouts and writes achieved against predicted.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from ...jacobians.recurrent import num_jacobians
+from . import plan
+
+LAUNCH_S = 3e-6  # assumed per-kernel launch overhead on a busy stream (not a published figure)
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """Published peaks: memory bandwidth (GB/s), non-tensor-core FP32 and FP64 throughput (TFLOP/s), SMs and
+    resident threads per SM, and where the figures come from."""
+
+    name: str
+    bandwidth_GBps: float
+    fp32_TFLOPs: float
+    fp64_TFLOPs: float
+    sms: int = 0
+    threads_per_sm: int = 2048
+    source: str = ""
+
+    def peak_flops(self, itemsize: int) -> float:
+        return (self.fp64_TFLOPs if itemsize == 8 else self.fp32_TFLOPs) * 1e12
+
+
+GPUS = {
+    "rtx2070": Gpu("RTX 2070", 448, 7.46, 0.233, 36, 1024, "NVIDIA Turing TU106 spec: 2304 cores at 1620 MHz boost"),
+    "rtx2080ti": Gpu("RTX 2080 Ti", 616, 13.45, 0.420, 68, 1024,
+                     "NVIDIA Turing TU102 spec: 4352 cores at 1545 MHz boost"),
+    "v100": Gpu("V100 SXM2", 900, 15.7, 7.8, 80, 2048, "NVIDIA V100 datasheet"),
+    "a100": Gpu("A100 SXM4 80 GB", 2039, 19.5, 9.7, 108, 2048, "NVIDIA A100 datasheet (FP64 without tensor cores)"),
+    "h100": Gpu("H100 SXM5", 3350, 67.0, 34.0, 132, 2048, "NVIDIA H100 datasheet (SXM5, non-tensor-core)"),
+}
+
+
+def parse_gpu(spec: str) -> Gpu:
+    """A name of :data:`GPUS` (case, spaces, dashes and underscores ignored: "H100", "rtx-2080-ti") or numbers
+    ``GBps:FP32_TFLOPs[:FP64_TFLOPs[:SMs]]`` (e.g. ``3350:67:34:132``); raises ValueError naming the choices."""
+    key = re.sub(r"[\s_\-]", "", spec.lower())
+    if key in GPUS:
+        return GPUS[key]
+    parts = spec.split(":")
+    try:
+        nums = [float(p) for p in parts]
+    except ValueError:
+        nums = []
+    if not 2 <= len(nums) <= 4 or min(nums) <= 0:
+        raise ValueError(f"--gpu {spec!r}: a name ({', '.join(GPUS)}) or GBps:FP32_TFLOPs[:FP64_TFLOPs[:SMs]] "
+                         "with positive numbers")
+    bw, f32 = nums[0], nums[1]
+    f64 = nums[2] if len(nums) > 2 else f32 / 2
+    sms = int(nums[3]) if len(nums) > 3 else 0
+    return Gpu(f"custom {spec}", bw, f32, f64, sms, 2048, "given on the command line")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a layout: a kernel of the plan (``kernels`` = 1, its grid and block) or a torch pass
+    (``kernels`` torch launches, treated as filling the GPU); ``moved`` in elements, ``flop``."""
+
+    name: str
+    kernels: int
+    threads: int  # threads per launch (0: a torch pass, assumed to fill the GPU)
+    moved: int
+    flop: int
+
+    @classmethod
+    def of(cls, launch: plan.Launch) -> Step:
+        if launch.kernel.startswith("torch."):
+            return cls(launch.kernel, 1, 0, launch.moved, launch.flop)
+        return cls(launch.kernel, 1, launch.grid * launch.block, launch.moved, launch.flop)
+
+
+def _cell(cell: str, H: int, I: int) -> tuple[int, int]:
+    """(gate rows NA of the parameter gradients, factor rows NR per step) of the chain classes."""
+    if cell == "rnn":
+        return H, 2 * H + I
+    if cell == "gru":
+        return 4 * H, 6 * H + I
+    raise ValueError(f"cell must be 'rnn' or 'gru', got {cell!r}")
+
+
+def _gates(T: int, B: int, H: int, I: int) -> Step:
+    """The GRU's gates recomputed (:func:`bppsa.jacobians.gru.gru_gates`): two GEMMs (x and h' read, 2 x 3H
+    written), the sigmoid pass (2H read twice, 2H written), the candidate's pass (3H read, H written)."""
+    rows = T * B
+    return Step("torch.gru_gates", 5, 0, rows * (I + H + 6 * H + 6 * H + 4 * H),
+                2 * rows * 3 * H * (I + H) + rows * 10 * H)
+
+
+def steps(layout: str, cell: str, T: int, B: int, H: int, I: int) -> list[Step]:
+    """What one backward runs on the GPU for ``layout`` ("faithful" or "factored"); see the module docstring."""
+    NA, NR = _cell(cell, H, I)
+    rows = T * B
+    grads_cols = I + 1 + H
+    out: list[Step] = []
+    if layout == "faithful":
+        if cell == "rnn":
+            out.append(Step.of(plan.rnn_jacobians_launch(T, B, H, "paper")))
+            n = num_jacobians(T, "paper")
+        else:
+            out.append(_gates(T, B, H, I))
+            # gru_jacobians_t: the coefficients (a few [T, B, H] passes), then J written by a mul, read and
+            # written by two addcmuls, its diagonal by an add.
+            HH = H * H
+            out.append(Step("torch.gru_jacobians", 9, 0, rows * (12 * H) + rows * HH * 5 + rows * 2 * H,
+                            rows * (12 * H + 5 * HH)))
+            n = T
+        out += [Step.of(launch) for launch in plan.scan_plan(n + 1, B, H)[1]]
+        # The parameter gradients from the scan's output: the gates' gradients (elementwise, reading the
+        # factors they need), then GEMMs over the T·B rows reading them and (x, h') once each.
+        out.append(Step("torch.param_grads", 4 if cell == "rnn" else 8, 0,
+                        rows * (H + NA + NA + I + H) + NA * grads_cols,
+                        rows * (NA + 2 * NA * grads_cols)))
+        return out
+    if layout == "factored":
+        if cell == "rnn":
+            # RnnChain.from_states: d = 1 - h² (h read, d written), x and h' copied into the factor rows.
+            out.append(Step("torch.rnn_factors", 4, 0, rows * (H + H + 2 * (I + H)), rows * 2 * H))
+        else:
+            out.append(_gates(T, B, H, I))
+            out.append(Step("torch.gru_factors", 8, 0, rows * (12 * H + NR + I + H), rows * 12 * H))
+        out += [Step.of(launch) for launch in plan.factored_plan(cell, T, B, H, I)[1]]
+        return out
+    raise ValueError(f"layout must be 'faithful' or 'factored', got {layout!r}")
+
+
+LAYOUTS = ("faithful", "factored")
+
+
+def predict(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int, gpu: Gpu,
+            launch_s: float = LAUNCH_S) -> dict:
+    """One layout's totals and predicted seconds on ``gpu`` (the keys ``bppsa gpu-model --json`` prints)."""
+    st = steps(layout, cell, T, B, H, I)
+    bw, peak = gpu.bandwidth_GBps * 1e9, gpu.peak_flops(itemsize)
+    resident = gpu.sms * gpu.threads_per_sm
+    seconds = 0.0
+    for s in st:
+        fill = 1.0 if s.threads == 0 or resident == 0 else min(1.0, s.threads / resident)
+        seconds += max(s.moved * itemsize / bw, s.flop / peak) / fill + s.kernels * launch_s
+    kernel_steps = [s for s in st if s.threads]
+    return {
+        "layout": layout, "cell": cell, "seq_len": T, "batch": B, "hidden": H, "input": I,
+        "dtype": {4: "float32", 8: "float64"}[itemsize], "gpu": gpu.name,
+        "bytes": sum(s.moved for s in st) * itemsize,
+        "flop": sum(s.flop for s in st),
+        "launches": sum(s.kernels for s in st),
+        "max_threads_per_launch": max((s.threads for s in kernel_steps), default=0),
+        "min_threads_per_launch": min((s.threads for s in kernel_steps), default=0),
+        "predicted_s": seconds,
+    }
+
+
+def gpu_table() -> list[dict]:
+    return [{"key": k, **asdict(g)} for k, g in GPUS.items()]

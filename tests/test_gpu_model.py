@@ -1,0 +1,101 @@
+"""The GPU cost model (``bppsa gpu-model``): counts from the launch plan, the prediction, the command line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bppsa.backends.cuda import model, plan
+from bppsa.cli import main
+
+
+def test_fill_launch_counts_by_hand():
+    # T = 2, B = 1, H = 2, paper layout: 4 Jacobians of 2 x 2 written (16), h read (4), W_hh read (4);
+    # 1 - h² on the 2 diagonal elements of each of the 2 diagonal Jacobians, two FLOP each.
+    launch = plan.rnn_jacobians_launch(2, 1, 2, "paper")
+    assert (launch.moved, launch.flop) == (16 + 4 + 4, 2 * 2 * 2)
+    fused = plan.rnn_jacobians_launch(2, 1, 2, "fused")
+    assert (fused.moved, fused.flop) == (8 + 4 + 4, 3 * 8)
+
+
+def test_scan_launch_flop_by_hand():
+    # N = 4 positions, B = 1, H = 2: level 0 has the spine pair (mv, 2H² = 8) and one mm pair (2H³ = 16),
+    # level 1 the spine pair (mv); the down-sweep's only non-spine pair is level 0's (mv).
+    _, launches = plan.scan_plan(4, 1, 2)
+    assert [(l.kernel, l.flop) for l in launches] == [
+        ("bppsa_up_sweep", 8 + 16), ("bppsa_up_sweep", 8), ("bppsa_down_sweep", 0), ("bppsa_down_sweep", 8)]
+
+
+def test_totals_are_the_steps_sums():
+    st = model.steps("faithful", "rnn", 100, 4, 20, 1)
+    r = model.predict("faithful", "rnn", 100, 4, 20, 1, 4, model.GPUS["v100"])
+    assert r["bytes"] == 4 * sum(s.moved for s in st)
+    assert r["flop"] == sum(s.flop for s in st)
+    assert r["launches"] == sum(s.kernels for s in st)
+    assert r["dtype"] == "float32" and r["gpu"] == "V100 SXM2"
+
+
+def test_prediction_follows_the_peaks():
+    args = ("faithful", "rnn", 3000, 16, 20, 1, 4)
+    slow = model.predict(*args, model.parse_gpu("900:15.7:7.8:80"), launch_s=0)
+    fast = model.predict(*args, model.parse_gpu("1800:15.7:7.8:80"), launch_s=0)
+    assert fast["predicted_s"] < slow["predicted_s"]  # the faithful scan is memory-bound at H = 20
+    # a GPU with more SMs than a launch has threads to fill is charged for the idle part
+    wide = model.predict(*args, model.parse_gpu("900:15.7:7.8:8000"), launch_s=0)
+    assert wide["predicted_s"] > slow["predicted_s"]
+    # launch overhead: each kernel pays it
+    with_launch = model.predict(*args, model.parse_gpu("900:15.7:7.8:80"), launch_s=1e-5)
+    assert with_launch["predicted_s"] == pytest.approx(slow["predicted_s"] + 1e-5 * slow["launches"])
+
+
+@pytest.mark.parametrize("spec,name", [("H100", "H100 SXM5"), ("rtx-2080-ti", "RTX 2080 Ti"), ("a100", "A100 SXM4 80 GB")])
+def test_gpu_names(spec, name):
+    assert model.parse_gpu(spec).name == name
+
+
+def test_gpu_numbers_and_errors():
+    g = model.parse_gpu("1000:20")
+    assert (g.bandwidth_GBps, g.fp32_TFLOPs, g.fp64_TFLOPs, g.sms) == (1000, 20, 10, 0)
+    for bad in ("k80", "1000", "1000:x", "1000:-1", "1:2:3:4:5"):
+        with pytest.raises(ValueError, match="h100"):
+            model.parse_gpu(bad)
+
+
+def test_factored_moves_a_tenth_and_predicts_half_a_millisecond_at_the_papers_largest_shape(capsys):
+    rc = main(["gpu-model", "--seq-len", "30000", "--batch", "16", "--hidden", "20", "--dtype", "float32",
+               "--gpu", "h100", "--json"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["layout"] for r in rows] == ["faithful", "factored"]
+    for r in rows:
+        assert {"layout", "bytes", "flop", "launches", "predicted_s"} <= set(r)
+    faithful, factored = rows
+    assert factored["bytes"] <= faithful["bytes"] / 10
+    assert factored["predicted_s"] <= 0.5e-3 < faithful["predicted_s"]
+
+
+@pytest.mark.parametrize("cell,I", [("rnn", 1), ("gru", 12)])
+def test_factored_never_writes_the_jacobians(cell, I):
+    T, B, H = 1034, 16, 20
+    factored = model.predict("factored", cell, T, B, H, I, 8, model.GPUS["a100"])
+    assert factored["bytes"] < T * B * H * H * 8  # less than one pass over the dense Jacobians
+
+
+def test_cli_table_and_csv(tmp_path, capsys):
+    out = tmp_path / "m.csv"
+    rc = main(["gpu-model", "--cell", "gru", "--seq-len", "259,1034", "--batch", "16", "--input-size", "12",
+               "--gpu", "all", "--out", str(out)])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == len(model.GPUS) * 2 * len(model.LAYOUTS)
+    import pandas as pd
+
+    df = pd.read_csv(out)
+    assert len(df) == len(lines) and set(df["layout"]) == set(model.LAYOUTS)
+
+
+def test_cli_rejects_bad_input(capsys):
+    assert main(["gpu-model", "--seq-len", "0"]) != 0
+    assert "--seq-len must be >= 1" in capsys.readouterr().err
+    assert main(["gpu-model", "--gpu", "k80"]) != 0
+    assert "rtx2070" in capsys.readouterr().err
