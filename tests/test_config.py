@@ -18,6 +18,14 @@ def _dry_run(tmp_path, mutate):
                            "--directory", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+def _validate(cfg):
+    """What workflow/rules/checks.smk does first: the config against every schema, in the same order."""
+    from snakemake.utils import validate
+
+    for schema in sorted((ROOT / "workflow" / "schemas").glob("*.schema.yaml")):
+        validate(cfg, str(schema))
+
+
 @pytest.mark.parametrize("mutate, key", [
     (lambda c: c["rnn"].__setitem__("seq_lens", [10, -5]), "seq_lens"),
     (lambda c: c.__setitem__("backend", "tpu"), "backend"),
@@ -26,10 +34,22 @@ def _dry_run(tmp_path, mutate):
     (lambda c: c["bench"].__setitem__("min_iters", 0), "min_iters"),
     (lambda c: c["bench"].__setitem__("iters", 10), "iters"),
     (lambda c: c["rnn"]["curves"].__setitem__("also_dtypes", ["float16"]), "also_dtypes"),
+])
+def test_schema_rejects_and_names_the_key(mutate, key):
+    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    _validate(cfg)  # the default passes
+    mutate(cfg)
+    with pytest.raises(Exception) as err:
+        _validate(cfg)
+    assert key in str(err.value), str(err.value)[-2000:]
+
+
+@pytest.mark.parametrize("mutate, key", [
+    (lambda c: c["rnn"].__setitem__("lenghts", [3]), "lenghts"),
     # passes the schema, caught by the protocol's own check before any job
     (lambda c: c["bench"].update(min_iters=50, max_iters=20), "bench.max_iters"),
 ])
-def test_schema_rejects_and_names_the_key(tmp_path, mutate, key):
+def test_a_bad_config_stops_snakemake_before_any_job_naming_the_key(tmp_path, mutate, key):
     r = _dry_run(tmp_path, mutate)
     assert r.returncode != 0
     out = r.stdout + r.stderr
