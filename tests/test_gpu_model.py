@@ -48,7 +48,8 @@ def test_prediction_follows_the_peaks():
     assert with_launch["predicted_s"] == pytest.approx(slow["predicted_s"] + 1e-5 * slow["launches"])
 
 
-@pytest.mark.parametrize("spec,name", [("H100", "H100 SXM5"), ("rtx-2080-ti", "RTX 2080 Ti"), ("a100", "A100 SXM4 80 GB")])
+@pytest.mark.parametrize("spec,name", [("H100", "H100 SXM5"), ("rtx-2080-ti", "RTX 2080 Ti"),
+                                       ("a100", "A100 SXM4 80 GB")])
 def test_gpu_names(spec, name):
     assert model.parse_gpu(spec).name == name
 

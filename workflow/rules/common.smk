@@ -309,7 +309,10 @@ def get_report_input():
     )
 
 
-GPU_MODEL = [f"results/gpu_model/{name}.csv" for name in ("rnn_seq_lens", "rnn_batches", "gru_sets")]
+GPU_MODEL = [
+    f"results/gpu_model/{name}.csv"
+    for name in ("rnn_seq_lens", "rnn_batches", "gru_sets")
+]
 
 
 def get_final_output():

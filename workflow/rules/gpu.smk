@@ -21,7 +21,9 @@ rule gpu_model:
         batches=",".join(str(B) for B in RNN["batches"]),
         rnn_hidden=RNN["hidden"],
         rnn_input=SPECS["rnn"].input_size,
-        gru_sets=",".join(f"{MFCC_SETS[s].frames}:{MFCC_SETS[s].features}" for s in GRU["sets"]),
+        gru_sets=",".join(
+            f"{MFCC_SETS[s].frames}:{MFCC_SETS[s].features}" for s in GRU["sets"]
+        ),
         gru_batches=",".join(str(B) for B in GRU["batches"]),
         gru_hidden=GRU["hidden"],
         dtype=config["dtype"],

@@ -99,7 +99,8 @@ def register(subparsers) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     m.add_argument("--cell", choices=["rnn", "gru"], default="rnn")
-    m.add_argument("--seq-len", default="30000", help="sequence length T, or T:I with that length's input size (comma-separated for several)")
+    m.add_argument("--seq-len", default="30000",
+                   help="sequence length T, or T:I with that length's input size (comma-separated for several)")
     m.add_argument("--batch", default="16", help="batch size B (comma-separated for several)")
     m.add_argument("--hidden", type=int, default=20, help="hidden size H")
     m.add_argument("--input-size", type=int, default=1, help="input size I (the bitstream RNN's is 1)")
