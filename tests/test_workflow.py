@@ -13,6 +13,9 @@ import pandas as pd
 import pytest
 import yaml
 
+# one worker builds the .test run (test_run) and runs every test that reads it
+pytestmark = pytest.mark.xdist_group("test_run")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
