@@ -22,6 +22,7 @@ from bppsa.backends.cuda import plan, runtime
 KERNEL_NAMES = {
     "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
     "rnn_jacobians.cu": [f"bppsa_rnn_jacobians_{k}_{s}" for k in ("paper", "fused") for s in ("f32", "f64")],
+    "factored.cu": [f"bppsa_factored_{p}_{k}_{s}" for p in ("up", "down") for k in ("rnn", "gru") for s in ("f32", "f64")],
 }
 
 
@@ -151,3 +152,48 @@ def emulated_scan(lib, g: np.ndarray, J: np.ndarray, L_m):
     for step in launches:
         emulated_launch(lib, step, g.dtype.type, bufs)
     return bufs[2].value(), bufs[0].value()
+
+
+def emulated_factored(lib, chain, g: np.ndarray, C: int | None = None, grads: bool = False, L_m=None):
+    """CupyFactoredBackend's factored path with the kernels run by the emulator: the same plan
+    (:func:`bppsa.backends.cuda.plan.factored_plan`), the same buffers, each with guard bands.
+
+    ``chain``: an RnnChain or GruChain (CPU tensors).  Returns the scan's output P [n, B, H] (``grads`` False,
+    or a chain without x), else the summed parameter-gradient sums [NA, I + 1 + H] (what ``chain.param_grads``
+    takes), and the chunk size used."""
+    n, B, H, _ = chain.shape
+    dt = g.dtype
+    Wt, f = chain.Wt.numpy().astype(dt), chain.f.numpy().astype(dt)
+    C, launches = plan.factored_plan(chain.kind, n, B, H, chain.I, C, grads=grads, L_m=L_m)
+    K = -(-n // C)
+    mode = launches[-1].kernel == "torch.sum"
+    NA, NBV = (H if chain.kind == "rnn" else 4 * H), chain.I + 1 + H
+    wt_b, f_b = Buf(Wt), Buf(f)
+    agg = Buf(np.full((K, B, H, H), np.nan, dtype=dt))
+    carries = Buf(np.full((K, B, H), np.nan, dtype=dt) if K > 1 else g[None].copy())
+    P = Buf(np.full((n, B, H), np.nan, dtype=dt) if not mode else np.zeros(0, dtype=dt))
+    accs = Buf(np.full((K * B, NA, NBV), np.nan, dtype=dt) if mode else np.zeros(0, dtype=dt))
+    middle = [x for x in launches if plan.factored_source(x) == "blelloch.cu"]
+    S = None
+    if middle:
+        L = len(_scan_levels_run(middle))
+        S = np.full((L + 1, B, H), np.nan, dtype=dt)
+        S[0] = g
+        S = Buf(S)
+    total = None
+    for step in launches:
+        src = plan.factored_source(step)
+        if src is None:
+            total = accs.value().sum(0)
+        elif src == "blelloch.cu":
+            emulated_launch(lib, step, dt.type, [agg, S, carries])
+        elif "_up_" in step.kernel:
+            emulated_launch(lib, step, dt.type, [wt_b, f_b, agg])
+        else:
+            emulated_launch(lib, step, dt.type, [wt_b, f_b, carries, P, accs])
+    return (total if mode else P.value()), C
+
+
+def _scan_levels_run(middle) -> list[int]:
+    """The up-sweep levels of a middle scan's launches (S has one row per level, plus g)."""
+    return sorted({x.ints[-1] for x in middle if x.kernel == "bppsa_up_sweep"})
