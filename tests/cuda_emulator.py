@@ -4,7 +4,8 @@ The actual ``.cu`` files are compiled as host C++ with a thin shim (:data:`SHIM`
 the other, the threads of a block as real threads meeting at a ``std::barrier`` for ``__syncthreads``,
 dynamic shared memory NaN-poisoned (0xFF bytes) with a guard band checked after every block
 (:data:`DRIVER`).  Global buffers (:class:`Buf`) carry guard bands of :data:`SENTINEL` on both sides.
-:func:`emulated_scan` is ``CupyBackend.scan`` with the kernels run here: the same plan, the same buffers.
+:func:`emulated_scan` is ``CupyBackend.scan`` with the kernels run here: the same plan, the same buffers;
+:func:`emulated_factored` is ``CupyFactoredBackend``'s factored path.
 """
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import numpy as np
 import pytest
 
 from bppsa.backends.cuda import plan, runtime
+from bppsa.scan import tree_levels
 
 KERNEL_NAMES = {
     "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
     "rnn_jacobians.cu": [f"bppsa_rnn_jacobians_{k}_{s}" for k in ("paper", "fused") for s in ("f32", "f64")],
-    "factored.cu": [f"bppsa_factored_{p}_{k}_{s}" for p in ("up", "down") for k in ("rnn", "gru") for s in ("f32", "f64")],
+    "factored.cu": [f"bppsa_factored_{p}_{k}_{s}" for p in ("up", "down") for k in ("rnn", "gru")
+                    for s in ("f32", "f64")],
 }
 
 
@@ -176,8 +179,7 @@ def emulated_factored(lib, chain, g: np.ndarray, C: int | None = None, grads: bo
     middle = [x for x in launches if plan.factored_source(x) == "blelloch.cu"]
     S = None
     if middle:
-        L = len(_scan_levels_run(middle))
-        S = np.full((L + 1, B, H), np.nan, dtype=dt)
+        S = np.full((tree_levels(K + 1, L_m) + 1, B, H), np.nan, dtype=dt)
         S[0] = g
         S = Buf(S)
     total = None
@@ -193,7 +195,3 @@ def emulated_factored(lib, chain, g: np.ndarray, C: int | None = None, grads: bo
             emulated_launch(lib, step, dt.type, [wt_b, f_b, carries, P, accs])
     return (total if mode else P.value()), C
 
-
-def _scan_levels_run(middle) -> list[int]:
-    """The up-sweep levels of a middle scan's launches (S has one row per level, plus g)."""
-    return sorted({x.ints[-1] for x in middle if x.kernel == "bppsa_up_sweep"})

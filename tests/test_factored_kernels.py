@@ -18,7 +18,6 @@ import torch
 from cuda_emulator import build_emulator, emulated_factored
 
 from bppsa.backends.cpu.chain import GruChain, RnnChain
-from bppsa.backends.cuda import plan
 from bppsa.backends.twin import TorchBackend
 from bppsa.scan import reference_scan
 

@@ -26,6 +26,8 @@ ARCHS = (90, 80, 75)
 KERNELS = {
     "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
     "rnn_jacobians.cu": [f"bppsa_rnn_jacobians_{k}_{s}" for k in ("paper", "fused") for s in ("f32", "f64")],
+    "factored.cu": [f"bppsa_factored_{p}_{k}_{s}" for p in ("up", "down") for k in ("rnn", "gru")
+                    for s in ("f32", "f64")],
 }
 
 
@@ -135,6 +137,14 @@ def _recorded_launches(monkeypatch) -> list[tuple[str, tuple, int]]:
         be.scan(g, J, 1)  # with the middle scan
         for layout in ("paper", "fused"):
             be.rnn_jacobians_t(torch.zeros(3, 2, 5, dtype=dtype), torch.zeros(5, 5, dtype=dtype), layout)
+    fb = cuda.CupyFactoredBackend()
+    for dtype in (torch.float32, torch.float64):
+        g, x = torch.zeros(2, 5, dtype=dtype), torch.zeros(40, 2, 3, dtype=dtype)
+        rnn = fb.rnn_jacobians_t(torch.zeros(40, 2, 5, dtype=dtype), torch.zeros(5, 5, dtype=dtype), "fused", x)
+        gru = fb.gru_jacobians_t(x, torch.zeros(40, 2, 5, dtype=dtype), torch.nn.GRU(3, 5).to(dtype))
+        for chain in (rnn, gru):  # 40 steps in chunks of 16: up, middle, down; the scan and the gradients
+            fb.scan(g, chain)
+            fb.cell_grads(g, chain, None, None)
     return calls
 
 
