@@ -164,3 +164,133 @@ def test_training_step_through_emulated_kernels_matches_autograd(emu, model, dty
         assert q.grad is not None, name
         assert _rel(q.grad, p.grad) <= tol, (name, _rel(q.grad, p.grad))
     assert ref.cell.weight_hh_l0.grad.abs().max() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# on a GPU: the real backend
+# ---------------------------------------------------------------------------------------------
+def _factored_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"cupy not importable: {exc}")
+    from bppsa.backends.cuda import CupyFactoredBackend
+
+    return CupyFactoredBackend()
+
+
+def _gpu_chain(be, kind: str, T: int, B: int, H: int, I: int, dtype, seed: int):
+    torch.manual_seed(seed)
+    x = torch.randn(T, B, I, device="cuda", dtype=dtype)
+    if kind == "rnn":
+        cell = torch.nn.RNN(I, H, nonlinearity="tanh").to("cuda", dtype)
+        with torch.no_grad():
+            h, _ = cell(x)
+        return be.rnn_jacobians_t(h, cell.weight_hh_l0, "fused", x)
+    cell = torch.nn.GRU(I, H).to("cuda", dtype)
+    with torch.no_grad():
+        h, _ = cell(x)
+    return be.gru_jacobians_t(x, h, cell)
+
+
+def _cpu64(chain):
+    """The same chain on the CPU in fp64 (the reference's operands)."""
+    cls = RnnChain if chain.kind == "rnn" else GruChain
+    return cls(chain.W_hh.double().cpu(), chain.f.double().cpu(), chain.I)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+@pytest.mark.parametrize("T,B,H,C", [(1, 1, 20, None), (7, 3, 7, None), (37, 5, 20, 8), (1000, 16, 20, None),
+                                     (1000, 1, 20, None), (129, 2, 33, 16), (300, 4, 64, 32)])
+def test_cupy_factored_matches_the_torch_twin(kind, T, B, H, C, dtype):
+    be = _factored_or_skip()
+    chain = _gpu_chain(be, kind, T, B, H, 3, dtype, seed=T + B + H)
+    assert isinstance(chain, RnnChain if kind == "rnn" else GruChain) and chain.device.type == "cuda"
+    g = torch.randn(B, H, device="cuda", dtype=dtype)
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    # the torch twin over the dense chain, in fp64
+    ref = TorchBackend().scan(g.double(), chain.dense().double())
+    out = be._factored(g, chain, None, grads=False, C=C)
+    assert out.shape == (T, B, H) and out.dtype == dtype and out.device.type == "cuda"
+    assert _rel(out.cpu(), ref.cpu()) <= tol
+    torch.testing.assert_close(be.scan(g, chain), ref.to(dtype), rtol=tol, atol=tol * float(ref.abs().max()))
+    acc = be._factored(g, chain, None, grads=True, C=C)
+    _, acc_ref = _reference(_cpu64(chain), g.double().cpu())
+    assert acc.shape == acc_ref.shape and _rel(acc.cpu(), acc_ref) <= tol
+
+
+@pytest.mark.gpu
+def test_cupy_factored_delegates_dense_chains_and_the_paper_layout():
+    be = _factored_or_skip()
+    g = torch.randn(5, 20, device="cuda", dtype=torch.float64)
+    J = torch.randn(33, 5, 20, 20, device="cuda", dtype=torch.float64) / 20**0.5
+    torch.testing.assert_close(be.scan(g, J.clone()), TorchBackend().scan(g, J.clone()), rtol=1e-10, atol=1e-10)
+    h = torch.tanh(torch.randn(4, 5, 20, device="cuda", dtype=torch.float64))
+    W = torch.randn(20, 20, device="cuda", dtype=torch.float64)
+    assert torch.is_tensor(be.rnn_jacobians_t(h, W, "paper"))  # the faithful dense kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("model", ["rnn", "gru"])
+@pytest.mark.parametrize("T,B", [(1, 1), (17, 5), (1000, 16), (1000, 1)])
+def test_cupy_factored_training_step_matches_autograd(model, T, B, dtype):
+    from bppsa.models import build
+    from bppsa.precision import ieee_fp32
+
+    be = _factored_or_skip()
+    assert be.name == "cupy-factored"
+    torch.manual_seed(T * 31 + B)
+    I = 1 if model == "rnn" else 12
+    ref = build(model, I).to("cuda", dtype)
+    got = copy.deepcopy(ref)
+    x = torch.randn(T, B, I, device="cuda", dtype=dtype)
+    if model == "rnn":
+        x = torch.bernoulli(torch.full((T, B, I), 0.35, device="cuda", dtype=dtype))
+    y = torch.randint(0, 10, (B,), device="cuda")
+    with ieee_fp32():  # TF32 off: cuDNN's fp32 RNNs are otherwise only ~1e-3 accurate
+        loss_ref = ref.baseline_step(x, y)
+        loss = got.bppsa_step(x, y, be, "fused")
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    assert abs(float(loss) - float(loss_ref)) <= tol * max(1.0, abs(float(loss_ref)))
+    for (name, p), (_, q) in zip(ref.named_parameters(), got.named_parameters()):
+        assert q.grad is not None, name
+        assert _rel(q.grad.cpu(), p.grad.cpu()) <= tol, (name, _rel(q.grad.cpu(), p.grad.cpu()))
+
+
+@pytest.mark.gpu
+def test_cupy_factored_is_what_auto_picks_on_a_gpu():
+    _factored_or_skip()
+    from bppsa.backends import get_backend
+
+    assert get_backend("auto", torch.device("cuda")).name == "cupy-factored"
+
+
+def test_backend_refuses_what_does_not_fit_in_shared_memory(monkeypatch):
+    """Without a GPU: the launcher's CUDA calls replaced, a GPU allowing 48 KiB per block, the GRU at H = 64 in fp64
+    (its up block needs 6 pitched 64 x 65 matrices, ~195 KiB) is refused with the numbers, before any launch."""
+    import contextlib
+
+    from bppsa.backends import cuda
+    from bppsa.backends.cuda import runtime
+
+    launched = []
+    monkeypatch.setattr(runtime, "import_cupy", lambda: None)
+    monkeypatch.setattr(runtime, "check_cuda", lambda dtype, *ts: torch.device("cuda", 0))
+    monkeypatch.setattr(runtime, "smem_optin", lambda dev: 48 * 1024)
+    monkeypatch.setattr(runtime, "OnTorchStream", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(runtime, "launch", lambda *a: launched.append(a))
+    be = cuda.CupyFactoredBackend()
+    x, h = torch.zeros(40, 2, 3, dtype=torch.float64), torch.zeros(40, 2, 64, dtype=torch.float64)
+    chain = be.gru_jacobians_t(x, h, torch.nn.GRU(3, 64).double())
+    with pytest.raises(ValueError, match=r"'cupy-factored' needs \d+ bytes of shared memory .* allows 49152"):
+        be.scan(torch.zeros(2, 64, dtype=torch.float64), chain)
+    assert not launched
+    small = be.gru_jacobians_t(x[:, :, :3], torch.zeros(40, 2, 5, dtype=torch.float64), torch.nn.GRU(3, 5).double())
+    monkeypatch.setattr(runtime, "as_cupy", lambda t: t)
+    be.scan(torch.zeros(2, 5, dtype=torch.float64), small)  # fits: up, the middle scan, down
+    assert [a[1].kernel for a in launched][0] == "bppsa_factored_up_gru" and launched[-1][0] == "factored.cu"
