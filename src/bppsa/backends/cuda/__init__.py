@@ -146,10 +146,11 @@ class CupyFactoredBackend(CupyBackend):
         g = g.contiguous()
         Wt, f = chain.Wt.contiguous(), chain.f.contiguous()
         ws = self.workspace
+        unused = g.new_empty(1)  # for a pointer the kernel's mode never touches (one element: a real address)
         carries = ws.get(("factored", "carries"), (K, B, H), g) if K > 1 else g[None]
-        agg = ws.get(("factored", "aggregates"), (K, B, H, H), g) if K > 1 else g.new_empty(0)
-        P = g.new_empty((n, B, H)) if not mode else g.new_empty(0)
-        accs = ws.get(("factored", "sums"), (K * B, NA, NBV), g) if mode else g.new_empty(0)
+        agg = ws.get(("factored", "aggregates"), (K, B, H, H), g) if K > 1 else unused
+        P = g.new_empty((n, B, H)) if not mode else unused
+        accs = ws.get(("factored", "sums"), (K * B, NA, NBV), g) if mode else unused
         middle = [x for x in launches if plan.factored_source(x) == "blelloch.cu"]
         S = None
         if middle:
