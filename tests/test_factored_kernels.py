@@ -294,3 +294,16 @@ def test_backend_refuses_what_does_not_fit_in_shared_memory(monkeypatch):
     monkeypatch.setattr(runtime, "as_cupy", lambda t: t)
     be.scan(torch.zeros(2, 5, dtype=torch.float64), small)  # fits: up, the middle scan, down
     assert [a[1].kernel for a in launched][0] == "bppsa_factored_up_gru" and launched[-1][0] == "factored.cu"
+
+
+def test_without_cuda_the_backend_says_why():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the backend may be usable")
+    from bppsa.backends import BACKENDS, get_backend
+
+    assert "cupy-factored" in BACKENDS
+    with pytest.raises(RuntimeError, match="backend 'cupy-factored' is unusable: torch sees no CUDA GPU"):
+        get_backend("cupy-factored")
+    from bppsa.backends.cuda import CupyFactoredBackend
+
+    assert CupyFactoredBackend.name == "cupy-factored"

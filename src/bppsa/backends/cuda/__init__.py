@@ -1,11 +1,14 @@
 """CuPy RawKernel backend: the BPPSA scan and the RNN Jacobian fill as hand-written CUDA kernels.
 
-The CUDA sources beside this file (``blelloch.cu``, ``rnn_jacobians.cu``) are compiled with NVRTC
+The CUDA sources beside this file (``blelloch.cu``, ``rnn_jacobians.cu``, ``factored.cu``) are compiled with NVRTC
 through :class:`cupy.RawModule` the first time they are needed (CuPy caches the binaries per device
 and on disk).  Each kernel has a torch reference twin that tests hold it to:
 
 * ``bppsa_{up_sweep,middle_scan,down_sweep}_{f32,f64}`` -- :func:`bppsa.scan.blelloch_scan`;
-* ``bppsa_rnn_jacobians_{paper,fused}_{f32,f64}`` -- :func:`bppsa.jacobians.recurrent.rnn_jacobians_t`.
+* ``bppsa_rnn_jacobians_{paper,fused}_{f32,f64}`` -- :func:`bppsa.jacobians.recurrent.rnn_jacobians_t`;
+* ``bppsa_factored_{up,down}_{rnn,gru}_{f32,f64}`` (``factored.cu``, :class:`CupyFactoredBackend`) -- the scan
+  over ``chain.dense()`` of a :class:`~bppsa.backends.cpu.chain.RnnChain` or
+  :class:`~bppsa.backends.cpu.chain.GruChain`, and the parameter-gradient sums the CPU kernel accumulates.
 
 The launch schedule is computed in pure Python by :func:`.plan.scan_plan` from :func:`bppsa.scan.levels`,
 and tests hold it, the torch scan and the FLOP analysis to :func:`bppsa.scan.reference_scan`: one
