@@ -43,9 +43,9 @@ def _chain(kind: str, n: int, B: int, H: int, I: int, seed: int):
             h, _ = cell(x)
         return RnnChain.from_states(h, cell.weight_hh_l0, x)
     cell = torch.nn.GRU(I, H).double()
-    with torch.no_grad():
+    with torch.no_grad():  # the factors must not track the cell's gradients (the torch path builds them from it)
         h, _ = cell(x)
-    return GruChain.from_states(x, h, cell)
+        return GruChain.from_states(x, h, cell)
 
 
 def _reference(chain, g: torch.Tensor):
@@ -190,9 +190,9 @@ def _gpu_chain(be, kind: str, T: int, B: int, H: int, I: int, dtype, seed: int):
             h, _ = cell(x)
         return be.rnn_jacobians_t(h, cell.weight_hh_l0, "fused", x)
     cell = torch.nn.GRU(I, H).to("cuda", dtype)
-    with torch.no_grad():
+    with torch.no_grad():  # as in the model's step: the factors must not track the cell's gradients
         h, _ = cell(x)
-    return be.gru_jacobians_t(x, h, cell)
+        return be.gru_jacobians_t(x, h, cell)
 
 
 def _cpu64(chain):
