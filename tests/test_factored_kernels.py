@@ -307,3 +307,20 @@ def test_without_cuda_the_backend_says_why():
     from bppsa.backends.cuda import CupyFactoredBackend
 
     assert CupyFactoredBackend.name == "cupy-factored"
+
+
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+def test_torch_built_factors_as_the_gpu_builds_them(emu, kind, monkeypatch):
+    """On a GPU the chains' factors are built by torch (the compiled builder reads host memory only): the same
+    factors as the compiled builder's, and the emulated kernels on them hold to the reference."""
+    from bppsa.backends.cpu import chain as chain_mod
+
+    native_built = _chain(kind, 19, 3, 6, 2, seed=9)
+    monkeypatch.setattr(chain_mod.native, "available", lambda: False)
+    torch_built = _chain(kind, 19, 3, 6, 2, seed=9)
+    torch.testing.assert_close(torch_built.f, native_built.f, rtol=1e-13, atol=1e-13)
+    g = torch.randn(3, 6, dtype=torch.float64)
+    P_ref, acc_ref = _reference(torch_built, g)
+    P, _ = emulated_factored(emu, torch_built, g.numpy(), C=4)
+    acc, _ = emulated_factored(emu, torch_built, g.numpy(), C=4, grads=True)
+    assert _rel(P, P_ref) <= 1e-10 and _rel(acc, acc_ref) <= 1e-10
