@@ -4,7 +4,8 @@ The actual ``.cu`` files are compiled as host C++ with a thin shim (:data:`SHIM`
 the other, the threads of a block as real threads meeting at a ``std::barrier`` for ``__syncthreads``,
 dynamic shared memory NaN-poisoned (0xFF bytes) with a guard band checked after every block
 (:data:`DRIVER`).  Global buffers (:class:`Buf`) carry guard bands of :data:`SENTINEL` on both sides.
-:func:`emulated_scan` is ``CupyBackend.scan`` with the kernels run here: the same plan, the same buffers.
+:func:`emulated_scan` is ``CupyBackend.scan`` with the kernels run here: the same plan, the same buffers;
+:func:`emulated_factored` is ``CupyFactoredBackend``'s factored path.
 """
 from __future__ import annotations
 
@@ -18,10 +19,13 @@ import numpy as np
 import pytest
 
 from bppsa.backends.cuda import plan, runtime
+from bppsa.scan import tree_levels
 
 KERNEL_NAMES = {
     "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
     "rnn_jacobians.cu": [f"bppsa_rnn_jacobians_{k}_{s}" for k in ("paper", "fused") for s in ("f32", "f64")],
+    "factored.cu": [f"bppsa_factored_{p}_{k}_{s}" for p in ("up", "down") for k in ("rnn", "gru")
+                    for s in ("f32", "f64")],
 }
 
 
@@ -151,3 +155,43 @@ def emulated_scan(lib, g: np.ndarray, J: np.ndarray, L_m):
     for step in launches:
         emulated_launch(lib, step, g.dtype.type, bufs)
     return bufs[2].value(), bufs[0].value()
+
+
+def emulated_factored(lib, chain, g: np.ndarray, C: int | None = None, grads: bool = False, L_m=None):
+    """CupyFactoredBackend's factored path with the kernels run by the emulator: the same plan
+    (:func:`bppsa.backends.cuda.plan.factored_plan`), the same buffers, each with guard bands.
+
+    ``chain``: an RnnChain or GruChain (CPU tensors).  Returns the scan's output P [n, B, H] (``grads`` False,
+    or a chain without x), else the summed parameter-gradient sums [NA, I + 1 + H] (what ``chain.param_grads``
+    takes), and the chunk size used."""
+    n, B, H, _ = chain.shape
+    dt = g.dtype
+    Wt, f = chain.Wt.numpy().astype(dt), chain.f.numpy().astype(dt)
+    C, launches = plan.factored_plan(chain.kind, n, B, H, chain.I, C, grads=grads, L_m=L_m)
+    K = -(-n // C)
+    mode = launches[-1].kernel == "torch.sum"
+    NA, NBV = (H if chain.kind == "rnn" else 4 * H), chain.I + 1 + H
+    wt_b, f_b = Buf(Wt), Buf(f)
+    agg = Buf(np.full((K, B, H, H), np.nan, dtype=dt))
+    carries = Buf(np.full((K, B, H), np.nan, dtype=dt) if K > 1 else g[None].copy())
+    P = Buf(np.full((n, B, H), np.nan, dtype=dt) if not mode else np.zeros(0, dtype=dt))
+    accs = Buf(np.full((K * B, NA, NBV), np.nan, dtype=dt) if mode else np.zeros(0, dtype=dt))
+    middle = [x for x in launches if plan.factored_source(x) == "blelloch.cu"]
+    S = None
+    if middle:
+        S = np.full((tree_levels(K + 1, L_m) + 1, B, H), np.nan, dtype=dt)
+        S[0] = g
+        S = Buf(S)
+    total = None
+    for step in launches:
+        src = plan.factored_source(step)
+        if src is None:
+            total = accs.value().sum(0)
+        elif src == "blelloch.cu":
+            emulated_launch(lib, step, dt.type, [agg, S, carries])
+        elif "_up_" in step.kernel:
+            emulated_launch(lib, step, dt.type, [wt_b, f_b, agg])
+        else:
+            emulated_launch(lib, step, dt.type, [wt_b, f_b, carries, P, accs])
+    return (total if mode else P.value()), C
+

@@ -22,11 +22,13 @@ def test_json_on_a_cpu_machine():
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep["device"] == "cpu" and rep["torch"] == torch.__version__ and rep["cuda_available"] is False
-    assert set(rep["backends"]) == {"torch", "cupy", "cpu"}
+    assert set(rep["backends"]) == {"torch", "cupy", "cupy-factored", "cpu"}
     assert rep["backends"]["cpu"]["ok"] is True  # the CPU fast path, checked like the others
     assert rep["backends"]["torch"]["ok"] is True and "verify rnn float64" in rep["backends"]["torch"]["reason"]
     cupy = rep["backends"]["cupy"]
     assert cupy["ok"] is False and "torch sees no CUDA GPU" in cupy["reason"] and "CuPy" in cupy["reason"]
+    factored = rep["backends"]["cupy-factored"]
+    assert factored["ok"] is False and "torch sees no CUDA GPU" in factored["reason"] and "CuPy" in factored["reason"]
     assert rep["ok"] is True and rep["fixes"] == []
     # the NVRTC wheel of the test extra compiles the kernels for the GPUs we target
     assert rep["nvrtc"]["ok"] is True and rep["nvrtc"]["archs"] == [90, 80, 75]

@@ -128,9 +128,9 @@ def test_bppsa_and_baseline_train_identically():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", ["torch", "cupy"])
+@pytest.mark.parametrize("backend", ["torch", "cupy", "cupy-factored"])
 def test_gpu_backends_match_autograd(backend):
-    if backend == "cupy":
+    if backend.startswith("cupy"):
         pytest.importorskip("cupy")
     ref, got, x, y = _pair(259, 16, 38, torch.float32)
     ref, got, x, y = ref.cuda(), got.cuda(), x.cuda(), y.cuda()

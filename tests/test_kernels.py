@@ -331,7 +331,8 @@ def test_auto_picks_cupy_once_a_kernel_compiles(fresh_probe, monkeypatch):
     assert backends.cupy_probe() == (True, "CuPy 14.2.0 compiled and loaded the kernels on cuda:0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert backends.get_backend("auto", torch.device("cuda")).name == "cupy"
+        assert backends.get_backend("auto", torch.device("cuda")).name == "cupy-factored"
+        assert backends.get_backend("cupy", torch.device("cuda")).name == "cupy"
         assert backends.get_backend("auto", torch.device("cpu")).name in ("cpu", "torch")  # CPU: no CuPy probe
 
 

@@ -3,7 +3,9 @@ wheel (the `test` extra) with CuPy's effective options, for sm_90, sm_80 and sm_
 
 * no warnings, no register spills, no stack frame;
 * the fp32 Jacobian fill has no flush-to-zero instruction, although CuPy appends -ftz=true;
-* every kernel's PTX parameter list matches what the launchers pass (count and 64-bit width).
+* every kernel's PTX parameter list matches what the launchers pass (count and 64-bit width);
+* the factored kernels' registers, spills, shared memory and occupancy against a checked-in record
+  (``tests/data/ptxas_factored.json``).
 
 In CI (CI=true) a missing NVRTC fails these tests instead of skipping them.
 """
@@ -11,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,6 +30,8 @@ ARCHS = (90, 80, 75)
 KERNELS = {
     "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
     "rnn_jacobians.cu": [f"bppsa_rnn_jacobians_{k}_{s}" for k in ("paper", "fused") for s in ("f32", "f64")],
+    "factored.cu": [f"bppsa_factored_{p}_{k}_{s}" for p in ("up", "down") for k in ("rnn", "gru")
+                    for s in ("f32", "f64")],
 }
 
 
@@ -135,6 +141,14 @@ def _recorded_launches(monkeypatch) -> list[tuple[str, tuple, int]]:
         be.scan(g, J, 1)  # with the middle scan
         for layout in ("paper", "fused"):
             be.rnn_jacobians_t(torch.zeros(3, 2, 5, dtype=dtype), torch.zeros(5, 5, dtype=dtype), layout)
+    fb = cuda.CupyFactoredBackend()
+    for dtype in (torch.float32, torch.float64):
+        g, x = torch.zeros(2, 5, dtype=dtype), torch.zeros(40, 2, 3, dtype=dtype)
+        rnn = fb.rnn_jacobians_t(torch.zeros(40, 2, 5, dtype=dtype), torch.zeros(5, 5, dtype=dtype), "fused", x)
+        gru = fb.gru_jacobians_t(x, torch.zeros(40, 2, 5, dtype=dtype), torch.nn.GRU(3, 5).to(dtype))
+        for chain in (rnn, gru):  # 40 steps in chunks of 16: up, middle, down; the scan and the gradients
+            fb.scan(g, chain)
+            fb.cell_grads(g, chain, None, None)
     return calls
 
 
@@ -194,3 +208,84 @@ def test_options_mirror_what_cupy_passes():
         except Stop:
             pass
     assert seen == [nvrtc.cupy_options(90)]
+
+
+# -- the factored kernels: registers, spills, shared memory and occupancy against a checked-in record -------------
+PTXAS_RECORD = Path(__file__).parent / "data" / "ptxas_factored.json"
+REGISTER_GROWTH = 1.10  # registers may grow this much before the record must be updated (and occupancy rechecked)
+# per SM: threads, resident blocks, 32-bit registers, shared memory (the largest carve-out), shared memory the
+# runtime reserves per block (CUDA occupancy calculator / programming guide, compute capabilities 7.5, 8.0, 9.0)
+SM_LIMITS = {75: (1024, 16, 65536, 64 * 1024, 0), 80: (2048, 32, 65536, 164 * 1024, 1024),
+             90: (2048, 32, 65536, 228 * 1024, 1024)}
+
+
+def occupancy(arch: int, registers: int, block: int, smem_bytes: int) -> dict[str, int]:
+    """Resident blocks and threads per SM of a kernel: registers are allocated per warp in units of 256 from each
+    of the 4 SM sub-partitions' 16384, shared memory per block plus the runtime's reserve."""
+    threads, blocks, regs, smem, reserve = SM_LIMITS[arch]
+    warps = -(-block // 32)
+    warp_regs = -(-registers * 32 // 256) * 256
+    by_regs = 4 * (regs // 4 // warp_regs) // warps
+    by_smem = smem // (smem_bytes + reserve) if smem_bytes + reserve else blocks
+    n = min(blocks, threads // block, by_regs, by_smem)
+    return {"blocks_per_sm": n, "threads_per_sm": n * block, "limited_by_registers": int(by_regs == n)}
+
+
+def _factored_launches() -> dict[str, tuple[int, int]]:
+    """Kernel base name -> (threads, dynamic shared memory in elements) of the default plan at the paper's sizes:
+    T = 30000, B = 16, H = 20, the RNN with I = 1 and the GRU with the IRMAS MFCCs' I = 12, training step."""
+    from bppsa.backends.cuda import plan
+    from bppsa.models import SPECS
+
+    out = {}
+    for kind in ("rnn", "gru"):
+        _, launches = plan.factored_plan(kind, 30000, 16, SPECS[kind].hidden, SPECS[kind].input_size)
+        out.update({x.kernel: (x.block, x.smem_elems) for x in launches if x.kernel.startswith("bppsa_factored_")})
+    return out
+
+
+def _factored_ptxas() -> dict:
+    launches = _factored_launches()
+    rec: dict = {"nvrtc": ".".join(map(str, nvrtc.version())), "plan": "T=30000 B=16 H=20, rnn I=1, gru I=12"}
+    for arch in ARCHS:
+        report = nvrtc.ptxas_report(_compiled("factored.cu", arch).log)
+        per = {}
+        for name, stats in sorted(report.items()):
+            block, elems = launches[name.rsplit("_", 1)[0]]
+            smem = elems * (8 if name.endswith("f64") else 4) + stats["smem"]
+            per[name] = {"registers": stats["registers"], "spill_stores": stats["spill_stores"],
+                         "spill_loads": stats["spill_loads"], "static_smem": stats["smem"], "block": block,
+                         "smem_bytes": smem, **occupancy(arch, stats["registers"], block, smem)}
+        rec[f"sm_{arch}"] = per
+    return rec
+
+
+def test_factored_kernels_ptxas_record(nv):
+    """Zero spills, registers within REGISTER_GROWTH of tests/data/ptxas_factored.json, and at least the recorded
+    occupancy of the default plan.  BPPSA_UPDATE_PTXAS_RECORD=1 rewrites the record (review the diff)."""
+    got = _factored_ptxas()
+    if os.environ.get("BPPSA_UPDATE_PTXAS_RECORD") == "1":
+        PTXAS_RECORD.parent.mkdir(exist_ok=True)
+        PTXAS_RECORD.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    want = json.loads(PTXAS_RECORD.read_text())
+    for arch in ARCHS:
+        key = f"sm_{arch}"
+        assert sorted(got[key]) == sorted(want[key]) == sorted(KERNELS["factored.cu"])
+        for name, g in got[key].items():
+            w = want[key][name]
+            assert g["spill_stores"] == g["spill_loads"] == 0, (arch, name, g)
+            assert g["registers"] <= w["registers"] * REGISTER_GROWTH, (
+                f"{name} on sm_{arch}: {g['registers']} registers, recorded {w['registers']}; update the record")
+            assert g["static_smem"] == w["static_smem"] == 0, (arch, name)  # shared memory is dynamic, per plan
+            assert (g["block"], g["smem_bytes"]) == (w["block"], w["smem_bytes"]), (arch, name)
+            assert g["blocks_per_sm"] >= w["blocks_per_sm"] >= 1, (arch, name, g, w)
+
+
+def test_occupancy_model():
+    # 256 threads, 32 registers, no shared memory: 8 blocks (2048 threads) on sm_90, 4 on sm_75 (1024 threads)
+    assert occupancy(90, 32, 256, 0)["blocks_per_sm"] == 8 and occupancy(75, 32, 256, 0)["blocks_per_sm"] == 4
+    # 128 registers x 256 threads = 32768: two blocks' registers per SM
+    assert occupancy(90, 128, 256, 0) == {"blocks_per_sm": 2, "threads_per_sm": 512, "limited_by_registers": 1}
+    # 100 KiB of shared memory: two blocks on sm_90 (228 KiB), one on sm_80 (164 KiB)
+    assert occupancy(90, 32, 128, 100 * 1024)["blocks_per_sm"] == 2
+    assert occupancy(80, 32, 128, 100 * 1024)["blocks_per_sm"] == 1

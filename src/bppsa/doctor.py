@@ -119,7 +119,8 @@ def _scan_check(be, dev: torch.device) -> str:
     return "scan vs sequential " + ", ".join(msgs)
 
 
-CHECKED = ("torch", "cupy", "cpu")  # every backend but 'auto'; 'cpu' is the CPU fast path (bppsa.backends.cpu)
+# every backend but 'auto'; 'cpu' is the CPU fast path (bppsa.backends.cpu)
+CHECKED = ("torch", "cupy", "cupy-factored", "cpu")
 
 
 def check_backend(name: str, dev: torch.device) -> dict:
@@ -131,7 +132,7 @@ def check_backend(name: str, dev: torch.device) -> dict:
             be = _backends.get_backend(name, dev)
     except Exception as exc:  # noqa: BLE001 - the reason is what the user needs
         why = str(exc)
-        if name == "cupy":
+        if name.startswith("cupy"):
             c = cupy_info()
             why += (f"; CuPy {c['version']} is installed" if c["installed"]
                     else f"; CuPy is not installed ({c['reason']})")
@@ -210,6 +211,8 @@ def fixes(rep: dict) -> list[str]:
                        f"{(rep['torch_cuda'] or '13').split('.')[0]}]') for the CuPy kernels")
         elif not rep["backends"]["cupy"]["ok"]:
             out.append(f"the CuPy backend fails: {rep['backends']['cupy']['reason']}")
+        elif not rep["backends"].get("cupy-factored", {"ok": True})["ok"]:
+            out.append(f"the factored CuPy backend fails: {rep['backends']['cupy-factored']['reason']}")
         rt, tc = cupy.get("cuda_runtime"), rep["torch_cuda"]
         if rt and tc and rt.split(".")[0] != tc.split(".")[0]:
             out.append(f"CuPy is built for CUDA {rt} but torch for CUDA {tc}: `bash scripts/install.sh` replaces it")

@@ -5,7 +5,10 @@ the one check of a scan's operands they all make):
 
 * ``torch``: :class:`TorchBackend` (:mod:`.twin`), the reference twin the others are held to;
 * ``cpu``: :class:`bppsa.backends.cpu.CpuBackend`, the factored chains and the compiled kernel;
-* ``cupy``: :class:`bppsa.backends.cuda.CupyBackend`, the scan and the RNN's Jacobians as CUDA kernels.
+* ``cupy``: :class:`bppsa.backends.cuda.CupyBackend`, the scan and the RNN's Jacobians as CUDA kernels (the
+  paper's method: every per-step Jacobian stored);
+* ``cupy-factored``: :class:`bppsa.backends.cuda.CupyFactoredBackend`, the recurrent chains kept as their factors
+  and scanned in chunks by CUDA kernels (``factored.cu``), no per-step Jacobian stored.
 
 :func:`get_backend` resolves a name; the CPU and CUDA packages are imported only when asked for (they
 import :mod:`.base` and :mod:`.twin`, never this module).
@@ -20,12 +23,14 @@ import torch
 from .base import Backend, check_operands
 from .twin import TorchBackend
 
-__all__ = ["BACKENDS", "Backend", "TorchBackend", "check_operands", "cupy_probe", "get_backend"]
+__all__ = ["BACKENDS", "CUPY_BACKENDS", "Backend", "TorchBackend", "check_operands", "cupy_probe", "get_backend"]
 
-BACKENDS = ("auto", "torch", "cupy", "cpu")
+BACKENDS = ("auto", "torch", "cupy", "cupy-factored", "cpu")
+CUPY_BACKENDS = ("cupy", "cupy-factored")
 
 
-_PROBE_KERNEL = ("rnn_jacobians.cu", "bppsa_rnn_jacobians_fused_f32")
+# one kernel of the faithful path and one of the factored path: auto picks the factored one only where both load
+_PROBE_KERNELS = (("rnn_jacobians.cu", "bppsa_rnn_jacobians_fused_f32"), ("factored.cu", "bppsa_factored_down_rnn_f32"))
 
 
 def cupy_probe(device: torch.device | str | None = None) -> tuple[bool, str]:
@@ -52,7 +57,8 @@ def _probe_cuda(index: int) -> tuple[bool, str]:
         return False, str(exc)
     try:
         with cp.cuda.Device(index):
-            runtime.kernel(*_PROBE_KERNEL)
+            for source, kernel in _PROBE_KERNELS:
+                runtime.kernel(source, kernel)
     except Exception as exc:  # noqa: BLE001 - NVRTC, driver and loader errors all mean "unusable"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return False, (f"CuPy {cp.__version__} could not compile and load the kernels on cuda:{index}: "
@@ -79,7 +85,8 @@ def _cpu_backend(device, fallback_reason: bool = False):
 
 
 def get_backend(name: str = "auto", device: torch.device | None = None) -> Backend:
-    """Resolve a backend name. 'auto' is cupy on a CUDA device where the kernels compile and load
+    """Resolve a backend name. 'auto' is cupy-factored (the factored chains; dense Jacobians and the paper layout
+    go to the faithful kernels of 'cupy') on a CUDA device where the kernels compile and load
     (:func:`cupy_probe`), else torch, with a warning that says why; on a CPU (or no device given) it is
     the CPU fast path where its compiled kernel builds, else torch, with a warning that says why."""
     if name not in BACKENDS:
@@ -91,7 +98,7 @@ def get_backend(name: str = "auto", device: torch.device | None = None) -> Backe
         name = "torch"
         ok, why = cupy_probe(device)
         if ok:
-            name = "cupy"
+            name = "cupy-factored"
         else:
             warnings.warn(f"backend 'auto' uses torch: {why}", RuntimeWarning, stacklevel=2)
     if name == "torch":
@@ -100,12 +107,12 @@ def get_backend(name: str = "auto", device: torch.device | None = None) -> Backe
         return _cpu_backend(device)
     ok, why = cupy_probe(device if on_cuda else None)
     if not ok:
-        raise RuntimeError(f"backend 'cupy' is unusable: {why}")
+        raise RuntimeError(f"backend '{name}' is unusable: {why}")
     if device is not None and not on_cuda:
-        raise RuntimeError("backend 'cupy' runs on CUDA tensors only; use --device cuda")
+        raise RuntimeError(f"backend '{name}' runs on CUDA tensors only; use --device cuda")
     if device is not None and torch.device(device).index is not None:
         # CuPy launches on the current device, so make the requested one current
         torch.cuda.set_device(device)
-    from .cuda import CupyBackend
+    from .cuda import CupyBackend, CupyFactoredBackend
 
-    return CupyBackend()
+    return CupyFactoredBackend() if name == "cupy-factored" else CupyBackend()

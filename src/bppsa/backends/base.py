@@ -13,7 +13,7 @@ from ..scan import Workspace
 class Backend(Protocol):
     """A backend of the BPPSA backward, on torch tensors in the layout of :mod:`bppsa.scan`.
 
-    * ``name``: what results and logs call it ("torch", "cpu", "cpu-sequential", "cupy");
+    * ``name``: what results and logs call it ("torch", "cpu", "cpu-sequential", "cupy", "cupy-factored");
     * ``workspace``: scratch buffers reused across iterations, into which a model may build Jacobians that
       the same step's scan consumes;
     * :meth:`scan`: the exclusive scan (a backend may overwrite ``J`` as workspace);

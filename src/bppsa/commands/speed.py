@@ -7,7 +7,7 @@ import pandas as pd
 import torch
 
 from .. import io
-from ..backends import BACKENDS
+from ..backends import BACKENDS, CUPY_BACKENDS
 from ..bench import speed
 from ..bench.protocol import StopRule, add_stop_rule_args
 from ..models import MODELS, check_layout
@@ -46,7 +46,8 @@ def register(sub) -> None:
     p.add_argument("--layouts", nargs="+", default=["fused"], choices=["fused", "paper"])
     p.add_argument("--L-m", dest="L_ms", type=optional_int, nargs="+", default=[None],
                    help="scan variants to time (none = full Blelloch)")
-    p.add_argument("--backends", nargs="+", default=["cpu", "torch"], choices=[b for b in BACKENDS if b != "cupy"],
+    p.add_argument("--backends", nargs="+", default=["cpu", "torch"],
+                   choices=[b for b in BACKENDS if b not in CUPY_BACKENDS],
                    help="BPPSA backends to time (cpu: the fast path; torch: its reference twin)")
     add_timing_args(p, _speed)
 

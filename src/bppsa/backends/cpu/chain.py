@@ -81,7 +81,8 @@ def _rnn_factors(h: torch.Tensor, x: torch.Tensor | None, out: torch.Tensor | No
     h = h.detach().contiguous()
     I = 0 if x is None else x.shape[2]
     f = _factor_buffer(h, 2 * H + I, out)
-    if native.available() and native.library("rnn", H, I, 1, h.dtype) is not None:
+    # the compiled factor builder reads host memory: CUDA tensors (the factored GPU path) take torch
+    if h.device.type == "cpu" and native.available() and native.library("rnn", H, I, 1, h.dtype) is not None:
         xc = (x if x is not None else h[:, :, :0]).detach().contiguous()
         pool.parallel(lambda a, b: native.rnn_factors(h, xc, f, a, b), T, FACTOR_FLOP * B * f.shape[1])
         return f
@@ -165,7 +166,7 @@ class GruChain(FactoredChain):
         I = x.shape[2]
         f = _factor_buffer(h, 6 * H + I, out)
         h, x = h.detach().contiguous(), x.detach().contiguous()
-        if native.available() and native.library("gru", H, I, 1, h.dtype) is not None:
+        if h.device.type == "cpu" and native.available() and native.library("gru", H, I, 1, h.dtype) is not None:
             pool.parallel(lambda a, b: native.gru_factors(x, h, cell, f, a, b), T, FACTOR_FLOP * B * f.shape[1])
             return cls(cell.weight_hh_l0, f, I)
         from ...jacobians.gru import gru_gates

@@ -1,11 +1,14 @@
 """CuPy RawKernel backend: the BPPSA scan and the RNN Jacobian fill as hand-written CUDA kernels.
 
-The CUDA sources beside this file (``blelloch.cu``, ``rnn_jacobians.cu``) are compiled with NVRTC
+The CUDA sources beside this file (``blelloch.cu``, ``rnn_jacobians.cu``, ``factored.cu``) are compiled with NVRTC
 through :class:`cupy.RawModule` the first time they are needed (CuPy caches the binaries per device
 and on disk).  Each kernel has a torch reference twin that tests hold it to:
 
 * ``bppsa_{up_sweep,middle_scan,down_sweep}_{f32,f64}`` -- :func:`bppsa.scan.blelloch_scan`;
-* ``bppsa_rnn_jacobians_{paper,fused}_{f32,f64}`` -- :func:`bppsa.jacobians.recurrent.rnn_jacobians_t`.
+* ``bppsa_rnn_jacobians_{paper,fused}_{f32,f64}`` -- :func:`bppsa.jacobians.recurrent.rnn_jacobians_t`;
+* ``bppsa_factored_{up,down}_{rnn,gru}_{f32,f64}`` (``factored.cu``, :class:`CupyFactoredBackend`) -- the scan
+  over ``chain.dense()`` of a :class:`~bppsa.backends.cpu.chain.RnnChain` or
+  :class:`~bppsa.backends.cpu.chain.GruChain`, and the parameter-gradient sums the CPU kernel accumulates.
 
 The launch schedule is computed in pure Python by :func:`.plan.scan_plan` from :func:`bppsa.scan.levels`,
 and tests hold it, the torch scan and the FLOP analysis to :func:`bppsa.scan.reference_scan`: one
@@ -26,11 +29,13 @@ from __future__ import annotations
 import torch
 
 from ...jacobians.recurrent import num_jacobians
+from ...scan import tree_levels
 from ..base import check_operands
+from ..cpu.chain import FactoredChain, GruChain, RnnChain
 from ..twin import TorchBackend
 from . import plan, runtime
 
-__all__ = ["CupyBackend"]
+__all__ = ["CupyBackend", "CupyFactoredBackend"]
 
 
 class CupyBackend(TorchBackend):
@@ -84,3 +89,94 @@ class CupyBackend(TorchBackend):
             ptrs = (runtime.as_cupy(h), runtime.as_cupy(W), runtime.as_cupy(out))
             runtime.launch("rnn_jacobians.cu", launch, h.dtype, dev, ptrs)
         return out
+
+
+class CupyFactoredBackend(CupyBackend):
+    """The factored GPU backward (``factored.cu``): the recurrent chains stay as their factors (the RNN's
+    fused layout as :class:`~bppsa.backends.cpu.chain.RnnChain`, the GRU as
+    :class:`~bppsa.backends.cpu.chain.GruChain`, built by torch on the GPU) and no per-step Jacobian is ever
+    stored.  Three phases (:func:`.plan.factored_plan`): each block builds one chunk's aggregate in shared
+    memory (up); the existing Blelloch kernels scan the aggregates applied to g (middle: vectors come out);
+    each block replays its chunk from its carry (down), writing the scan's output or the block's sums of the
+    parameter gradients, which one ``torch.sum`` adds.  The paper layout and dense chains take
+    :class:`CupyBackend`."""
+
+    name = "cupy-factored"
+
+    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x=None):
+        if layout != "fused":
+            return super().rnn_jacobians_t(h, W_hh, layout, x)
+        if h.dim() != 3 or W_hh.shape != (h.shape[2], h.shape[2]):
+            raise ValueError(f"expected h [T, B, H] and W_hh [H, H], got {tuple(h.shape)} and {tuple(W_hh.shape)}")
+        runtime.check_cuda(h.dtype, h, W_hh, *(() if x is None else (x,)))
+        T, B, H = h.shape
+        rows = 2 * H + (0 if x is None else x.shape[2])
+        return RnnChain.from_states(h, W_hh, x, out=self.workspace.get(("factors", "rnn"), (T, rows, B), h))
+
+    def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates=None):
+        runtime.check_cuda(h.dtype, h, x, cell.weight_hh_l0)
+        T, B, H = h.shape
+        out = self.workspace.get(("factors", "gru"), (T, 6 * H + x.shape[2], B), h)
+        return GruChain.from_states(x, h, cell, out=out)
+
+    def scan(self, g: torch.Tensor, J, L_m: int | None = None) -> torch.Tensor:
+        if not _factored(J):
+            return super().scan(g, J.dense() if isinstance(J, FactoredChain) else J, L_m)
+        return self._factored(g, J, L_m, grads=False)
+
+    def cell_grads(self, g: torch.Tensor, J, L_m, from_scan) -> dict[str, torch.Tensor]:
+        if not _factored(J) or not J.I:
+            return from_scan(self.scan(g, J, L_m))
+        return J.param_grads(self._factored(g, J, L_m, grads=True))
+
+    def _factored(self, g: torch.Tensor, chain, L_m, grads: bool, C: int | None = None) -> torch.Tensor:
+        """The scan's output P [n, B, H], or (``grads``) the sums [NA, I + 1 + H] that ``chain.param_grads`` takes."""
+        check_operands(g, chain)
+        n, B, H, _ = chain.shape
+        if n == 0:
+            return g.new_empty((0, B, H))
+        dev = runtime.check_cuda(g.dtype, g, chain.f, chain.Wt)
+        C, launches = plan.factored_plan(chain.kind, n, B, H, chain.I, C, grads=grads, L_m=L_m)
+        optin = runtime.smem_optin(dev)
+        need = max(x.smem_elems for x in launches) * g.dtype.itemsize
+        if need > optin:
+            raise ValueError(
+                f"backend 'cupy-factored' needs {need} bytes of shared memory per block for a {chain.kind} chain at "
+                f"H={H}, I={chain.I} in {g.dtype}, but this GPU allows {optin}; use backend 'cupy' or 'torch'")
+        K = -(-n // C)
+        mode = launches[-1].kernel == "torch.sum"
+        NA, NBV = (H if chain.kind == "rnn" else 4 * H), chain.I + 1 + H
+        g = g.contiguous()
+        Wt, f = chain.Wt.contiguous(), chain.f.contiguous()
+        ws = self.workspace
+        unused = g.new_empty(1)  # for a pointer the kernel's mode never touches (one element: a real address)
+        carries = ws.get(("factored", "carries"), (K, B, H), g) if K > 1 else g[None]
+        agg = ws.get(("factored", "aggregates"), (K, B, H, H), g) if K > 1 else unused
+        P = g.new_empty((n, B, H)) if not mode else unused
+        accs = ws.get(("factored", "sums"), (K * B, NA, NBV), g) if mode else unused
+        middle = [x for x in launches if plan.factored_source(x) == "blelloch.cu"]
+        S = None
+        if middle:
+            S = g.new_empty((tree_levels(K + 1, L_m) + 1, B, H))  # the spine: g, then one vector per level
+            S[0].copy_(g)
+        out = None
+        with runtime.OnTorchStream(dev):
+            wt_c, f_c = runtime.as_cupy(Wt), runtime.as_cupy(f)
+            for step in launches:
+                src = plan.factored_source(step)
+                if src is None:
+                    out = accs.sum(0)  # the one reduction over the blocks (torch, on the same stream)
+                elif src == "blelloch.cu":
+                    runtime.launch(src, step, g.dtype, dev, (runtime.as_cupy(agg), runtime.as_cupy(S),
+                                                              runtime.as_cupy(carries)))
+                elif "_up_" in step.kernel:
+                    runtime.launch(src, step, g.dtype, dev, (wt_c, f_c, runtime.as_cupy(agg)))
+                else:
+                    runtime.launch(src, step, g.dtype, dev, (wt_c, f_c, runtime.as_cupy(carries),
+                                                             runtime.as_cupy(P), runtime.as_cupy(accs)))
+        return out if mode else P
+
+
+def _factored(J) -> bool:
+    """Whether the factored kernels take ``J`` (the RNN's fused chain or the GRU's chain)."""
+    return isinstance(J, FactoredChain) and J.kind in plan.FACTORED_KINDS

@@ -134,7 +134,8 @@ _PTXAS = re.compile(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", 
 
 
 def ptxas_report(log: str) -> dict[str, dict[str, int]]:
-    """Per kernel, from ``-Xptxas=-v``'s log: registers, stack frame and spill bytes."""
+    """Per kernel, from ``-Xptxas=-v``'s log: registers, stack frame and spill bytes (-1 where the log does not
+    say), and static shared memory in bytes (``smem``: 0 where the log names none)."""
     out: dict[str, dict[str, int]] = {}
     for block in re.split(r"(?=ptxas info\s*: Compiling entry function)", log):
         m = re.search(r"Compiling entry function '(\w+)'", block)
@@ -143,4 +144,6 @@ def ptxas_report(log: str) -> dict[str, dict[str, int]]:
         stats = {"registers": r"Used (\d+) registers", "stack": r"(\d+) bytes stack frame",
                  "spill_stores": r"(\d+) bytes spill stores", "spill_loads": r"(\d+) bytes spill loads"}
         out[m.group(1)] = {k: int(x.group(1)) if (x := re.search(p, block)) else -1 for k, p in stats.items()}
+        smem = re.search(r"(\d+) bytes smem", block)
+        out[m.group(1)]["smem"] = int(smem.group(1)) if smem else 0
     return out

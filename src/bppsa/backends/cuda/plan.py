@@ -93,3 +93,170 @@ def rnn_jacobians_launch(T: int, B: int, H: int, layout: str) -> Launch:
 def max_hidden(dtype: torch.dtype, smem_optin: int) -> int:
     """Largest H whose matrix-matrix block (two H x H operands) fits in ``smem_optin`` bytes."""
     return math.isqrt(smem_optin // (2 * dtype.itemsize))
+
+
+# -- the factored path (CupyFactoredBackend): the chain kept as its factors, never as per-step Jacobians --------
+
+FACTORED_KINDS = {"rnn": (1, 1), "gru": (3, 5)}  # kind -> (NW weight matrices, NF factor rows of H per step)
+FACTORED_GROUP = 8       # positions whose gradient rows and columns the down kernel stages before accumulating
+CHUNK_MAX = 128          # the default chunk size, where it leaves enough blocks
+CHUNK_MIN = 16
+TARGET_BLOCKS = 1024     # about four waves of an H100's 132 SMs at two 256-thread blocks each
+
+
+def chunk_size(n: int, B: int) -> int:
+    """The default chunk of consecutive chain steps a factored block takes.
+
+    Why this size: the up phase costs ~n·H³ multiply-adds whatever the chunk, the middle scan over the
+    K = ceil(n / C) chunk aggregates ~2·(n / C)·H³ (its overhead relative to the up phase is 2 / C: 1.6 % at
+    C = 128), and each block replays its chunk's C steps one after the other in the down phase (its latency
+    grows with C).  So C is as large as the parallelism allows: CHUNK_MAX = 128, halved (down to CHUNK_MIN =
+    16) while the B·K blocks of a phase would number fewer than TARGET_BLOCKS, about four waves of an H100.
+    At the paper's T = 30000, B = 16 that is C = 128 (235 chunks, 3760 blocks); at B = 1 it is C = 16."""
+    C = CHUNK_MAX
+    while C > CHUNK_MIN and B * -(-n // C) < TARGET_BLOCKS:
+        C //= 2
+    return C
+
+
+def smem_pitch(H: int) -> int:
+    """The row pitch (elements) of every H x H matrix the factored kernels keep in shared memory: the
+    smallest odd number >= H.  A warp that reads a column (thread i reads row i, as the down phase's
+    mat-vec does with W^T) then touches 32 (fp32) or, per half-warp, 16 (fp64) distinct banks; an even pitch
+    such as H = 20 folds rows onto the same banks (:func:`bank_conflicts`)."""
+    return H | 1
+
+
+def bank_conflicts(addresses, itemsize: int) -> int:
+    """The worst bank conflict of one shared-memory instruction: ``addresses`` are the element indices the
+    32 threads of a warp touch (None: an inactive thread), ``itemsize`` 4 or 8 bytes.  Returns the most
+    distinct addresses that fall into one bank (1: conflict-free; threads reading the same address are a
+    broadcast, not a conflict).  Shared memory has 32 banks of 4 bytes; an 8-byte access is served per
+    half-warp (16 threads x 8 bytes = one pass over the 32 banks), so conflicts count within each half."""
+    if itemsize not in (4, 8):
+        raise ValueError(f"itemsize must be 4 or 8, got {itemsize}")
+    addrs = list(addresses)
+    if len(addrs) > 32:
+        raise ValueError(f"a warp has 32 threads, got {len(addrs)} addresses")
+    words = itemsize // 4
+    groups = [addrs] if itemsize == 4 else [addrs[:16], addrs[16:]]
+    worst = 0
+    for grp in groups:
+        banks: dict[int, set[int]] = {}
+        for a in grp:
+            if a is None:
+                continue
+            for w in range(words):  # an 8-byte element spans two consecutive 4-byte words (two banks)
+                word = a * words + w
+                banks.setdefault(word % 32, set()).add(word // words)
+        worst = max([worst] + [len(s) for s in banks.values()])
+    return worst
+
+
+def up_threads(H: int) -> int:
+    """Threads of a factored up block: one per element of a pitched H x H matrix, whole warps, capped."""
+    return min(MAX_THREADS, max(32, -(-H * smem_pitch(H) // 32) * 32))
+
+
+def down_threads(H: int, grads: bool) -> int:
+    """Threads of a factored down block: one per row of the mat-vec (whole warps); with the parameter
+    gradients at least 128, which share the accumulation of the [NA, I + 1 + H] sums."""
+    return min(MAX_THREADS, max(128 if grads else 32, -(-H // 32) * 32))
+
+
+def grad_entries(kind: str, H: int, I: int) -> int:
+    """The entries of the [NA, I + 1 + H] sums the down kernel accumulates (the GRU's dN rows take only x and 1,
+    its dM rows only 1 and h', as in chain_scan.c; the others stay zero)."""
+    if kind == "rnn":
+        return H * (I + 1 + H)
+    return 2 * H * (I + 1 + H) + H * (I + 1) + H * (1 + H)
+
+
+def factored_smem(kind: str, H: int, I: int, grads: bool) -> tuple[int, int]:
+    """Dynamic shared memory (elements) of the (up, down) kernels.  Up: W^T (NW matrices), the step's
+    Jacobian, the aggregate and its next value, all at :func:`smem_pitch`, and the step's factors.  Down: W^T,
+    the carried vector and its next value, the step's factors, their products with the vector (NW rows);
+    with the gradients the group's rows [G, NA] and columns [G, I + 1 + H] and the block's sums [NA, I + 1 + H]."""
+    NW, NF = FACTORED_KINDS[kind]
+    P = smem_pitch(H)
+    nfu = 1 if kind == "rnn" else 4
+    nfd = 1 if kind == "rnn" else (5 if grads else 4)
+    up = (NW + 3) * H * P + nfu * H
+    down = NW * H * P + 2 * H + nfd * H + NW * H
+    if grads:
+        NA, NBV = (H if kind == "rnn" else 4 * H), I + 1 + H
+        down += FACTORED_GROUP * (NA + NBV) + NA * NBV
+    return up, down
+
+
+def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int | None = None, *, grads: bool = True,
+                  L_m: int | None = None) -> tuple[int, list[Launch]]:
+    """The launches of the factored backward over a chain of ``n`` steps (``kind`` "rnn": J_k = W^T diag(d_k);
+    "gru": J_k = sum_g W_hg^T diag(c_g,k) + diag(z_k)): (chunk size C, launches in order).
+
+    * up, ``bppsa_factored_up_<kind>``: block c * B + b builds chunk c's aggregate M_c = J_{cC+C-1} ... J_{cC}
+      of batch element b from the factors and writes it, [K, B, H, H] (the last chunk's too, although the
+      scan never uses it: its aggregate is one block of K);
+    * middle: the scan of :func:`scan_plan` over (g, M_0 .. M_{K-1}), K + 1 positions: the carries
+      [K, B, H], carry_c = M_{c-1} ... M_0 g (``L_m`` bounds its tree, as for any scan);
+    * down, ``bppsa_factored_down_<kind>``: block c * B + b replays chunk c from its carry with mat-vecs and
+      writes the scan's output P [n, B, H] (``grads`` False, or I = 0), or accumulates the block's sums of the
+      parameter gradients [NA, I + 1 + H] (the CPU kernel's ``acc``) for every block, [K·B, NA, I + 1 + H];
+    * with the gradients, ``torch.sum`` over the blocks.
+
+    K = 1 (n <= C) is the down launch alone, from g.  Every kernel takes the pointers ``(Wt, f, carries, P, acc)``
+    (up: ``(Wt, f, aggregates)``) and the integers ``(n, B, H, I, C, pitch, G, mode)``, mode 1 = gradients."""
+    if kind not in FACTORED_KINDS:
+        raise ValueError(f"unknown chain kind {kind!r} (choose from {', '.join(FACTORED_KINDS)})")
+    if n < 1:
+        raise ValueError(f"a factored plan needs n >= 1 steps, got {n}")
+    C = chunk_size(n, B) if C is None else C
+    if C < 1:
+        raise ValueError(f"chunk size must be >= 1, got {C}")
+    grads = grads and I > 0
+    NW, NF = FACTORED_KINDS[kind]
+    HH, P = H * H, smem_pitch(H)
+    K = -(-n // C)
+    lens = [C] * (K - 1) + [n - (K - 1) * C]  # the steps of each chunk (the last one may be short)
+    mode = 1 if grads else 0
+    ints = (n, B, H, I, C, P, FACTORED_GROUP, mode)
+    smem_up, smem_down = factored_smem(kind, H, I, grads)
+    launches: list[Launch] = []
+    if K > 1:
+        nfu = 1 if kind == "rnn" else 4  # factor rows the Jacobian needs: d, or c_r, c_z, c_n, z
+        build = HH if kind == "rnn" else 5 * HH + H  # W^T d (one product per element), or 3 products, 2 sums, + z
+        # Per block: W^T staged once, nfu·H factors per step read, the aggregate written; the first step's
+        # Jacobian is the aggregate, every later one costs its build and a matrix-matrix product.
+        launches.append(Launch(f"bppsa_factored_up_{kind}", K * B, up_threads(H), smem_up, ints,
+                               moved=B * sum(NW * HH + L * nfu * H + HH for L in lens),
+                               flop=B * sum(L * build + (L - 1) * 2 * HH * H for L in lens)))
+        launches.extend(scan_plan(K + 1, B, H, L_m)[1])
+    nfd = 1 if kind == "rnn" else (5 if grads else 4)
+    # t = factors ⊙ v every step (NW·H products); the mat-vec to the next step (all but the chunk's last):
+    # RNN 2H² (W^T t), GRU 6H² + H (three W^T t and z ⊙ v).
+    t_flop = NW * H
+    mv = 2 * HH if kind == "rnn" else 6 * HH + H
+    moved = B * sum(NW * HH + H + L * nfd * H for L in lens)
+    flop = B * sum(L * t_flop + (L - 1) * mv for L in lens)
+    if grads:
+        NA, NBV = (H if kind == "rnn" else 4 * H), I + 1 + H
+        entries = grad_entries(kind, H, I)
+        # per step the x and h' columns read, the NA gradient rows formed (one product each) and every
+        # accumulated entry updated (a multiply-add); per block the sums written
+        moved += B * sum(L * (I + H) + NA * NBV for L in lens)
+        flop += B * sum(L * (NA + 2 * entries) for L in lens)
+    else:
+        moved += n * B * H  # P written
+    launches.append(Launch(f"bppsa_factored_down_{kind}", K * B, down_threads(H, grads), smem_down, ints,
+                           moved=moved, flop=flop))
+    if grads:
+        launches.append(Launch("torch.sum", 1, 0, 0, (K * B, NA * NBV),
+                               moved=(K * B + 1) * NA * NBV, flop=(K * B - 1) * NA * NBV))
+    return C, launches
+
+
+def factored_source(launch: Launch) -> str | None:
+    """The source a factored plan's launch runs from (None: torch's reduction)."""
+    if launch.kernel == "torch.sum":
+        return None
+    return "factored.cu" if launch.kernel.startswith("bppsa_factored_") else "blelloch.cu"

@@ -17,7 +17,7 @@ import torch
 from .plan import Launch
 
 KERNEL_DIR = Path(__file__).resolve().parent
-SOURCES = ("blelloch.cu", "rnn_jacobians.cu")
+SOURCES = ("blelloch.cu", "rnn_jacobians.cu", "factored.cu")
 NVRTC_OPTIONS = ("-std=c++17",)
 # What CuPy (14.x, NVRTC backend, no jitify) adds to every RawModule compile, in its order:
 # after our options '-ftz=true', then '-arch=sm_XX' (the device's), then this.  The NVRTC tests

@@ -1,0 +1,223 @@
+// The factored BPPSA backward of a recurrent chain: the per-step transposed Jacobians are never stored.
+//
+// The chain (scan order, steps k = 0 .. n-1) is kept as the CPU path keeps it (bppsa/backends/cpu/chain.py):
+// weights Wt [NW][H][H] (W_hg^T) and per-step factors f [n][NR][B] (lane order), NR = NF*H + I + H rows:
+//   rnn (NW = 1, NF = 1):  J_k = Wt diag(d_k)                                   rows: d
+//   gru (NW = 3, NF = 5):  J_k = sum_g Wt_g diag(c_g,k) + diag(z_k)             rows: c_r, c_z, c_n, z, e
+// then x_k (I rows) and h'_k (H rows), for the parameter gradients.
+//
+// Three phases (bppsa/backends/cuda/plan.py: factored_plan), chunk c = steps [cC, min(cC + C, n)), block
+// blockIdx.x = c * B + b for batch element b; no block ever waits for another:
+//   up:     agg[c][b] = J_{last} ... J_{first} of the chunk, built in shared memory from the factors;
+//   middle: the Blelloch kernels (blelloch.cu) scan (g, agg) into carries[c][b] = agg[c-1] ... agg[0] g;
+//   down:   each block replays its chunk from its carry with mat-vecs: the scan's output P[k][b] = the
+//           vector before step k (mode 0), or (mode 1) the block's sums of the parameter gradients,
+//           acc[block][NA][I + 1 + H] as chain_scan.c accumulates them, which the host adds over the blocks.
+//
+// Every H x H matrix in shared memory has row pitch `pitch` (odd, >= H: plan.smem_pitch), so a warp reading
+// a column (thread i reads row i, the down phase's mat-vec) hits distinct banks; element-wise and row-times-
+// matrix loops run over the pitched index (the pad column idles), so their warps touch consecutive words.
+
+typedef long long idx_t;
+
+#ifndef BPPSA_SMEM
+extern __shared__ double bppsa_smem_[];
+#define BPPSA_SMEM bppsa_smem_
+#endif
+
+namespace bppsa_factored {
+
+// W^T from global [NW][H][H] into shared memory at the pitch.
+template <typename T>
+__device__ inline void stage_wt(T* dst, const T* Wt, idx_t NW, idx_t H, idx_t pitch) {
+  const idx_t HP = H * pitch;
+  for (idx_t p = threadIdx.x; p < NW * HP; p += blockDim.x) {
+    const idx_t g = p / HP, r = p % HP, i = r / pitch, m = r % pitch;
+    if (m < H) dst[p] = Wt[(g * H + i) * H + m];
+  }
+}
+
+// Rows r0 .. r0 + count - 1 of step k's factors (batch element b) into dst.
+template <typename T>
+__device__ inline void stage_rows(T* dst, const T* f, idx_t k, idx_t NR, idx_t B, idx_t b, idx_t r0, idx_t count) {
+  for (idx_t r = threadIdx.x; r < count; r += blockDim.x) dst[r] = f[(k * NR + r0 + r) * B + b];
+}
+
+// J = the step's Jacobian from W^T and its factors fac (rnn: d; gru: c_r, c_z, c_n, z).
+template <typename T, int KIND>
+__device__ inline void build_jacobian(T* J, const T* W, const T* fac, idx_t H, idx_t pitch) {
+  const idx_t HP = H * pitch;
+  for (idx_t p = threadIdx.x; p < HP; p += blockDim.x) {
+    const idx_t i = p / pitch, m = p % pitch;
+    if (m >= H) continue;
+    if (KIND == 0) {
+      J[p] = W[p] * fac[m];
+    } else {
+      T a = W[p] * fac[m];
+      a += W[HP + p] * fac[H + m];
+      a += W[2 * HP + p] * fac[2 * H + m];
+      if (i == m) a += fac[3 * H + m];
+      J[p] = a;
+    }
+  }
+}
+
+// Block (chunk c, batch element b): agg[c][b] = J_{e} ... J_{s}.
+template <typename T, int KIND>
+__device__ void up(const T* Wt, const T* f, T* agg, idx_t n, idx_t B, idx_t H, idx_t I, idx_t C, idx_t pitch) {
+  const idx_t NW = KIND == 0 ? 1 : 3, NF = KIND == 0 ? 1 : 5, NFU = KIND == 0 ? 1 : 4;
+  const idx_t NR = NF * H + I + H;
+  const idx_t c = (idx_t)blockIdx.x / B, b = (idx_t)blockIdx.x % B;
+  const idx_t s = c * C, e = (s + C < n ? s + C : n) - 1;
+  const idx_t HP = H * pitch;
+  T* sm = reinterpret_cast<T*>(BPPSA_SMEM);
+  T* W = sm;                 // NW * HP
+  T* J = W + NW * HP;        // HP: the step's Jacobian
+  T* M = J + HP;             // HP: the aggregate so far
+  T* Mn = M + HP;            // HP: its next value
+  T* fac = Mn + HP;          // NFU * H: the step's factors
+  stage_wt(W, Wt, NW, H, pitch);
+  stage_rows(fac, f, s, NR, B, b, 0, NFU * H);
+  __syncthreads();
+  build_jacobian<T, KIND>(M, W, fac, H, pitch);
+  __syncthreads();
+  for (idx_t k = s + 1; k <= e; ++k) {
+    stage_rows(fac, f, k, NR, B, b, 0, NFU * H);
+    __syncthreads();
+    build_jacobian<T, KIND>(J, W, fac, H, pitch);
+    __syncthreads();
+    // Mn = J M: thread (i, j) reads row i of J (a few rows per warp: distinct banks for an odd pitch)
+    // and column j of M (consecutive words)
+    for (idx_t p = threadIdx.x; p < HP; p += blockDim.x) {
+      const idx_t i = p / pitch, j = p % pitch;
+      if (j >= H) continue;
+      T acc = T(0);
+      for (idx_t m = 0; m < H; ++m) acc += J[i * pitch + m] * M[m * pitch + j];
+      Mn[p] = acc;
+    }
+    __syncthreads();
+    T* t = M;
+    M = Mn;
+    Mn = t;
+  }
+  T* out = agg + (c * B + b) * H * H;
+  for (idx_t p = threadIdx.x; p < HP; p += blockDim.x) {
+    const idx_t i = p / pitch, j = p % pitch;
+    if (j < H) out[i * H + j] = M[p];
+  }
+}
+
+// Whether entry (a, col) of the sums is accumulated (the GRU's dN rows take x and 1, its dM rows 1 and h').
+template <int KIND>
+__device__ inline bool needed(idx_t a, idx_t col, idx_t H, idx_t I) {
+  if (KIND == 0 || a < 2 * H) return true;
+  return a < 3 * H ? col <= I : col >= I;
+}
+
+// Block (chunk c, batch element b): replay the chunk from carry[c][b].
+template <typename T, int KIND>
+__device__ void down(const T* Wt, const T* f, const T* carry, T* P, T* accs, idx_t n, idx_t B, idx_t H, idx_t I,
+                     idx_t C, idx_t pitch, idx_t G, idx_t mode) {
+  const idx_t NW = KIND == 0 ? 1 : 3, NF = KIND == 0 ? 1 : 5;
+  const idx_t NFD = KIND == 0 ? 1 : (mode ? 5 : 4);
+  const idx_t NR = NF * H + I + H;
+  const idx_t NA = KIND == 0 ? H : 4 * H, NBV = I + 1 + H;
+  const idx_t c = (idx_t)blockIdx.x / B, b = (idx_t)blockIdx.x % B;
+  const idx_t s = c * C, e = (s + C < n ? s + C : n) - 1;
+  const idx_t HP = H * pitch;
+  T* sm = reinterpret_cast<T*>(BPPSA_SMEM);
+  T* W = sm;              // NW * HP
+  T* v = W + NW * HP;     // H: the vector before step k (the scan's output at k)
+  T* w = v + H;           // H: J_k v
+  T* fac = w + H;         // NFD * H: the step's factors
+  T* t = fac + NFD * H;   // NW * H: c_g ⊙ v (rnn: d ⊙ v)
+  T* A = t + NW * H;      // mode 1: G * NA gradient rows of the group's positions
+  T* Bv = A + G * NA;     // mode 1: G * NBV columns (x, 1, h')
+  T* acc = Bv + G * NBV;  // mode 1: NA * NBV, the block's sums
+  stage_wt(W, Wt, NW, H, pitch);
+  for (idx_t i = threadIdx.x; i < H; i += blockDim.x) v[i] = carry[(c * B + b) * H + i];
+  if (mode)
+    for (idx_t q = threadIdx.x; q < NA * NBV; q += blockDim.x) acc[q] = T(0);
+  idx_t gp = 0;
+  for (idx_t k = s; k <= e; ++k) {
+    stage_rows(fac, f, k, NR, B, b, 0, NFD * H);
+    if (mode) {
+      T* col = Bv + gp * NBV;
+      for (idx_t q = threadIdx.x; q < NBV; q += blockDim.x)
+        col[q] = q < I ? f[(k * NR + NF * H + q) * B + b] : q == I ? T(1) : f[(k * NR + NF * H + q - 1) * B + b];
+    }
+    __syncthreads();
+    for (idx_t i = threadIdx.x; i < H; i += blockDim.x) {
+      const T q = v[i];
+      if (mode == 0) P[(k * B + b) * H + i] = q;
+      if (KIND == 0) {
+        t[i] = fac[i] * q;
+        if (mode) A[gp * NA + i] = q * fac[i];  // the pre-activation's gradient, d ⊙ grad h
+      } else {
+        t[i] = fac[i] * q;
+        t[H + i] = fac[H + i] * q;
+        t[2 * H + i] = fac[2 * H + i] * q;
+        if (mode) {
+          T* row = A + gp * NA;
+          row[i] = q * fac[i];                  // dR = grad h ⊙ c_r
+          row[H + i] = q * fac[H + i];          // dZ = grad h ⊙ c_z
+          row[2 * H + i] = q * fac[4 * H + i];  // dN = grad h ⊙ e
+          row[3 * H + i] = q * fac[2 * H + i];  // dM = grad h ⊙ c_n
+        }
+      }
+    }
+    __syncthreads();
+    if (k < e) {  // w = J_k v; thread i reads row i of each W^T (a column across the warp)
+      for (idx_t i = threadIdx.x; i < H; i += blockDim.x) {
+        T a = KIND == 0 ? T(0) : fac[3 * H + i] * v[i];
+        for (idx_t g = 0; g < NW; ++g) {
+          const T* Wg = W + g * HP + i * pitch;
+          const T* tg = t + g * H;
+          for (idx_t m = 0; m < H; ++m) a += Wg[m] * tg[m];
+        }
+        w[i] = a;
+      }
+    }
+    ++gp;
+    if (mode && (gp == G || k == e)) {  // the group's rows times its columns into the sums
+      for (idx_t q = threadIdx.x; q < NA * NBV; q += blockDim.x) {
+        const idx_t a = q / NBV, col = q % NBV;
+        if (!needed<KIND>(a, col, H, I)) continue;
+        T sum = acc[q];
+        for (idx_t p = 0; p < gp; ++p) sum += A[p * NA + a] * Bv[p * NBV + col];
+        acc[q] = sum;
+      }
+      gp = 0;
+    }
+    __syncthreads();
+    T* tmp = v;
+    v = w;
+    w = tmp;
+  }
+  if (mode) {
+    T* out = accs + (idx_t)blockIdx.x * NA * NBV;
+    for (idx_t q = threadIdx.x; q < NA * NBV; q += blockDim.x) out[q] = acc[q];
+  }
+}
+
+}  // namespace bppsa_factored
+
+#define BPPSA_FACTORED_KERNELS(T, SUFFIX, KIND, NAME)                                                         \
+  extern "C" __global__ void bppsa_factored_up_##NAME##_##SUFFIX(const T* Wt, const T* f, T* agg, idx_t n,      \
+                                                                 idx_t B, idx_t H, idx_t I, idx_t C,            \
+                                                                 idx_t pitch, idx_t G, idx_t mode) {            \
+    (void)G;                                                                                                  \
+    (void)mode;                                                                                               \
+    bppsa_factored::up<T, KIND>(Wt, f, agg, n, B, H, I, C, pitch);                                            \
+  }                                                                                                           \
+  extern "C" __global__ void bppsa_factored_down_##NAME##_##SUFFIX(const T* Wt, const T* f, const T* carry,    \
+                                                                   T* P, T* acc, idx_t n, idx_t B, idx_t H,     \
+                                                                   idx_t I, idx_t C, idx_t pitch, idx_t G,      \
+                                                                   idx_t mode) {                                \
+    bppsa_factored::down<T, KIND>(Wt, f, carry, P, acc, n, B, H, I, C, pitch, G, mode);                       \
+  }
+
+BPPSA_FACTORED_KERNELS(float, f32, 0, rnn)
+BPPSA_FACTORED_KERNELS(double, f64, 0, rnn)
+BPPSA_FACTORED_KERNELS(float, f32, 1, gru)
+BPPSA_FACTORED_KERNELS(double, f64, 1, gru)

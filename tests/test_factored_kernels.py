@@ -1,0 +1,326 @@
+"""The factored GPU backward (``factored.cu``, backend ``cupy-factored``), checked without a GPU.
+
+* the kernel sources run by the emulator (``tests/cuda_emulator.py``) through the plan
+  (:func:`bppsa.backends.cuda.plan.factored_plan`): the scan's output and the parameter-gradient sums held to
+  the reference scan over the chain's dense Jacobians (``chain.dense()``);
+* a whole training step of the RNN and the GRU through that emulated path against autograd;
+* the plan's launches, their ``moved`` and ``flop`` counted by hand on a tiny shape, the chunk size;
+* the shared-memory access patterns of the kernels: bank conflicts (:func:`bppsa.backends.cuda.plan.bank_conflicts`);
+* ``@pytest.mark.gpu``: the real backend against the torch twin and autograd.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from cuda_emulator import build_emulator, emulated_factored
+
+from bppsa.backends.cpu.chain import GruChain, RnnChain
+from bppsa.backends.twin import TorchBackend
+from bppsa.scan import reference_scan
+
+TOL = {np.float64: 1e-10, np.float32: 1e-4}
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    return build_emulator(str(tmp_path_factory.mktemp("emu")))
+
+
+def _mv(a, v):
+    return torch.matmul(a, v.unsqueeze(-1)).squeeze(-1)
+
+
+def _chain(kind: str, n: int, B: int, H: int, I: int, seed: int):
+    """A chain built by the CPU chain classes from a real forward, in fp64."""
+    torch.manual_seed(seed)
+    x = torch.randn(n, B, I, dtype=torch.float64)
+    if kind == "rnn":
+        cell = torch.nn.RNN(I, H, nonlinearity="tanh").double()
+        with torch.no_grad():
+            h, _ = cell(x)
+        return RnnChain.from_states(h, cell.weight_hh_l0, x)
+    cell = torch.nn.GRU(I, H).double()
+    with torch.no_grad():  # the factors must not track the cell's gradients (the torch path builds them from it)
+        h, _ = cell(x)
+        return GruChain.from_states(x, h, cell)
+
+
+def _reference(chain, g: torch.Tensor):
+    """The scan over chain.dense() (Algorithm 1, position by position) and the sums [NA, I + 1 + H] the down
+    kernel accumulates, from that scan and the chain's factors, in fp64."""
+    P, _ = reference_scan(g, chain.dense(), matmat=torch.matmul, matvec=_mv)
+    P = torch.stack(P)  # [n, B, H]
+    n, B, H, _ = chain.shape
+    I = chain.I
+    f = chain.f.permute(0, 2, 1)  # [n, B, NR]
+    NF = chain.NF
+    cols = torch.cat([f[..., NF * H:NF * H + I], torch.ones(n, B, 1, dtype=f.dtype), f[..., NF * H + I:]], -1)
+    lane = lambda i: f[..., i * H:(i + 1) * H]  # noqa: E731
+    if chain.kind == "rnn":
+        rows = P * lane(0)
+    else:
+        rows = torch.cat([P * lane(0), P * lane(1), P * lane(4), P * lane(2)], -1)
+    acc = torch.einsum("kba,kbc->ac", rows, cols)
+    if chain.kind == "gru":
+        acc[2 * H:3 * H, I + 1:] = 0  # dN: x and 1 only
+        acc[3 * H:, :I] = 0           # dM: 1 and h' only
+    return P, acc
+
+
+def _rel(got, ref) -> float:
+    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    scale = np.abs(ref).max()
+    return float(np.abs(got - ref).max() / (scale if scale > 0 else 1.0))
+
+
+# (n, B, H, C): n mod C != 0, n < C (one chunk: no up, no middle), n == C, several whole chunks, B = 64
+SHAPES = [(37, 1, 7, 8), (5, 2, 7, 8), (16, 1, 20, 16), (24, 3, 20, 8), (9, 64, 7, 4), (37, 2, 20, 8)]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+@pytest.mark.parametrize("n,B,H,C", SHAPES)
+def test_emulated_factored_scan_and_sums(emu, kind, n, B, H, C, dtype):
+    I = 1 if kind == "rnn" else 5
+    chain = _chain(kind, n, B, H, I, seed=n * 100 + B * 10 + H)
+    g = torch.randn(B, H, dtype=torch.float64, generator=torch.Generator().manual_seed(n + B))
+    P_ref, acc_ref = _reference(chain, g)
+    gd = g.numpy().astype(dtype)
+    P, used = emulated_factored(emu, chain, gd, C=C)
+    assert used == C and P.dtype == dtype and P.shape == (n, B, H)
+    assert not np.isnan(P).any(), "a position was never written"
+    assert _rel(P, P_ref) <= TOL[dtype]
+    acc, _ = emulated_factored(emu, chain, gd, C=C, grads=True)
+    assert acc.shape == acc_ref.shape and not np.isnan(acc).any()
+    assert _rel(acc, acc_ref) <= TOL[dtype]
+    got = chain.param_grads(torch.from_numpy(acc.astype(np.float64)))
+    for name, ref in chain.param_grads(acc_ref).items():
+        assert _rel(got[name], ref) <= TOL[dtype], name
+
+
+def test_emulated_factored_middle_with_bounded_tree(emu):
+    chain = _chain("rnn", 45, 2, 5, 1, seed=4)
+    g = torch.randn(2, 5, dtype=torch.float64)
+    P_ref, _ = _reference(chain, g)
+    for L_m in (0, 1, None):  # the middle scan over the 12 chunk aggregates, linear, one level, full tree
+        P, _ = emulated_factored(emu, chain, g.numpy(), C=4, L_m=L_m)
+        assert _rel(P, P_ref) <= 1e-10, L_m
+
+
+def test_chain_without_x_gives_the_scan(emu):
+    torch.manual_seed(0)
+    h = torch.tanh(torch.randn(11, 2, 4, dtype=torch.float64))
+    chain = RnnChain.from_states(h, torch.randn(4, 4, dtype=torch.float64) / 2)  # I = 0
+    g = torch.randn(2, 4, dtype=torch.float64)
+    out, _ = emulated_factored(emu, chain, g.numpy(), C=4, grads=True)  # no x: gradients fall back to the scan
+    assert out.shape == (11, 2, 4) and _rel(out, _reference(chain, g)[0]) <= 1e-10
+
+
+# ---------------------------------------------------------------------------------------------
+# a whole training step through the emulated path against autograd
+# ---------------------------------------------------------------------------------------------
+class EmulatedFactored(TorchBackend):
+    """CupyFactoredBackend with the kernels run by the emulator: the same chains, plan and reduction."""
+
+    name = "cupy-factored-emulated"
+
+    def __init__(self, lib, C: int):
+        super().__init__()
+        self.lib, self.C = lib, C
+
+    def rnn_jacobians_t(self, h, W_hh, layout, x=None):
+        assert layout == "fused"
+        return RnnChain.from_states(h, W_hh, x)
+
+    def gru_jacobians_t(self, x, h, cell, gates=None):
+        return GruChain.from_states(x, h, cell)
+
+    def cell_grads(self, g, J, L_m, from_scan):
+        acc, _ = emulated_factored(self.lib, J, g.numpy(), C=self.C, grads=True, L_m=L_m)
+        return J.param_grads(torch.from_numpy(acc))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("model", ["rnn", "gru"])
+def test_training_step_through_emulated_kernels_matches_autograd(emu, model, dtype):
+    from bppsa.models import build
+
+    T, B = 37, 3  # T not a power of two, C = 8: four whole chunks and a short one
+    torch.manual_seed(5)
+    I = 1 if model == "rnn" else 6
+    ref = build(model, I, 20, 10).to(dtype)
+    got = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(T, B, I, generator=gen).to(dtype)
+    y = torch.randint(0, 10, (B,), generator=gen)
+    loss_ref = ref.baseline_step(x, y)
+    loss = got.bppsa_step(x, y, EmulatedFactored(emu, 8), "fused")
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    assert abs(float(loss) - float(loss_ref)) <= tol
+    for (name, p), (_, q) in zip(ref.named_parameters(), got.named_parameters()):
+        assert q.grad is not None, name
+        assert _rel(q.grad, p.grad) <= tol, (name, _rel(q.grad, p.grad))
+    assert ref.cell.weight_hh_l0.grad.abs().max() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# on a GPU: the real backend
+# ---------------------------------------------------------------------------------------------
+def _factored_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"cupy not importable: {exc}")
+    from bppsa.backends.cuda import CupyFactoredBackend
+
+    return CupyFactoredBackend()
+
+
+def _gpu_chain(be, kind: str, T: int, B: int, H: int, I: int, dtype, seed: int):
+    torch.manual_seed(seed)
+    x = torch.randn(T, B, I, device="cuda", dtype=dtype)
+    if kind == "rnn":
+        cell = torch.nn.RNN(I, H, nonlinearity="tanh").to("cuda", dtype)
+        with torch.no_grad():
+            h, _ = cell(x)
+        return be.rnn_jacobians_t(h, cell.weight_hh_l0, "fused", x)
+    cell = torch.nn.GRU(I, H).to("cuda", dtype)
+    with torch.no_grad():  # as in the model's step: the factors must not track the cell's gradients
+        h, _ = cell(x)
+        return be.gru_jacobians_t(x, h, cell)
+
+
+def _cpu64(chain):
+    """The same chain on the CPU in fp64 (the reference's operands)."""
+    cls = RnnChain if chain.kind == "rnn" else GruChain
+    return cls(chain.W_hh.double().cpu(), chain.f.double().cpu(), chain.I)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+@pytest.mark.parametrize("T,B,H,C", [(1, 1, 20, None), (7, 3, 7, None), (37, 5, 20, 8), (1000, 16, 20, None),
+                                     (1000, 1, 20, None), (129, 2, 33, 16), (300, 4, 64, 32)])
+def test_cupy_factored_matches_the_torch_twin(kind, T, B, H, C, dtype):
+    be = _factored_or_skip()
+    chain = _gpu_chain(be, kind, T, B, H, 3, dtype, seed=T + B + H)
+    assert isinstance(chain, RnnChain if kind == "rnn" else GruChain) and chain.device.type == "cuda"
+    g = torch.randn(B, H, device="cuda", dtype=dtype)
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    # the torch twin over the dense chain, in fp64
+    ref = TorchBackend().scan(g.double(), chain.dense().double())
+    out = be._factored(g, chain, None, grads=False, C=C)
+    assert out.shape == (T, B, H) and out.dtype == dtype and out.device.type == "cuda"
+    assert _rel(out.cpu(), ref.cpu()) <= tol
+    torch.testing.assert_close(be.scan(g, chain), ref.to(dtype), rtol=tol, atol=tol * float(ref.abs().max()))
+    acc = be._factored(g, chain, None, grads=True, C=C)
+    _, acc_ref = _reference(_cpu64(chain), g.double().cpu())
+    assert acc.shape == acc_ref.shape and _rel(acc.cpu(), acc_ref) <= tol
+
+
+@pytest.mark.gpu
+def test_cupy_factored_delegates_dense_chains_and_the_paper_layout():
+    be = _factored_or_skip()
+    g = torch.randn(5, 20, device="cuda", dtype=torch.float64)
+    J = torch.randn(33, 5, 20, 20, device="cuda", dtype=torch.float64) / 20**0.5
+    torch.testing.assert_close(be.scan(g, J.clone()), TorchBackend().scan(g, J.clone()), rtol=1e-10, atol=1e-10)
+    h = torch.tanh(torch.randn(4, 5, 20, device="cuda", dtype=torch.float64))
+    W = torch.randn(20, 20, device="cuda", dtype=torch.float64)
+    assert torch.is_tensor(be.rnn_jacobians_t(h, W, "paper"))  # the faithful dense kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("model", ["rnn", "gru"])
+@pytest.mark.parametrize("T,B", [(1, 1), (17, 5), (1000, 16), (1000, 1)])
+def test_cupy_factored_training_step_matches_autograd(model, T, B, dtype):
+    from bppsa.models import build
+    from bppsa.precision import ieee_fp32
+
+    be = _factored_or_skip()
+    assert be.name == "cupy-factored"
+    torch.manual_seed(T * 31 + B)
+    I = 1 if model == "rnn" else 12
+    ref = build(model, I).to("cuda", dtype)
+    got = copy.deepcopy(ref)
+    x = torch.randn(T, B, I, device="cuda", dtype=dtype)
+    if model == "rnn":
+        x = torch.bernoulli(torch.full((T, B, I), 0.35, device="cuda", dtype=dtype))
+    y = torch.randint(0, 10, (B,), device="cuda")
+    with ieee_fp32():  # TF32 off: cuDNN's fp32 RNNs are otherwise only ~1e-3 accurate
+        loss_ref = ref.baseline_step(x, y)
+        loss = got.bppsa_step(x, y, be, "fused")
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    assert abs(float(loss) - float(loss_ref)) <= tol * max(1.0, abs(float(loss_ref)))
+    for (name, p), (_, q) in zip(ref.named_parameters(), got.named_parameters()):
+        assert q.grad is not None, name
+        assert _rel(q.grad.cpu(), p.grad.cpu()) <= tol, (name, _rel(q.grad.cpu(), p.grad.cpu()))
+
+
+@pytest.mark.gpu
+def test_cupy_factored_is_what_auto_picks_on_a_gpu():
+    _factored_or_skip()
+    from bppsa.backends import get_backend
+
+    assert get_backend("auto", torch.device("cuda")).name == "cupy-factored"
+
+
+def test_backend_refuses_what_does_not_fit_in_shared_memory(monkeypatch):
+    """Without a GPU: the launcher's CUDA calls replaced, a GPU allowing 48 KiB per block, the GRU at H = 64 in fp64
+    (its up block needs 6 pitched 64 x 65 matrices, ~195 KiB) is refused with the numbers, before any launch."""
+    import contextlib
+
+    from bppsa.backends import cuda
+    from bppsa.backends.cuda import runtime
+
+    launched = []
+    monkeypatch.setattr(runtime, "import_cupy", lambda: None)
+    monkeypatch.setattr(runtime, "check_cuda", lambda dtype, *ts: torch.device("cuda", 0))
+    monkeypatch.setattr(runtime, "smem_optin", lambda dev: 48 * 1024)
+    monkeypatch.setattr(runtime, "OnTorchStream", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(runtime, "launch", lambda *a: launched.append(a))
+    be = cuda.CupyFactoredBackend()
+    x, h = torch.zeros(40, 2, 3, dtype=torch.float64), torch.zeros(40, 2, 64, dtype=torch.float64)
+    chain = be.gru_jacobians_t(x, h, torch.nn.GRU(3, 64).double())
+    with pytest.raises(ValueError, match=r"'cupy-factored' needs \d+ bytes of shared memory .* allows 49152"):
+        be.scan(torch.zeros(2, 64, dtype=torch.float64), chain)
+    assert not launched
+    small = be.gru_jacobians_t(x[:, :, :3], torch.zeros(40, 2, 5, dtype=torch.float64), torch.nn.GRU(3, 5).double())
+    monkeypatch.setattr(runtime, "as_cupy", lambda t: t)
+    be.scan(torch.zeros(2, 5, dtype=torch.float64), small)  # fits: up, the middle scan, down
+    assert [a[1].kernel for a in launched][0] == "bppsa_factored_up_gru" and launched[-1][0] == "factored.cu"
+
+
+def test_without_cuda_the_backend_says_why():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the backend may be usable")
+    from bppsa.backends import BACKENDS, get_backend
+
+    assert "cupy-factored" in BACKENDS
+    with pytest.raises(RuntimeError, match="backend 'cupy-factored' is unusable: torch sees no CUDA GPU"):
+        get_backend("cupy-factored")
+    from bppsa.backends.cuda import CupyFactoredBackend
+
+    assert CupyFactoredBackend.name == "cupy-factored"
+
+
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+def test_torch_built_factors_as_the_gpu_builds_them(emu, kind, monkeypatch):
+    """On a GPU the chains' factors are built by torch (the compiled builder reads host memory only): the same
+    factors as the compiled builder's, and the emulated kernels on them hold to the reference."""
+    from bppsa.backends.cpu import chain as chain_mod
+
+    native_built = _chain(kind, 19, 3, 6, 2, seed=9)
+    monkeypatch.setattr(chain_mod.native, "available", lambda: False)
+    torch_built = _chain(kind, 19, 3, 6, 2, seed=9)
+    torch.testing.assert_close(torch_built.f, native_built.f, rtol=1e-13, atol=1e-13)
+    g = torch.randn(3, 6, dtype=torch.float64)
+    P_ref, acc_ref = _reference(torch_built, g)
+    P, _ = emulated_factored(emu, torch_built, g.numpy(), C=4)
+    acc, _ = emulated_factored(emu, torch_built, g.numpy(), C=4, grads=True)
+    assert _rel(P, P_ref) <= 1e-10 and _rel(acc, acc_ref) <= 1e-10

@@ -1,0 +1,170 @@
+"""The factored path's plan in pure Python: launches, their ``moved`` and ``flop`` counted by hand on tiny shapes,
+the chunk size, shared memory, and the bank conflicts of the kernels' shared-memory access patterns."""
+from __future__ import annotations
+
+import pytest
+
+from bppsa.backends.cuda import plan
+
+
+def test_chunk_size_fills_the_gpu():
+    assert plan.chunk_size(30000, 16) == 128  # the paper's RNN: 235 chunks x 16 = 3760 blocks
+    assert plan.chunk_size(30000, 1) == 16    # one sequence: smaller chunks for 1875 blocks
+    assert plan.chunk_size(10, 1) == plan.CHUNK_MIN
+    for n in (1, 37, 1000, 30000, 10**6):
+        for B in (1, 4, 16, 64):
+            C = plan.chunk_size(n, B)
+            assert plan.CHUNK_MIN <= C <= plan.CHUNK_MAX and C & (C - 1) == 0
+            assert C == plan.CHUNK_MIN or B * -(-n // C) >= plan.TARGET_BLOCKS
+
+
+def test_rnn_plan_counts_by_hand():
+    # n = 5 steps, B = 1, H = 2, I = 1, C = 2: chunks of 2, 2 and 1 steps (K = 3)
+    C, launches = plan.factored_plan("rnn", 5, 1, 2, 1, 2)
+    assert C == 2
+    up, *middle, down, red = launches
+    assert middle == plan.scan_plan(4, 1, 2)[1]  # the Blelloch scan over (g, M_0, M_1, M_2)
+    assert (up.kernel, up.grid, down.kernel, down.grid, red.kernel) == (
+        "bppsa_factored_up_rnn", 3, "bppsa_factored_down_rnn", 3, "torch.sum")
+    assert up.ints == down.ints == (5, 1, 2, 1, 2, 3, plan.FACTORED_GROUP, 1)
+    # up, per block: W^T (4) read, d (2 per step) read, the aggregate (4) written: 4+4+4, 4+4+4, 4+2+4
+    assert up.moved == 12 + 12 + 10
+    # d scaling W^T: 4 products per step; a 2x2 matrix product (8 multiply-adds = 16) per step after the first
+    assert up.flop == (8 + 16) + (8 + 16) + 4
+    # down, per block: W^T 4 + carry 2 + d 2 per step; x and h' (1 + 2) per step; the 2 x 4 sums written (8)
+    assert down.moved == (4 + 2 + 4 + 6 + 8) * 2 + (4 + 2 + 2 + 3 + 8)
+    # per step: t = d v (2), the rows d ⊙ v (2), 8 entries updated (16); per step but the chunk's last: W^T t (8)
+    assert down.flop == 5 * (2 + 2 + 16) + 2 * 8
+    # the reduction: 3 blocks of 8 sums read, 8 written, 2 x 8 additions
+    assert (red.moved, red.flop) == (32, 16)
+
+
+def test_gru_plan_counts_by_hand():
+    # n = 3, B = 1, H = 1, I = 1, C = 2: chunks of 2 and 1 steps; W^T is 3 matrices of 1
+    C, launches = plan.factored_plan("gru", 3, 1, 1, 1, 2)
+    up, *middle, down, red = launches
+    assert middle == plan.scan_plan(3, 1, 1)[1]
+    # up: W^T 3, c_r c_z c_n z (4) per step, aggregate 1: (3 + 8 + 1) + (3 + 4 + 1)
+    assert up.moved == 12 + 8
+    # the Jacobian: 3 products and 2 sums per element, + z on the diagonal (6); a 1x1 product (2) after the first
+    assert up.flop == (2 * 6 + 2) + 6
+    # down: W^T 3 + carry 1 + five factor rows per step; x and h' (2) per step; the 4 x 3 sums written
+    assert down.moved == (3 + 1 + 10 + 4 + 12) + (3 + 1 + 5 + 2 + 12)
+    # per step: t (3), the rows dR dZ dN dM (4), 10 entries (dN: x and 1, dM: 1 and h') updated (20);
+    # per step but the last of its chunk: three W^T t and z v (7)
+    assert plan.grad_entries("gru", 1, 1) == 10
+    assert down.flop == 3 * (3 + 4 + 20) + 7
+    assert (red.moved, red.flop) == (3 * 12, 12)
+
+
+def test_scan_only_plan_and_one_chunk():
+    _, launches = plan.factored_plan("rnn", 5, 2, 2, 1, 2, grads=False)
+    assert launches[-1].kernel == "bppsa_factored_down_rnn" and launches[-1].ints[-1] == 0
+    # down without gradients: W^T, carry and d as before, and P written (H per step)
+    assert launches[-1].moved == 2 * ((4 + 2 + 4) * 2 + (4 + 2 + 2)) + 5 * 2 * 2
+    C, launches = plan.factored_plan("gru", 5, 2, 3, 4, 8)  # n < C: the down phase alone, from g
+    assert C == 8 and [x.kernel for x in launches] == ["bppsa_factored_down_gru", "torch.sum"]
+    _, launches = plan.factored_plan("rnn", 16, 2, 3, 0, 16)  # n == C, no x: down alone, writing P
+    assert [x.kernel for x in launches] == ["bppsa_factored_down_rnn"]
+    with pytest.raises(ValueError, match="unknown chain kind"):
+        plan.factored_plan("lstm", 5, 1, 2, 1)
+
+
+def test_shared_memory_fits_without_opt_in_at_the_papers_sizes():
+    for kind, I in (("rnn", 1), ("gru", 12)):
+        for itemsize in (4, 8):
+            _, launches = plan.factored_plan(kind, 30000, 16, 20, I)
+            assert max(x.smem_elems for x in launches) * itemsize <= 48 * 1024, (kind, itemsize)
+    up, down = plan.factored_smem("rnn", 20, 1, True)
+    P = plan.smem_pitch(20)
+    assert up == 4 * 20 * P + 20 and down == 20 * P + 4 * 20 + plan.FACTORED_GROUP * (20 + 22) + 20 * 22
+
+
+# ---------------------------------------------------------------------------------------------
+# bank conflicts
+# ---------------------------------------------------------------------------------------------
+def test_bank_conflicts_counts_distinct_words_per_bank():
+    assert plan.bank_conflicts(range(32), 4) == 1
+    assert plan.bank_conflicts([0] * 32, 4) == 1  # a broadcast
+    assert plan.bank_conflicts([i * 32 for i in range(32)], 4) == 32
+    assert plan.bank_conflicts([i * 2 for i in range(32)], 4) == 2
+    assert plan.bank_conflicts([None] * 31 + [5], 4) == 1
+    assert plan.bank_conflicts(range(32), 8) == 1  # per half-warp: 16 x 8 bytes, every bank once
+    assert plan.bank_conflicts([i * 16 for i in range(32)], 8) == 16
+    assert plan.bank_conflicts([0, 16] + [None] * 14 + [0, 16] + [None] * 14, 8) == 2
+
+
+def _warps(threads: int, length: int, active, addr):
+    """The addresses of every warp in every iteration of a kernel loop ``for (p = threadIdx.x; p < length; p +=
+    blockDim.x)`` (blockDim a multiple of 32, so warps stay aligned), for the threads where ``active(p)``."""
+    it = 0
+    while it * threads < length:
+        for w in range(threads // 32):
+            ps = [it * threads + w * 32 + lane for lane in range(32)]
+            yield [addr(p) if p < length and active(p) else None for p in ps]
+        it += 1
+
+
+def _worst(threads, length, active, addr, itemsize) -> int:
+    return max(plan.bank_conflicts(a, itemsize) for a in _warps(threads, length, active, addr))
+
+
+def kernel_patterns(H: int, NBV: int, itemsize: int) -> dict[str, int]:
+    """The worst conflict of each shared-memory access of factored.cu at H (formulas as in the kernel)."""
+    P = plan.smem_pitch(H)
+    HP = H * P
+    tu, td = plan.up_threads(H), plan.down_threads(H, True)
+    pad = lambda p: p % P < H  # noqa: E731 - the pitched loops skip the pad column
+    ms = range(H)
+    return {
+        # stage_wt, build_jacobian, the product's store, the aggregate's load: dst[p], W[p], J[p], Mn[p], M[p]
+        "pitched element-wise": _worst(tu, HP, pad, lambda p: p, itemsize),
+        # build_jacobian: fac[m], m = p % P
+        "up: factor by column": _worst(tu, HP, pad, lambda p: p % P, itemsize),
+        # the product: J[i * P + m] and M[m * P + j] for each m
+        "up: J row": max(_worst(tu, HP, pad, lambda p, m=m: (p // P) * P + m, itemsize) for m in ms),
+        "up: M column": max(_worst(tu, HP, pad, lambda p, m=m: m * P + p % P, itemsize) for m in ms),
+        # the down mat-vec: thread i reads W[g * HP + i * P + m] (a column across the warp), t[m] (broadcast)
+        "down: W^T column": max(_worst(td, H, lambda i: True, lambda i, m=m: i * P + m, itemsize) for m in ms),
+        "down: vectors": _worst(td, H, lambda i: True, lambda i: i, itemsize),
+        # the flush: acc[q], A[p * NA + q / NBV], Bv[p * NBV + q % NBV]
+        "flush: sums": _worst(td, 4 * H * NBV, lambda q: True, lambda q: q, itemsize),
+        "flush: rows": _worst(td, 4 * H * NBV, lambda q: True, lambda q: q // NBV, itemsize),
+        "flush: columns": _worst(td, 4 * H * NBV, lambda q: True, lambda q: q % NBV, itemsize),
+    }
+
+
+def test_padding_removes_the_column_read_conflicts():
+    H = 20
+    td = plan.down_threads(H, True)
+    unpadded = max(_worst(td, H, lambda i: True, lambda i, m=m: i * H + m, 4) for m in range(H))
+    padded = max(_worst(td, H, lambda i: True, lambda i, m=m: i * plan.smem_pitch(H) + m, 4) for m in range(H))
+    assert unpadded == 3 and padded == 1  # rows 0, 8, 16 of pitch 20 share a bank
+    assert max(_worst(td, H, lambda i: True, lambda i, m=m: i * H + m, 8) for m in range(H)) == 4
+    for H in (7, 20, 32, 33, 48, 64):
+        td, P = plan.down_threads(H, True), plan.smem_pitch(H)
+        for itemsize in (4, 8):
+            assert max(_worst(td, H, lambda i: True, lambda i, m=m, P=P: i * P + m, itemsize) for m in range(H)) == 1
+
+
+@pytest.mark.parametrize("H", [7, 20, 32, 64])
+def test_kernel_access_patterns_are_conflict_free_in_fp32(H):
+    """fp32 at H <= 32 and H = 64: every access conflict-free, except the flush's column read where a warp's 32
+    entries wrap a row of NBV > 32 (cols c and c + 32 of one row: ≤ 2-way, unavoidable with entries in rows)."""
+    for NBV in (22, 33):
+        got = kernel_patterns(H, NBV, 4)
+        assert got.pop("flush: columns") == (1 if NBV <= 32 else 2)
+        assert set(got.values()) == {1}, (H, NBV, got)
+
+
+@pytest.mark.parametrize("H", [7, 20, 32, 64])
+def test_kernel_access_patterns_in_fp64(H):
+    """fp64 is served per half-warp (16 banks of 8 bytes): a half-warp whose 16 entries wrap a row of the pitched
+    H x H loops (H not a multiple of 16, H > 16) touches columns j and j + 16: ≤ 2-way there; the column read of
+    W^T, the contiguous accesses and the flush's rows stay conflict-free."""
+    got = kernel_patterns(H, 22, 8)
+    assert max(got.values()) <= 2
+    assert got["down: W^T column"] == got["pitched element-wise"] == got["flush: sums"] == got["flush: rows"] == 1
+    assert got["up: J row"] == 1
+    if H % 16 == 0 or H < 16:
+        assert got["up: M column"] == got["up: factor by column"] == 1
