@@ -110,3 +110,20 @@ def test_gpu_reference_script_stops_at_the_doctor(tmp_path):
     assert proc.returncode == 1
     assert "bppsa doctor found no backend that works on the GPU" in proc.stderr
     assert "1/5" not in proc.stdout  # nothing after the doctor ran
+
+
+def test_gpu_reference_script_asks_the_workflow_only_for_targets_it_makes(tmp_path):
+    """Every results/ path the script hands to snakemake is one a rule writes (a dry run on the paper profile)."""
+    import re
+
+    text = (ROOT / "scripts" / "gpu_reference.sh").read_text()
+    targets = sorted({t.replace("$DEVICE", "some-gpu") for t in re.findall(r'"(results/\$DEVICE-torch-backend/[^"]+)"',
+                                                                            text)})
+    assert targets, "the script names no torch-backend targets any more: update this test"
+    r = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile",
+                        str(ROOT / "config" / "paper.yaml"), "--directory", str(tmp_path), "--config", "backend=torch",
+                        "device_slug=some-gpu-torch-backend", "device=cpu", "--", *targets],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    for t in targets:
+        assert t in r.stdout

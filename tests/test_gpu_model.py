@@ -78,8 +78,13 @@ def test_factored_moves_a_tenth_and_predicts_half_a_millisecond_at_the_papers_la
 @pytest.mark.parametrize("cell,I", [("rnn", 1), ("gru", 12)])
 def test_factored_never_writes_the_jacobians(cell, I):
     T, B, H = 1034, 16, 20
+    dense = T * B * H * H * 8  # one pass over the dense fp64 Jacobians
+    faithful = model.predict("faithful", cell, T, B, H, I, 8, model.GPUS["a100"])
     factored = model.predict("factored", cell, T, B, H, I, 8, model.GPUS["a100"])
-    assert factored["bytes"] < T * B * H * H * 8  # less than one pass over the dense Jacobians
+    assert faithful["bytes"] > 5 * dense  # written, then read and written again level by level
+    # the factors (and for the GRU its recomputed gates) instead: RNN 2H + I rows a step, GRU 6H + I
+    assert factored["bytes"] < (1 if cell == "rnn" else 4) * dense
+    assert factored["bytes"] < faithful["bytes"] / (10 if cell == "rnn" else 2.5)
 
 
 def test_cli_table_and_csv(tmp_path, capsys):
@@ -100,3 +105,62 @@ def test_cli_rejects_bad_input(capsys):
     assert "--seq-len must be >= 1" in capsys.readouterr().err
     assert main(["gpu-model", "--gpu", "k80"]) != 0
     assert "rtx2070" in capsys.readouterr().err
+
+
+def _bench(backend: str):
+    """A bench CSV as `bppsa bench` writes it on a GPU: three iterations of every variant, full mode."""
+    import pandas as pd
+
+    rows = []
+    times = {"baseline": {"forward": 1e-3, "backward": 30e-3}, "baseline-packed": {"forward": 1e-3, "backward": 40e-3},
+             "bppsa-paper": {"forward": 1e-3, "jacobian": 1e-3, "backward": 2e-3},
+             "bppsa-fused": {"forward": 1e-3, "jacobian": 0.1e-3, "backward": 0.4e-3}}
+    for variant, phases in times.items():
+        for it, scale in enumerate((1.0, 1.5, 0.9)):  # medians: scale 1.0
+            for phase, s in phases.items():
+                rows.append({"variant": variant, "mode": "full", "iter": it, "phase": phase, "seconds": s * scale,
+                             "backend": "autograd" if variant.startswith("baseline") else backend,
+                             "seq_len": 1000, "batch": 16, "hidden": 20, "input_size": 1, "dtype": "float32"})
+            rows.append({**rows[-1], "mode": "nobp", "phase": "forward", "seconds": 99.0})  # never counted
+    return pd.DataFrame(rows)
+
+
+def test_measured_against_the_model(tmp_path, capsys):
+    import pandas as pd
+
+    csv = tmp_path / "bench_T1000_B16.csv"
+    _bench("cupy-factored").to_csv(csv, index=False)
+    out = tmp_path / "measured.csv"
+    assert main(["gpu-measured", "--bench", str(csv), "--gpu", "h100", "--out", str(out)]) == 0
+    df = pd.read_csv(out).set_index("layout")
+    assert set(df.index) == {"faithful", "factored"}
+    for layout, seconds in (("faithful", 3e-3), ("factored", 0.5e-3)):
+        r = df.loc[layout]
+        pred = model.predict(layout, "rnn", 1000, 16, 20, 1, 4, model.GPUS["h100"])
+        assert r["measured_s"] == pytest.approx(seconds)
+        assert r["predicted_s"] == pytest.approx(pred["predicted_s"])
+        assert r["achieved_GBps"] == pytest.approx(pred["bytes"] / seconds / 1e9)
+        assert r["flops_fraction"] == pytest.approx(pred["flop"] / seconds / 67e12)
+        assert r["speedup_vs_cudnn"] == pytest.approx(30e-3 / seconds)
+        assert r["speedup_vs_cudnn_packed"] == pytest.approx(40e-3 / seconds)
+    assert "factored (cupy-factored)" in capsys.readouterr().out
+
+
+def test_measured_needs_the_cuda_kernels(tmp_path, capsys):
+    csv = tmp_path / "bench.csv"
+    _bench("cupy").to_csv(csv, index=False)  # the fused variant on the faithful kernels: not the factored layout
+    assert main(["gpu-measured", "--bench", str(csv), "--gpu", "a100", "--out", str(tmp_path / "m.csv")]) == 0
+    import pandas as pd
+
+    assert list(pd.read_csv(tmp_path / "m.csv")["layout"]) == ["faithful"]
+    _bench("cpu").to_csv(csv, index=False)
+    assert main(["gpu-measured", "--bench", str(csv), "--gpu", "a100", "--out", str(tmp_path / "n.csv")]) != 0
+    assert "ran the CUDA kernels" in capsys.readouterr().err
+    assert not (tmp_path / "n.csv").exists()
+
+
+@pytest.mark.parametrize("name,key", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", None),
+                                      ("NVIDIA GeForce RTX 2080 Ti", "rtx2080ti"), ("Tesla V100-SXM2-16GB", "v100"),
+                                      ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L4", None)])
+def test_device_names(name, key):
+    assert model.key_for_device_name(name) == key

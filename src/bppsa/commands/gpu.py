@@ -86,6 +86,79 @@ def gpu_model(args) -> int:
     return 0
 
 
+LAYOUT_OF = {"bppsa-paper": "faithful", "bppsa-fused": "factored"}
+
+
+def measured_rows(bench, gpu, launch_s: float) -> list[dict]:
+    """The GPU layouts measured by ``bppsa bench`` (the RNN's bench CSVs) beside the model's prediction.
+
+    Measured: the median over iterations of the BPPSA variant's Jacobian (or factor) phase plus its backward
+    phase, full mode, where the variant ran the CUDA kernels of a layout: ``bppsa-paper`` with backend cupy or
+    cupy-factored (both run the faithful kernels for it), ``bppsa-fused`` with cupy-factored (the factored
+    kernels).  Beside it: the model's bytes and FLOP over that time (achieved) and as a fraction of the GPU's
+    peaks, and cuDNN's backward (``baseline``, ``baseline-packed``) of the same file."""
+    from ..backends.cuda import model
+
+    full = bench[bench["mode"] == "full"]
+    rows = []
+    for (T, B), d in full.groupby(["seq_len", "batch"]):
+        per_iter = d.groupby(["variant", "backend", "iter", "phase"])["seconds"].sum().unstack("phase")
+        base = {}
+        for v in ("baseline", "baseline-packed"):
+            sel = per_iter.xs(v, level="variant") if v in per_iter.index.get_level_values("variant") else None
+            base[v] = float(sel["backward"].median()) if sel is not None else float("nan")
+        for (variant, backend), it in per_iter.groupby(level=["variant", "backend"]):
+            layout = LAYOUT_OF.get(variant)
+            if layout is None or backend not in ("cupy", "cupy-factored") or (
+                    layout == "factored" and backend != "cupy-factored"):
+                continue
+            first = d[d["variant"] == variant].iloc[0]
+            H, I = int(first["hidden"]), int(first["input_size"])
+            seconds = float((it.get("jacobian", 0) + it["backward"]).median())
+            itemsize = DTYPES[str(first["dtype"])].itemsize
+            pred = model.predict(layout, "rnn", int(T), int(B), H, I, itemsize, gpu, launch_s)
+            rows.append({
+                **{k: pred[k] for k in ("layout", "seq_len", "batch", "hidden", "input", "dtype", "gpu", "bytes",
+                                        "flop", "launches", "predicted_s")},
+                "variant": variant, "backend": backend, "measured_s": seconds,
+                "measured_over_predicted": seconds / pred["predicted_s"],
+                "achieved_GBps": pred["bytes"] / seconds / 1e9,
+                "achieved_GFLOPs": pred["flop"] / seconds / 1e9,
+                "bandwidth_fraction": pred["bytes"] / seconds / (gpu.bandwidth_GBps * 1e9),
+                "flops_fraction": pred["flop"] / seconds / gpu.peak_flops(itemsize),
+                "cudnn_backward_s": base["baseline"], "cudnn_packed_backward_s": base["baseline-packed"],
+                "speedup_vs_cudnn": base["baseline"] / seconds,
+                "speedup_vs_cudnn_packed": base["baseline-packed"] / seconds,
+            })
+    return rows
+
+
+def gpu_measured(args) -> int:
+    import pandas as pd
+
+    from ..backends.cuda import model
+
+    gpu = model.parse_gpu(args.gpu)
+    frames = []
+    for path in args.bench:
+        try:
+            frames.append(pd.read_csv(path))
+        except (OSError, pd.errors.ParserError) as exc:
+            raise ValueError(f"--bench {path}: {exc}") from exc
+    rows = measured_rows(pd.concat(frames, ignore_index=True), gpu, args.launch_us * 1e-6)
+    if not rows:
+        raise ValueError("no BPPSA variant in these bench CSVs ran the CUDA kernels (backend cupy or cupy-factored)")
+    write_csv(args.out, pd.DataFrame(rows))
+    for r in rows:
+        print(f"T={r['seq_len']:<6} B={r['batch']:<4} {r['layout']:>9} ({r['backend']}): measured "
+              f"{r['measured_s'] * 1e3:8.3f} ms, predicted {r['predicted_s'] * 1e3:8.3f} ms "
+              f"({r['measured_over_predicted']:.1f}x); {r['achieved_GBps']:.0f} GB/s "
+              f"({r['bandwidth_fraction']:.0%} of peak), {r['achieved_GFLOPs']:.0f} GFLOP/s "
+              f"({r['flops_fraction']:.0%}); cuDNN {r['speedup_vs_cudnn']:.1f}x, packed "
+              f"{r['speedup_vs_cudnn_packed']:.1f}x slower")
+    return 0
+
+
 def _gpu_keys():
     from ..backends.cuda import model
 
@@ -112,6 +185,18 @@ def register(subparsers) -> None:
     m.add_argument("--json", action="store_true", help="print a JSON list, one object per layout")
     m.add_argument("--out", default=None, help="also write the rows to this CSV (atomically)")
     m.set_defaults(func=gpu_model)
+
+    g = subparsers.add_parser(
+        "gpu-measured",
+        help="the GPU layouts measured by `bppsa bench` against the cost model: achieved bytes/s and FLOP/s",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g.add_argument("--bench", nargs="+", required=True, help="the RNN's bench CSVs (results/<device>/rnn/bench_*.csv)")
+    g.add_argument("--gpu", required=True, help="the GPU the benches ran on: a name of the model's table or numbers "
+                                                "GBps:FP32_TFLOPs[:FP64_TFLOPs[:SMs]]")
+    g.add_argument("--launch-us", type=float, default=3.0, help="assumed overhead per kernel launch (µs)")
+    g.add_argument("--out", required=True, help="CSV to write (atomically)")
+    g.set_defaults(func=gpu_measured)
 
     p = subparsers.add_parser(
         "bench-membound",

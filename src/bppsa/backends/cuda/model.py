@@ -60,6 +60,18 @@ GPUS = {
 }
 
 
+# substrings of torch.cuda.get_device_name() -> the table's key, most specific first
+_DEVICE_NAMES = (("H100", "h100"), ("A100", "a100"), ("V100", "v100"), ("2080 Ti", "rtx2080ti"), ("2070", "rtx2070"))
+
+
+def key_for_device_name(name: str) -> str | None:
+    """The :data:`GPUS` key of a CUDA device name ("NVIDIA H100 80GB HBM3" -> "h100"); None for a GPU the
+    table lacks, or a variant with other peaks (a PCIe H100 or A100) -- give those as numbers."""
+    if "PCIe" in name or "NVL" in name:
+        return None
+    return next((key for sub, key in _DEVICE_NAMES if sub in name), None)
+
+
 def parse_gpu(spec: str) -> Gpu:
     """A name of :data:`GPUS` (case, spaces, dashes and underscores ignored: "H100", "rtx-2080-ti") or numbers
     ``GBps:FP32_TFLOPs[:FP64_TFLOPs[:SMs]]`` (e.g. ``3350:67:34:132``); raises ValueError naming the choices."""
