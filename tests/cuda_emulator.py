@@ -1,8 +1,8 @@
 """The CUDA kernel sources run on the CPU: what ``tests/test_kernels.py`` drives with the launch plan.
 
 The actual ``.cu`` files are compiled as host C++ with a thin shim (:data:`SHIM`): blocks run one after
-the other, the threads of a block as real threads meeting at a ``std::barrier`` for ``__syncthreads``,
-dynamic shared memory NaN-poisoned (0xFF bytes) with a guard band checked after every block
+the other, the threads of a block as real threads meeting at a ``std::barrier`` for ``__syncthreads``
+(one set of threads per launch, reused block after block), dynamic shared memory NaN-poisoned (0xFF bytes) with a guard band checked after every block
 (:data:`DRIVER`).  Global buffers (:class:`Buf`) carry guard bands of :data:`SENTINEL` on both sides.
 :func:`emulated_scan` is ``CupyBackend.scan`` with the kernels run here: the same plan, the same buffers;
 :func:`emulated_factored` is ``CupyFactoredBackend``'s factored path.
@@ -32,6 +32,7 @@ KERNEL_NAMES = {
 SHIM = r"""
 #include <barrier>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 struct emu_uint3 { unsigned x, y, z; };
@@ -53,29 +54,45 @@ DRIVER = r"""
 static const size_t EMU_GUARD = 256;
 // Shared memory starts as 0xFF bytes (NaN in either dtype), so reading anything a block did not
 // stage poisons its result; bytes past the requested size must still be 0xFF afterwards.
+// The block's threads live for the whole launch and run the blocks one after the other: `gate` releases
+// them into a block and collects them after it.  Each block gets a fresh barrier for __syncthreads,
+// which a thread leaves (arrive_and_drop) when it returns, like an exited GPU thread.
 template <typename... A>
 static int emu_run(void (*fn)(A...), unsigned grid, unsigned block, unsigned long long smem, A... args) {
   std::vector<unsigned char> buf(smem + EMU_GUARD);
-  for (unsigned bx = 0; bx < grid; ++bx) {
-    std::memset(buf.data(), 0xFF, buf.size());
-    emu_smem = buf.data();
-    blockIdx = {bx, 0, 0};
-    blockDim = {block, 1, 1};
-    gridDim = {grid, 1, 1};
-    std::barrier<> bar(block);
-    emu_barrier = &bar;
-    std::vector<std::thread> threads;
-    for (unsigned t = 0; t < block; ++t)
-      threads.emplace_back([&, t] {
-        threadIdx = {t, 0, 0};
+  emu_smem = buf.data();
+  blockDim = {block, 1, 1};
+  gridDim = {grid, 1, 1};
+  std::barrier<> gate(block + 1);
+  std::unique_ptr<std::barrier<>> bar;
+  bool done = false;
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < block; ++t)
+    threads.emplace_back([&, t] {
+      threadIdx = {t, 0, 0};
+      for (;;) {
+        gate.arrive_and_wait();  // into the next block, or told to stop
+        if (done) return;
         fn(args...);
-        bar.arrive_and_drop();  // like an exited GPU thread: no longer waited for
-      });
-    for (auto& th : threads) th.join();
+        emu_barrier->arrive_and_drop();
+        gate.arrive_and_wait();  // the block is over
+      }
+    });
+  int rc = 0;
+  for (unsigned bx = 0; bx < grid && rc == 0; ++bx) {
+    std::memset(buf.data(), 0xFF, buf.size());
+    blockIdx = {bx, 0, 0};
+    bar = std::make_unique<std::barrier<>>(block);
+    emu_barrier = bar.get();
+    gate.arrive_and_wait();  // start the block
+    gate.arrive_and_wait();  // and wait for its end
     for (size_t i = smem; i < buf.size(); ++i)
-      if (buf[i] != 0xFF) return 1;
+      if (buf[i] != 0xFF) rc = 1;
   }
-  return 0;
+  done = true;
+  gate.arrive_and_wait();
+  for (auto& th : threads) th.join();
+  return rc;
 }
 template <typename F> struct Emu;
 template <typename... A> struct Emu<void (*)(A...)> {

@@ -13,9 +13,6 @@ import pandas as pd
 import pytest
 import yaml
 
-# one worker builds the .test run (test_run) and runs every test that reads it
-pytestmark = pytest.mark.xdist_group("test_run")
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -61,10 +58,11 @@ def test_no_twin_without_also_dtypes_or_in_the_workflow_dtype(tmp_path):
 TEST_CONFIG = ROOT / ".test" / "config" / "config.yaml"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def test_run(tmp_path_factory):
-    """`snakemake all` on the .test configuration in a fresh folder (2 cores: about 4 min), shared by the
-    tests below: every experiment, figure and table, the report and the claims."""
+    """`snakemake all` on the .test configuration in a fresh folder (2 cores: about 2-4 min), shared by the
+    tests below: every experiment, figure and table, the report and the claims.  Session-scoped: a worker of
+    ``-n auto`` may run other modules' tests between these, which would tear a module fixture down."""
     tmp_path = tmp_path_factory.mktemp("test_run")
     r = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", str(TEST_CONFIG),
                         "--directory", str(tmp_path), "all"],
