@@ -142,3 +142,19 @@ def test_bad_arguments_are_named():
         interleave({"a": lambda i: {"x": 1.0}}, rule, reference="z")
     with pytest.raises(ValueError, match="no methods"):
         interleave({}, rule)
+
+
+def test_ci_ranks_equal_scipys_binomial_quantiles():
+    """The median interval's ranks, from Bin(n, 1/2) summed in log space, are scipy's for every n up to 3000."""
+    from scipy.stats import binom
+
+    from bppsa.bench.protocol import _ci_ranks
+
+    for conf in (0.9, 0.95, 0.99):
+        alpha = 1 - conf
+        for n in range(1, 3001):
+            j = int(binom.ppf(alpha / 2, n, 0.5))
+            while j >= 0 and binom.cdf(j, n, 0.5) > alpha / 2:
+                j -= 1
+            j = max(j, 0)
+            assert _ci_ranks(n, conf) == (j, n - 1 - j), (n, conf)

@@ -12,7 +12,6 @@ import torch
 
 from .. import io
 from ..bench.protocol import StopRule, interleave
-from ..jacobians import sparse as sparse_jacobians
 from .common import add_runtime_args, setup
 
 # VGG-11's first conv, ReLU and max-pool on a 32x32 image (the paper's Table 1 examples)
@@ -53,6 +52,8 @@ class Operator(NamedTuple):
 
 def _operators(seed: int) -> list[Operator]:
     """VGG-11's first conv, ReLU and max-pool, in the paper's order."""
+    from ..jacobians import sparse as sparse_jacobians  # scipy.sparse: imported by the jobs that use it
+
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(C_OUT, C_IN, KERNEL, KERNEL, generator=g) * (2.0 / (C_IN * KERNEL * KERNEL)) ** 0.5
     x = torch.randn(C_IN, SIZE, SIZE, generator=g)
@@ -84,6 +85,8 @@ def _timed(fn) -> float:
 
 
 def _measure(args) -> int:
+    from ..jacobians import sparse as sparse_jacobians
+
     setup(args)
     if args.repeats_analytic < 1 or args.repeats_autograd < 0:
         raise ValueError("--repeats-analytic must be >= 1 and --repeats-autograd >= 0")
