@@ -3,7 +3,8 @@
 The actual ``.cu`` files are compiled as host C++ with a thin shim (:data:`SHIM`): blocks run one after
 the other, the threads of a block as real threads meeting at a ``std::barrier`` for ``__syncthreads``
 (one set of threads per launch, reused block after block), dynamic shared memory NaN-poisoned (0xFF
-bytes) with a guard band checked after every block (:data:`DRIVER`).  Global buffers (:class:`Buf`) carry guard bands of :data:`SENTINEL` on both sides.
+bytes) with a guard band checked after every block (:data:`DRIVER`).  Global buffers (:class:`Buf`)
+carry guard bands of :data:`SENTINEL` on both sides.
 :func:`emulated_scan` is ``CupyBackend.scan`` with the kernels run here: the same plan, the same buffers;
 :func:`emulated_factored` is ``CupyFactoredBackend``'s factored path.
 """
