@@ -164,3 +164,20 @@ def test_measured_needs_the_cuda_kernels(tmp_path, capsys):
                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L4", None)])
 def test_device_names(name, key):
     assert model.key_for_device_name(name) == key
+
+
+def test_cases_in_one_run(tmp_path):
+    """What the workflow's gpu_model rule runs: several cells and sweeps in one CSV."""
+    import pandas as pd
+
+    out = tmp_path / "m.csv"
+    assert main(["gpu-model", "--case", "rnn/10,30/16/20", "--case", "rnn/1000/2,4,8/20",
+                 "--case", "gru/259:38,1034:12/16/20", "--gpu", "h100,v100", "--out", str(out)]) == 0
+    df = pd.read_csv(out)
+    assert len(df) == 2 * (2 + 3 + 2) * len(model.LAYOUTS)
+    gru = df[df["cell"] == "gru"]
+    assert sorted(set(zip(gru["seq_len"], gru["input"]))) == [(259, 38), (1034, 12)]
+    assert set(df[df["cell"] == "rnn"]["input"]) == {1}
+    for bad in ("lstm/10/16", "rnn/10", "rnn/10/16/20/1"):
+        assert main(["gpu-model", "--case", bad, "--out", str(tmp_path / "x.csv")]) != 0
+    assert not (tmp_path / "x.csv").exists()

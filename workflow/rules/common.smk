@@ -309,12 +309,32 @@ def get_report_input():
     )
 
 
-GPU_MODEL = [
-    f"results/gpu_model/{name}.csv"
-    for name in ("rnn_seq_lens", "rnn_batches", "gru_sets")
-]
+GPU_MODEL = "results/gpu_model.csv"
+
+
+def gpu_model_cases():
+    """`bppsa gpu-model --case CELL/SEQ_LENS/BATCHES/HIDDEN` arguments: the RNN's two sweeps, the GRU's sets
+    (each with its own input size) at its batches."""
+
+    def case(cell, seq_lens, batches, hidden):
+        fields = [
+            cell,
+            ",".join(map(str, seq_lens)),
+            ",".join(map(str, batches)),
+            str(hidden),
+        ]
+        return "--case " + "/".join(fields)
+
+    gru_sets = [f"{MFCC_SETS[s].frames}:{MFCC_SETS[s].features}" for s in GRU["sets"]]
+    return " ".join(
+        [
+            case("rnn", RNN["seq_lens"], [RNN["batch_at_seq_len"]], RNN["hidden"]),
+            case("rnn", [RNN["seq_len_at_batch"]], RNN["batches"], RNN["hidden"]),
+            case("gru", gru_sets, GRU["batches"], GRU["hidden"]),
+        ]
+    )
 
 
 def get_final_output():
     """What a plain `snakemake` builds: the inputs of the first target, `all`."""
-    return get_report_input() + [REPORT, CLAIMS] + GPU_MODEL
+    return get_report_input() + [REPORT, CLAIMS, GPU_MODEL]

@@ -53,14 +53,24 @@ def _seq_lens(text: str, input_size: int) -> list[tuple[int, int]]:
     return out
 
 
-def gpu_model_rows(cell: str, seq_lens: list[tuple[int, int]], batches: list[int], hidden: int, dtype: str,
-                   gpus: list[str], launch_s: float) -> list[dict]:
+def _case(text: str, hidden: int, input_size: int) -> tuple[str, list[tuple[int, int]], list[int], int]:
+    """``--case CELL/SEQ_LENS/BATCHES[/HIDDEN]``, e.g. ``rnn/10,30,100/16`` or ``gru/259:38,1034:12/16,64``."""
+    parts = text.split("/")
+    if len(parts) not in (3, 4) or parts[0] not in ("rnn", "gru"):
+        raise ValueError(f"--case {text!r}: CELL/SEQ_LENS/BATCHES[/HIDDEN] with CELL rnn or gru")
+    H = _ints(parts[3], "--case's hidden size")[0] if len(parts) == 4 else hidden
+    return parts[0], _seq_lens(parts[1], input_size), _ints(parts[2], "--case's batches"), H
+
+
+def gpu_model_rows(cases, dtype: str, gpus: list[str], launch_s: float) -> list[dict]:
+    """One row per GPU, case (cell, [(T, I)], [B], H), shape and layout."""
     from ..backends.cuda import model
 
     itemsize = DTYPES[dtype].itemsize
     specs = [model.parse_gpu(g) for g in gpus]
-    return [model.predict(layout, cell, T, B, hidden, I, itemsize, gpu, launch_s)
-            for gpu in specs for T, I in seq_lens for B in batches for layout in model.LAYOUTS]
+    return [model.predict(layout, cell, T, B, H, I, itemsize, gpu, launch_s)
+            for gpu in specs for cell, seq_lens, batches, H in cases for T, I in seq_lens for B in batches
+            for layout in model.LAYOUTS]
 
 
 def gpu_model(args) -> int:
@@ -71,8 +81,9 @@ def gpu_model(args) -> int:
     gpus = list(_gpu_keys()) if args.gpu == "all" else args.gpu.split(",")
     if args.hidden < 1 or args.input_size < 1 or args.launch_us < 0:
         raise ValueError("--hidden and --input-size must be >= 1 and --launch-us >= 0")
-    rows = gpu_model_rows(args.cell, _seq_lens(args.seq_len, args.input_size), _ints(args.batch, "--batch"),
-                          args.hidden, args.dtype, gpus, args.launch_us * 1e-6)
+    cases = ([_case(c, args.hidden, args.input_size) for c in args.case] if args.case else
+             [(args.cell, _seq_lens(args.seq_len, args.input_size), _ints(args.batch, "--batch"), args.hidden)])
+    rows = gpu_model_rows(cases, args.dtype, gpus, args.launch_us * 1e-6)
     if args.out:
         write_csv(args.out, pd.DataFrame(rows))
     if args.json:
@@ -181,6 +192,9 @@ def register(subparsers) -> None:
     m.add_argument("--gpu", default="h100",
                    help="rtx2070, rtx2080ti, v100, a100, h100 (comma-separated, or 'all'), or numbers "
                         "GBps:FP32_TFLOPs[:FP64_TFLOPs[:SMs]]")
+    m.add_argument("--case", action="append", default=[],
+                   help="CELL/SEQ_LENS/BATCHES[/HIDDEN] (e.g. gru/259:38,1034:12/16,64), repeatable: these "
+                        "instead of --cell, --seq-len, --batch")
     m.add_argument("--launch-us", type=float, default=3.0, help="assumed overhead per kernel launch (µs)")
     m.add_argument("--json", action="store_true", help="print a JSON list, one object per layout")
     m.add_argument("--out", default=None, help="also write the rows to this CSV (atomically)")
