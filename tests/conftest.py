@@ -1,3 +1,4 @@
+import collections
 import os
 
 import pytest
@@ -14,10 +15,11 @@ def repo_root():
 
 
 def pytest_collection_modifyitems(config, items):
-    # Files holding a `slow` test first: with `-n auto` (whole files per worker) the longest work then
-    # starts at once instead of last, so the workers finish together.  Each file keeps its own order.
-    slow_files = {item.path for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: item.path not in slow_files)
+    # Files holding `slow` tests first, the most first: with `-n auto` (whole files per worker, in this
+    # order: --no-loadscope-reorder) the longest work then starts at once instead of last, so the workers
+    # finish together.  Each file keeps its own order.
+    slow = collections.Counter(item.path for item in items if "slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.path])
 
     import torch
 
