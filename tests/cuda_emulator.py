@@ -213,3 +213,17 @@ def emulated_factored(lib, chain, g: np.ndarray, C: int | None = None, grads: bo
             emulated_launch(lib, step, dt.type, [wt_b, f_b, carries, P, accs])
     return (total if mode else P.value()), C
 
+
+def backend_or_skip(cls_name: str):
+    """``bppsa.backends.cuda.<cls_name>()`` on the GPU, or skip the test saying why it cannot run here."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"cupy not importable: {exc}")
+    from bppsa.backends import cuda
+
+    return getattr(cuda, cls_name)()

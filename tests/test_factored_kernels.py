@@ -15,7 +15,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from cuda_emulator import build_emulator, emulated_factored
+from cuda_emulator import backend_or_skip, build_emulator, emulated_factored
 
 from bppsa.backends.cpu.chain import GruChain, RnnChain
 from bppsa.backends.twin import TorchBackend
@@ -169,18 +169,6 @@ def test_training_step_through_emulated_kernels_matches_autograd(emu, model, dty
 # ---------------------------------------------------------------------------------------------
 # on a GPU: the real backend
 # ---------------------------------------------------------------------------------------------
-def _factored_or_skip():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    try:
-        import cupy  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"cupy not importable: {exc}")
-    from bppsa.backends.cuda import CupyFactoredBackend
-
-    return CupyFactoredBackend()
-
-
 def _gpu_chain(be, kind: str, T: int, B: int, H: int, I: int, dtype, seed: int):
     torch.manual_seed(seed)
     x = torch.randn(T, B, I, device="cuda", dtype=dtype)
@@ -207,7 +195,7 @@ def _cpu64(chain):
 @pytest.mark.parametrize("T,B,H,C", [(1, 1, 20, None), (7, 3, 7, None), (37, 5, 20, 8), (1000, 16, 20, None),
                                      (1000, 1, 20, None), (129, 2, 33, 16), (300, 4, 64, 32)])
 def test_cupy_factored_matches_the_torch_twin(kind, T, B, H, C, dtype):
-    be = _factored_or_skip()
+    be = backend_or_skip("CupyFactoredBackend")
     chain = _gpu_chain(be, kind, T, B, H, 3, dtype, seed=T + B + H)
     assert isinstance(chain, RnnChain if kind == "rnn" else GruChain) and chain.device.type == "cuda"
     g = torch.randn(B, H, device="cuda", dtype=dtype)
@@ -225,7 +213,7 @@ def test_cupy_factored_matches_the_torch_twin(kind, T, B, H, C, dtype):
 
 @pytest.mark.gpu
 def test_cupy_factored_delegates_dense_chains_and_the_paper_layout():
-    be = _factored_or_skip()
+    be = backend_or_skip("CupyFactoredBackend")
     g = torch.randn(5, 20, device="cuda", dtype=torch.float64)
     J = torch.randn(33, 5, 20, 20, device="cuda", dtype=torch.float64) / 20**0.5
     torch.testing.assert_close(be.scan(g, J.clone()), TorchBackend().scan(g, J.clone()), rtol=1e-10, atol=1e-10)
@@ -242,7 +230,7 @@ def test_cupy_factored_training_step_matches_autograd(model, T, B, dtype):
     from bppsa.models import build
     from bppsa.precision import ieee_fp32
 
-    be = _factored_or_skip()
+    be = backend_or_skip("CupyFactoredBackend")
     assert be.name == "cupy-factored"
     torch.manual_seed(T * 31 + B)
     I = 1 if model == "rnn" else 12
@@ -264,7 +252,7 @@ def test_cupy_factored_training_step_matches_autograd(model, T, B, dtype):
 
 @pytest.mark.gpu
 def test_cupy_factored_is_what_auto_picks_on_a_gpu():
-    _factored_or_skip()
+    backend_or_skip("CupyFactoredBackend")
     from bppsa.backends import get_backend
 
     assert get_backend("auto", torch.device("cuda")).name == "cupy-factored"

@@ -25,9 +25,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from cuda_emulator import KERNEL_NAMES, Buf, build_emulator, emulated_launch, emulated_scan
+from cuda_emulator import KERNEL_NAMES, Buf, backend_or_skip, build_emulator, emulated_launch, emulated_scan
 
-from bppsa.backends import cuda
 from bppsa.backends.cuda import plan, runtime
 from bppsa.jacobians.recurrent import rnn_jacobians_t
 from bppsa.precision import ieee_fp32
@@ -382,16 +381,6 @@ def test_per_thread_default_stream_switch_without_cupy(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # 5. on a GPU: the real CuPy backend
 # ---------------------------------------------------------------------------------------------
-def _cupy_or_skip():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    try:
-        import cupy  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"cupy not importable: {exc}")
-    return cuda.CupyBackend()
-
-
 SCAN_SHAPES = [(n, B, H) for n in (1, 2, 3, 5, 17, 64, 100, 1000) for B in (1, 5, 16) for H in (1, 7, 20, 64)]
 
 
@@ -399,7 +388,7 @@ SCAN_SHAPES = [(n, B, H) for n in (1, 2, 3, 5, 17, 64, 100, 1000) for B in (1, 5
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("n,B,H", SCAN_SHAPES)
 def test_cupy_scan_matches_torch(n, B, H, dtype):
-    be = _cupy_or_skip()
+    be = backend_or_skip("CupyBackend")
     gen = torch.Generator(device="cuda").manual_seed(n * 1000 + B * 100 + H)
     g = torch.randn(B, H, device="cuda", dtype=dtype, generator=gen)
     # Scaled to spectral radius about 1, so products neither vanish nor overflow at n = 1000.
@@ -415,7 +404,7 @@ def test_cupy_scan_matches_torch(n, B, H, dtype):
 @pytest.mark.parametrize("L_m", [0, 1, 2, 3, "top-1", 20])
 @pytest.mark.parametrize("n", [1, 7, 33, 1000])
 def test_cupy_heterogeneous_scan_matches_torch(n, L_m):
-    be = _cupy_or_skip()
+    be = backend_or_skip("CupyBackend")
     if L_m == "top-1":  # the middle's first block end clipped at N - 1 (N not a power of two)
         L_m = max(0, len(levels(n + 1)) - 1)
     g = torch.randn(5, 20, device="cuda", dtype=torch.float64)
@@ -427,7 +416,7 @@ def test_cupy_heterogeneous_scan_matches_torch(n, L_m):
 
 @pytest.mark.gpu
 def test_cupy_scan_runs_on_torch_current_stream():
-    be = _cupy_or_skip()
+    be = backend_or_skip("CupyBackend")
     g = torch.randn(16, 20, device="cuda", dtype=torch.float64)
     J = torch.randn(999, 16, 20, 20, device="cuda", dtype=torch.float64) / 20**0.5
     ref = blelloch_scan(g, J)
@@ -441,7 +430,7 @@ def test_cupy_scan_runs_on_torch_current_stream():
 
 @pytest.mark.gpu
 def test_cupy_rejects_what_it_cannot_do():
-    be = _cupy_or_skip()
+    be = backend_or_skip("CupyBackend")
     with pytest.raises(ValueError, match="hidden sizes up to"):
         f64 = dict(device="cuda", dtype=torch.float64)
         be.scan(torch.zeros(1, 512, **f64), torch.zeros(1, 1, 512, 512, **f64))
@@ -457,7 +446,7 @@ def test_cupy_rejects_what_it_cannot_do():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("T,B,H", [(1, 1, 1), (3, 5, 7), (1000, 16, 20), (17, 2, 64)])
 def test_cupy_rnn_jacobians_match_torch(layout, dtype, T, B, H):
-    be = _cupy_or_skip()
+    be = backend_or_skip("CupyBackend")
     h = torch.tanh(torch.randn(T, B, H, device="cuda", dtype=dtype))
     W = torch.randn(H, H, device="cuda", dtype=dtype)
     # Bit-identical: the kernel rounds h*h, 1 - h*h and the product separately, as torch does.
@@ -477,7 +466,7 @@ def _rel_err(g, ref):
 def test_rnn_training_step_cupy_vs_autograd(T, B, dtype, layout):
     from bppsa.models.rnn import RNNClassifier
 
-    be = _cupy_or_skip()
+    be = backend_or_skip("CupyBackend")
     torch.manual_seed(T * 31 + B)
     model = RNNClassifier().to("cuda", dtype)
     x = torch.bernoulli(torch.full((T, B, 1), 0.35, device="cuda", dtype=dtype))
@@ -496,7 +485,7 @@ def test_rnn_training_step_cupy_vs_autograd(T, B, dtype, layout):
 
 @pytest.mark.gpu
 def test_cupy_fill_keeps_subnormals(keep_denormals):
-    be = _cupy_or_skip()
+    be = backend_or_skip("CupyBackend")
     h, W = _subnormal_case(torch.float32)
     h, W = h.cuda(), W.cuda()
     ref = rnn_jacobians_t(h, W, "fused")
@@ -508,7 +497,7 @@ def test_cupy_fill_keeps_subnormals(keep_denormals):
 def test_cupy_rejects_a_tensor_on_another_device():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    be = _cupy_or_skip()
+    be = backend_or_skip("CupyBackend")
     g = torch.zeros(1, 4, device="cuda:1")
     with torch.cuda.device(0), pytest.raises(ValueError, match="current CUDA device is cuda:0"):
         be.scan(g, torch.zeros(2, 1, 4, 4, device="cuda:1"))

@@ -78,7 +78,9 @@ def gpu_model(args) -> int:
 
     import pandas as pd
 
-    gpus = list(_gpu_keys()) if args.gpu == "all" else args.gpu.split(",")
+    from ..backends.cuda import model
+
+    gpus = list(model.GPUS) if args.gpu == "all" else args.gpu.split(",")
     if args.hidden < 1 or args.input_size < 1 or args.launch_us < 0:
         raise ValueError("--hidden and --input-size must be >= 1 and --launch-us >= 0")
     cases = ([_case(c, args.hidden, args.input_size) for c in args.case] if args.case else
@@ -168,12 +170,6 @@ def gpu_measured(args) -> int:
               f"({r['flops_fraction']:.0%}); cuDNN {r['speedup_vs_cudnn']:.1f}x, packed "
               f"{r['speedup_vs_cudnn_packed']:.1f}x slower")
     return 0
-
-
-def _gpu_keys():
-    from ..backends.cuda import model
-
-    return model.GPUS
 
 
 def register(subparsers) -> None:

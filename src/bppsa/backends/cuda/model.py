@@ -25,7 +25,7 @@ not measurements; the launch overhead (:data:`LAUNCH_S`) is an assumed typical v
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ...jacobians.recurrent import num_jacobians
 from . import plan
@@ -189,6 +189,3 @@ def predict(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: in
         "predicted_s": seconds,
     }
 
-
-def gpu_table() -> list[dict]:
-    return [{"key": k, **asdict(g)} for k, g in GPUS.items()]
