@@ -99,7 +99,9 @@ def gpu_model(args) -> int:
     return 0
 
 
-LAYOUT_OF = {"bppsa-paper": "faithful", "bppsa-fused": "factored"}
+# (variant, backend) -> the GPU layout it ran: cupy-factored sends the paper layout to the faithful kernels
+LAYOUT_OF = {("bppsa-paper", "cupy"): "faithful", ("bppsa-paper", "cupy-factored"): "faithful",
+             ("bppsa-fused", "cupy-factored"): "factored"}
 
 
 def measured_rows(bench, gpu, launch_s: float) -> list[dict]:
@@ -116,14 +118,11 @@ def measured_rows(bench, gpu, launch_s: float) -> list[dict]:
     rows = []
     for (T, B), d in full.groupby(["seq_len", "batch"]):
         per_iter = d.groupby(["variant", "backend", "iter", "phase"])["seconds"].sum().unstack("phase")
-        base = {}
-        for v in ("baseline", "baseline-packed"):
-            sel = per_iter.xs(v, level="variant") if v in per_iter.index.get_level_values("variant") else None
-            base[v] = float(sel["backward"].median()) if sel is not None else float("nan")
+        variants = per_iter.index.get_level_values("variant")
+        base = {v: float(per_iter.loc[variants == v, "backward"].median()) for v in ("baseline", "baseline-packed")}
         for (variant, backend), it in per_iter.groupby(level=["variant", "backend"]):
-            layout = LAYOUT_OF.get(variant)
-            if layout is None or backend not in ("cupy", "cupy-factored") or (
-                    layout == "factored" and backend != "cupy-factored"):
+            layout = LAYOUT_OF.get((variant, backend))
+            if layout is None:
                 continue
             first = d[d["variant"] == variant].iloc[0]
             H, I = int(first["hidden"]), int(first["input_size"])
