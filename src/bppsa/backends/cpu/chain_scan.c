@@ -222,8 +222,9 @@ typedef void wcols;
 #define WCOLS(name) const wcols *name = 0
 #endif
 
-/* v = J_s q (v must not alias q) */
-/* v = J_s q (v must not alias q) */
+/* v = J_s q (v must not alias q).  With lanes, the H rows of v are H independent accumulators in registers,
+ * each summing its terms in the order of the plain loops (m ascending, gate by gate): one dependent chain
+ * per row would make the mat-vec latency-bound (the GRU's 3H terms: ~5x slower, measured). */
 static void jac_vec(const real *restrict Wt, const wcols *wc, long s, const real *restrict fs, long ld,
                     const real *restrict q, real *restrict v) {
 #if NL == 1
@@ -250,13 +251,13 @@ static void jac_vec(const real *restrict Wt, const wcols *wc, long s, const real
     (void)wc;
 #if KIND == 0
     (void)s;
-    vec t[H];
-    UNROLL for (int m = 0; m < H; ++m) t[m] = LD(fs + m * ld) * LD(q + m * NL);
-    for (int i = 0; i < H; ++i) {
-        vec acc = (vec){0};
-        UNROLL for (int m = 0; m < H; ++m) acc += Wt[i * H + m] * t[m];
-        ST(v + i * NL) = acc;
+    vec acc[H];
+    UNROLL for (int i = 0; i < H; ++i) acc[i] = (vec){0};
+    for (int m = 0; m < H; ++m) {
+        vec t = LD(fs + m * ld) * LD(q + m * NL);
+        UNROLL for (int i = 0; i < H; ++i) acc[i] += Wt[i * H + m] * t;
     }
+    UNROLL for (int i = 0; i < H; ++i) ST(v + i * NL) = acc[i];
 #elif KIND == 1
     if (s & 1) {
         wt_vec(Wt, q, v);
@@ -265,14 +266,14 @@ static void jac_vec(const real *restrict Wt, const wcols *wc, long s, const real
     }
 #else
     (void)s;
-    vec t[3 * H];
-    UNROLL for (int g = 0; g < 3; ++g) UNROLL for (int m = 0; m < H; ++m)
-        t[g * H + m] = LD(fs + (g * H + m) * ld) * LD(q + m * NL);
-    for (int i = 0; i < H; ++i) {
-        vec acc = LD(fs + (3 * H + i) * ld) * LD(q + i * NL);
-        UNROLL for (int g = 0; g < 3; ++g) UNROLL for (int m = 0; m < H; ++m) acc += Wt[(g * H + i) * H + m] * t[g * H + m];
-        ST(v + i * NL) = acc;
-    }
+    vec acc[H];
+    UNROLL for (int i = 0; i < H; ++i) acc[i] = LD(fs + (3 * H + i) * ld) * LD(q + i * NL);
+    for (int g = 0; g < 3; ++g)
+        for (int m = 0; m < H; ++m) {
+            vec t = LD(fs + (g * H + m) * ld) * LD(q + m * NL);
+            UNROLL for (int i = 0; i < H; ++i) acc[i] += Wt[(g * H + i) * H + m] * t;
+        }
+    UNROLL for (int i = 0; i < H; ++i) ST(v + i * NL) = acc[i];
 #endif
 #endif
 }
@@ -286,37 +287,46 @@ typedef struct {
     real Bv[GRP][NBV * NL] __attribute__((aligned(64)));
 } group;
 
-/* acc[a][c] += sum_p A_p[a] Bv_p[c] for a in [a0, a1), c in [c0, c1): register tiles of 4 x 6. */
+/* acc[a .. a+R)[c .. c+W) += sum_p A_p[a] Bv_p[c]: one register tile, R x W accumulators (constants once
+ * inlined), each summing the group's positions in order. */
+static inline __attribute__((always_inline)) void acc_tile(real *restrict acc, const group *restrict gp, long a,
+                                                           long c, int R, int W) {
+    vec t[4][6];
+    for (int i = 0; i < R; ++i)
+        for (int j = 0; j < W; ++j) t[i][j] = LD(acc + ((a + i) * NBV + c + j) * NL);
+    for (int p = 0; p < gp->np; ++p) {
+        vec b[6];
+        for (int j = 0; j < W; ++j) b[j] = LD(gp->Bv[p] + (c + j) * NL);
+        for (int i = 0; i < R; ++i) {
+            vec x = LD(gp->A[p] + (a + i) * NL);
+            for (int j = 0; j < W; ++j) t[i][j] += x * b[j];
+        }
+    }
+    for (int i = 0; i < R; ++i)
+        for (int j = 0; j < W; ++j) ST(acc + ((a + i) * NBV + c + j) * NL) = t[i][j];
+}
+
+/* One column strip c .. c+W of rows [a0, a1): tiles of 4 rows, then single rows. */
+static inline __attribute__((always_inline)) void acc_strip(real *restrict acc, const group *restrict gp, long a0,
+                                                            long a1, long c, int W) {
+    long a = a0;
+    for (; a + 4 <= a1; a += 4) acc_tile(acc, gp, a, c, 4, W);
+    for (; a < a1; ++a) acc_tile(acc, gp, a, c, 1, W);
+}
+
+/* acc[a][c] += sum_p A_p[a] Bv_p[c] for a in [a0, a1), c in [c0, c1): strips of 6 columns, the last
+ * narrower (every tile independent chains in registers: no sum waits on the one before). */
 static void acc_range(real *restrict acc, const group *restrict gp, long a0, long a1, long c0, long c1) {
     long c = c0;
-    for (; c + 6 <= c1; c += 6) {
-        long a = a0;
-        for (; a + 4 <= a1; a += 4) {
-            vec t[4][6];
-            UNROLL for (int i = 0; i < 4; ++i) UNROLL for (int j = 0; j < 6; ++j) t[i][j] = LD(acc + ((a + i) * NBV + c + j) * NL);
-            for (int p = 0; p < gp->np; ++p) {
-                vec b[6];
-                UNROLL for (int j = 0; j < 6; ++j) b[j] = LD(gp->Bv[p] + (c + j) * NL);
-                UNROLL for (int i = 0; i < 4; ++i) {
-                    vec x = LD(gp->A[p] + (a + i) * NL);
-                    UNROLL for (int j = 0; j < 6; ++j) t[i][j] += x * b[j];
-                }
-            }
-            UNROLL for (int i = 0; i < 4; ++i) UNROLL for (int j = 0; j < 6; ++j) ST(acc + ((a + i) * NBV + c + j) * NL) = t[i][j];
-        }
-        for (; a < a1; ++a)
-            for (long j = 0; j < 6; ++j) {
-                vec t = LD(acc + (a * NBV + c + j) * NL);
-                for (int p = 0; p < gp->np; ++p) t += LD(gp->A[p] + a * NL) * LD(gp->Bv[p] + (c + j) * NL);
-                ST(acc + (a * NBV + c + j) * NL) = t;
-            }
+    for (; c + 6 <= c1; c += 6) acc_strip(acc, gp, a0, a1, c, 6);
+    switch (c1 - c) {
+    case 5: acc_strip(acc, gp, a0, a1, c, 5); break;
+    case 4: acc_strip(acc, gp, a0, a1, c, 4); break;
+    case 3: acc_strip(acc, gp, a0, a1, c, 3); break;
+    case 2: acc_strip(acc, gp, a0, a1, c, 2); break;
+    case 1: acc_strip(acc, gp, a0, a1, c, 1); break;
+    default: break;
     }
-    for (; c < c1; ++c)
-        for (long a = a0; a < a1; ++a) {
-            vec t = LD(acc + (a * NBV + c) * NL);
-            for (int p = 0; p < gp->np; ++p) t += LD(gp->A[p] + a * NL) * LD(gp->Bv[p] + c * NL);
-            ST(acc + (a * NBV + c) * NL) = t;
-        }
 }
 
 static void grp_flush(group *gp, real *acc) {
