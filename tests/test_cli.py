@@ -79,3 +79,42 @@ def test_corrupt_dataset_error_names_the_file(tmp_path, capsys):
     assert rc == 2
     assert "T10.npz" in capsys.readouterr().err
     assert not (tmp_path / "x.csv").exists()
+
+
+def test_the_command_table_is_what_the_modules_register():
+    """``bppsa COMMAND`` loads only the module that :data:`bppsa.commands.MODULES` names for it: the table
+    must list exactly the commands each module registers."""
+    import argparse
+    import importlib
+    import pkgutil
+
+    from bppsa import commands
+    from bppsa.cli import build_parser
+
+    found = {}
+    for info in pkgutil.iter_modules(commands.__path__):
+        module = importlib.import_module(f"bppsa.commands.{info.name}")
+        if hasattr(module, "register"):
+            sub = argparse.ArgumentParser().add_subparsers()
+            module.register(sub)
+            found[info.name] = tuple(sub.choices)
+    assert found == commands.MODULES
+    every = build_parser()._subparsers._group_actions[0].choices
+    assert set(every) == {c for cmds in commands.MODULES.values() for c in cmds}
+    for module, cmds in commands.MODULES.items():
+        assert set(build_parser(cmds[0])._subparsers._group_actions[0].choices) == set(cmds), module
+
+
+def test_figure_and_analysis_jobs_start_without_torch():
+    """The jobs that only read CSVs (figures, Table 1's text, speedups, the report and claims) and the IRMAS
+    download parse their command line and load what their handlers import without importing torch."""
+    code = ("import sys\n"
+            "from bppsa.cli import build_parser\n"
+            "for cmd in ('plot-rnn', 'plot-gru', 'fig10', 'table1', 'speedups', 'report', 'make-irmas'):\n"
+            "    build_parser(cmd)\n"
+            "import bppsa.plots.rnn, bppsa.plots.gru, bppsa.plots.fig10, bppsa.plots.table1\n"
+            "import bppsa.analysis.speedups, bppsa.analysis.report, bppsa.analysis.claims, bppsa.data.irmas\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

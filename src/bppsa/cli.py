@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import pkgutil
 import sys
 
 # Before torch loads libgomp: after each parallel region torch's OpenMP workers spin-wait for a new
@@ -43,18 +42,20 @@ _keep_large_blocks()
 from . import commands as _commands  # noqa: E402 - after the environment is set
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or where ``command`` is one of them, of its module's commands only
+    (:data:`bppsa.commands.MODULES`): the other modules, and what they import, are not loaded."""
     parser = argparse.ArgumentParser(prog="bppsa", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for info in sorted(pkgutil.iter_modules(_commands.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"{_commands.__name__}.{info.name}")
-        if hasattr(module, "register"):  # shared helpers (common.py) define no command
-            module.register(sub)
+    names = [m for m, cmds in _commands.MODULES.items() if command in cmds] or sorted(_commands.MODULES)
+    for name in names:
+        importlib.import_module(f"{_commands.__name__}.{name}").register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         rc = args.func(args)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:  # clear one-line errors for users

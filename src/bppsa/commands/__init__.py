@@ -1,1 +1,22 @@
-"""Sub-commands of the `bppsa` CLI; each module exposes ``register(subparsers)``."""
+"""Sub-commands of the `bppsa` CLI; each module exposes ``register(subparsers)``.
+
+:data:`MODULES` says which module defines which commands, so that ``bppsa COMMAND`` imports that module
+alone: a job that draws a figure or reads CSVs then starts without torch (about 1.5 s of a job's start).
+``tests/test_cli.py`` holds the table to what the modules register.
+"""
+
+MODULES = {
+    "datasets": ("device", "make-bitstream", "bench-bitstream"),
+    "doctor": ("doctor",),
+    "gpu": ("gpu-model", "gpu-measured", "bench-membound"),
+    "gru": ("make-irmas", "mfcc"),
+    "jacobians": ("jacobians-table1",),
+    "plots": ("plot-rnn", "plot-gru", "fig10", "table1", "plot-scaling"),
+    "recurrent": ("verify", "bench", "train"),
+    "report": ("speedups", "compare-speedups", "report"),
+    "roofline": ("roofline",),
+    "scaling": ("scaling",),
+    "shapes": ("paper-shapes",),
+    "speed": ("speed",),
+    "vgg11": ("make-cifar10", "vgg11-train", "vgg11-flops"),
+}

@@ -1,4 +1,4 @@
-"""`bppsa make-irmas`, `bppsa mfcc` and `bppsa plot-gru`: the GRU-on-IRMAS experiment (Sec 4.2).
+"""`bppsa make-irmas` and `bppsa mfcc`: the IRMAS data of the GRU experiment (Sec 4.2); Fig 9 and 13: `bppsa plot-gru`.
 
 Timing and training reuse the generic recurrent commands: ``bppsa bench --model gru --data
 data/irmas/mfcc_s.npz ...`` and ``bppsa train --model gru ...``.
@@ -38,10 +38,6 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="output .npz (X [N, frames, features] float32, y, classes, source)")
     p.set_defaults(func=_mfcc)
 
-    p = sub.add_parser("plot-gru", help="Fig 9 (runtime breakdown) and Fig 13 (training curves) from the CSVs")
-    p.add_argument("--results", default="results")
-    p.add_argument("--out-dir", default="results")
-    p.set_defaults(func=_plot)
 
 
 def corpus_root(corpus: str | Path) -> Path:
@@ -82,12 +78,4 @@ def _mfcc(args) -> int:
     print(json.dumps(summary), file=sys.stderr)
     if summary["skipped"]:
         print(f"{summary['skipped']} clip(s) skipped; see {irmas.skipped_path(args.out)}", file=sys.stderr)
-    return 0
-
-
-def _plot(args) -> int:
-    from ..plots.gru import plot_all
-
-    for path in plot_all(args.results, args.out_dir):
-        print(path, file=sys.stderr)
     return 0

@@ -1,4 +1,4 @@
-"""`bppsa jacobians-table1` (measure) and `bppsa table1` (write the text): Table 1 of the paper."""
+"""`bppsa jacobians-table1`: the measurements of Table 1 of the paper (its text: `bppsa table1`)."""
 from __future__ import annotations
 
 import platform
@@ -35,10 +35,6 @@ def register(sub) -> None:
     add_runtime_args(p)
     p.set_defaults(func=_measure)
 
-    p = sub.add_parser("table1", help="write results/table_1_last_column.txt from the measured CSVs")
-    p.add_argument("--results", default="results")
-    p.add_argument("--out", required=True)
-    p.set_defaults(func=_text)
 
 
 class Operator(NamedTuple):
@@ -124,11 +120,4 @@ def _measure(args) -> int:
               f"speedup {ag / an:.3g}x",
               flush=True)
     io.write_csv(args.out, pd.DataFrame(rows))
-    return 0
-
-
-def _text(args) -> int:
-    from ..plots.table1 import write_table1
-
-    write_table1(args.results, args.out)
     return 0

@@ -1,4 +1,4 @@
-"""`bppsa scaling`: backward time against the number of worker threads (CSV), and its figure."""
+"""`bppsa scaling`: backward time against the number of worker threads (CSV); its figure: `bppsa plot-scaling`."""
 from __future__ import annotations
 
 import sys
@@ -24,11 +24,6 @@ def register(sub) -> None:
     p.add_argument("--max-threads", type=int, default=0, help="time 1 .. this many threads (0: every core)")
     add_timing_args(p, _scaling)
 
-    q = sub.add_parser("plot-scaling", help="figure and extrapolated crossover from scaling CSVs")
-    q.add_argument("csv", nargs="+")
-    q.add_argument("--out", required=True, help="figure (.png/.pdf)")
-    q.add_argument("--crossover", default=None, help="also write the fitted crossover table here (CSV)")
-    q.set_defaults(func=_plot)
 
 
 def _scaling(args) -> int:
@@ -41,15 +36,4 @@ def _scaling(args) -> int:
     df = labelled(pd.DataFrame(rows), args)
     io.write_csv(args.out, df)
     print(scaling.medians(df).to_string(index=False), file=sys.stderr)
-    return 0
-
-
-def _plot(args) -> int:
-    from ..plots.scaling import plot
-
-    df = pd.concat([pd.read_csv(p) for p in args.csv], ignore_index=True)
-    cross = plot(df, args.out)
-    if args.crossover:
-        io.write_csv(args.crossover, cross)
-    print(cross.to_string(index=False), file=sys.stderr)
     return 0

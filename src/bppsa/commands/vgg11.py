@@ -1,4 +1,4 @@
-"""`bppsa vgg11-train`, `bppsa vgg11-flops` and `bppsa fig10`: the pruned VGG-11 micro-benchmark (Sec 4.3, 5.3)."""
+"""`bppsa vgg11-train` and `bppsa vgg11-flops`: the pruned VGG-11 micro-benchmark of Sec 4.3 and 5.3."""
 from __future__ import annotations
 
 import dataclasses
@@ -71,10 +71,6 @@ def register(sub) -> None:
     add_runtime_args(p)
     p.set_defaults(func=_flops)
 
-    p = sub.add_parser("fig10", help="Fig 10 from results/*/vgg11/flops.csv")
-    p.add_argument("--results", default="results")
-    p.add_argument("--out", required=True)
-    p.set_defaults(func=_fig10)
 
 
 def _make_cifar10(args) -> int:
@@ -201,11 +197,4 @@ def _flops(args) -> int:
                                           threads=torch.get_num_threads())
         io.write_csv(args.out_summary, sm)
     print(f"total {time.perf_counter() - t_start:.1f} s, peak RSS {peak_gb:.2f} GiB", flush=True)
-    return 0
-
-
-def _fig10(args) -> int:
-    from ..plots.fig10 import plot_fig10
-
-    plot_fig10(args.results, args.out)
     return 0
