@@ -106,14 +106,17 @@ def test_the_command_table_is_what_the_modules_register():
 
 
 def test_figure_and_analysis_jobs_start_without_torch():
-    """The jobs that only read CSVs (figures, Table 1's text, speedups, the report and claims) and the IRMAS
-    download parse their command line and load what their handlers import without importing torch."""
+    """The jobs that only read CSVs (figures, Table 1's text, speedups, the report and claims), the IRMAS
+    download and the bitstream sets parse their command line and load what their handlers import without
+    importing torch."""
     code = ("import sys\n"
             "from bppsa.cli import build_parser\n"
-            "for cmd in ('plot-rnn', 'plot-gru', 'fig10', 'table1', 'speedups', 'report', 'make-irmas'):\n"
+            "for cmd in ('plot-rnn', 'plot-gru', 'fig10', 'table1', 'speedups', 'report', 'make-irmas',\n"
+            "            'make-bitstream', 'bench-bitstream'):\n"
             "    build_parser(cmd)\n"
             "import bppsa.plots.rnn, bppsa.plots.gru, bppsa.plots.fig10, bppsa.plots.table1\n"
             "import bppsa.analysis.speedups, bppsa.analysis.report, bppsa.analysis.claims, bppsa.data.irmas\n"
+            "import bppsa.data.bitstream\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -53,6 +53,7 @@ RESOURCES = config.get("resources", {"default": {"threads": 1}})
 TIMING_CLASSES = ("timing", "cpu_timing")
 
 RNN, GRU, IRMAS = config["rnn"], config["gru"], config["irmas"]
+BUDGET = config["bitstream"]["budget"]
 VGG, CIFAR, JAC = config["vgg11"], config["cifar10"], config["jacobians"]
 RESULTS = f"results/{DEVICE}"
 RNN_DIR, GRU_DIR, VGG_DIR, JAC_DIR = (
@@ -292,7 +293,10 @@ REPORT_READS = [
 def get_report_input():
     """Every final output but the report and the claims table, which are rendered from them."""
     return (
-        [f"{RESULTS}/environment.json", f"{RESULTS}/datasets/bitstream_T30000.csv"]
+        [
+            f"{RESULTS}/environment.json",
+            f"{RESULTS}/datasets/bitstream_T{BUDGET['seq_len']}.csv",
+        ]
         + get_rnn_summaries()
         + get_rnn_curves()
         + ["results/fig_7.png"]

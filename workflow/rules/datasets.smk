@@ -18,13 +18,17 @@ rule bitstream_make:
 
 
 rule bitstream_bench:
-    """Budget of the paper's largest set (T = 30,000, 32,000 samples): time, peak memory, size."""
+    """Budget of one set (config bitstream.budget; the paper's largest: T = 30,000, 32,000 samples): time,
+    peak memory, size."""
     output:
-        f"{RESULTS}/datasets/bitstream_T30000.csv",
+        f"{RESULTS}/datasets/bitstream_T{BUDGET['seq_len']}.csv",
     log:
         "logs/bitstream_bench.log",
     threads: job_threads("cpu_timing")
     resources:
         **job_resources("cpu_timing"),
+    params:
+        seq_len=BUDGET["seq_len"],
+        samples=BUDGET["samples"],
     shell:
-        "bppsa bench-bitstream --seq-len 30000 --samples 32000 --out {output} 2> {log}"
+        "bppsa bench-bitstream --seq-len {params.seq_len} --samples {params.samples} --out {output} 2> {log}"

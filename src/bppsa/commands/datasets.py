@@ -1,10 +1,7 @@
-"""`bppsa device` and `bppsa make-bitstream`."""
+"""`bppsa device`, `bppsa make-bitstream` and `bppsa bench-bitstream` (the bitstream sets need no torch)."""
 from __future__ import annotations
 
 import json
-
-from .. import device as _device
-from ..data import bitstream
 
 
 def register(sub) -> None:
@@ -32,6 +29,8 @@ def register(sub) -> None:
 
 
 def _device_cmd(args) -> int:
+    from .. import device as _device
+
     dev = _device.resolve(args.device)
     if args.results_dir:
         _device.check_claim(args.results_dir, dev)
@@ -74,5 +73,7 @@ def _bench_bitstream(args) -> int:
 
 
 def _make_bitstream(args) -> int:
+    from ..data import bitstream
+
     bitstream.write(args.out, args.seq_len, args.samples, args.seed)
     return 0

@@ -10,7 +10,6 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from ..io import atomic_path
@@ -70,9 +69,12 @@ def load(path: str | Path) -> tuple[np.ndarray, np.ndarray, int]:
     return x_bits, y, seq_len
 
 
-def batch(x_bits: np.ndarray, y: np.ndarray, seq_len: int, idx: np.ndarray, dtype=torch.float32,
-          device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Unpack samples ``idx`` into the model's time-major input ``[T, B, 1]`` and labels ``[B]``."""
+def batch(x_bits: np.ndarray, y: np.ndarray, seq_len: int, idx: np.ndarray, dtype=None, device="cpu"):
+    """Unpack samples ``idx`` into the model's time-major input ``[T, B, 1]`` (``dtype``, default float32)
+    and labels ``[B]``, as torch tensors (torch imported here: generating a set does not need it)."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     bits = np.unpackbits(x_bits[idx], axis=1, count=seq_len)  # [B, T]
     x = torch.from_numpy(np.ascontiguousarray(bits.T)).to(device=device, dtype=dtype).unsqueeze(-1)
     return x, torch.from_numpy(y[idx].astype(np.int64)).to(device)
