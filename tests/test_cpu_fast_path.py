@@ -154,7 +154,9 @@ def test_factored_chain_scan_equals_torch_twin(chunking, chain_path, kind, T, B,
 
 @pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
 @pytest.mark.parametrize("mode", ["slices", "blocks"])
-@pytest.mark.parametrize("n,B,H", [(1000, 16, 20), (999, 40, 20), (257, 7, 12), (2, 3, 20), (333, 1, 20)])
+# H = 20 throughout: these cases already need every lane width at H = 20, and each other hidden size would
+# be another ~20 C builds (other sizes: the hypothesis tests above)
+@pytest.mark.parametrize("n,B,H", [(1000, 16, 20), (999, 40, 20), (257, 7, 20), (2, 3, 20), (333, 1, 20)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kind", ["rnn", "paper", "gru"])
 def test_compiled_kernel_both_thread_splits(kind, mode, n, B, H, dtype, monkeypatch):
