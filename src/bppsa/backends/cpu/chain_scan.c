@@ -701,10 +701,18 @@ void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, c
             int nb = B - b0 < FV ? (int)(B - b0) : FV;
             real xs[NI > 0 ? NI : 1][FV] __attribute__((aligned(64))), hs[H][FV] __attribute__((aligned(64)));
             real out[5][H][FV] __attribute__((aligned(64)));
-            for (int j = 0; j < NI; ++j)
-                for (int q = 0; q < FV; ++q) xs[j][q] = q < nb ? x[(t * B + b0 + q) * NI + j] : 0;
-            for (int i = 0; i < H; ++i)
-                for (int q = 0; q < FV; ++q) hs[i][q] = q < nb && t ? h[((t - 1) * B + b0 + q) * H + i] : 0;
+            if (nb == FV && t) { /* a whole block: the transposes without a test per element */
+                const real *xb = x + (t * B + b0) * NI, *hb = h + ((t - 1) * B + b0) * H;
+                for (int j = 0; j < NI; ++j)
+                    UNROLL for (int q = 0; q < FV; ++q) xs[j][q] = xb[q * NI + j];
+                for (int i = 0; i < H; ++i)
+                    UNROLL for (int q = 0; q < FV; ++q) hs[i][q] = hb[q * H + i];
+            } else {
+                for (int j = 0; j < NI; ++j)
+                    for (int q = 0; q < FV; ++q) xs[j][q] = q < nb ? x[(t * B + b0 + q) * NI + j] : 0;
+                for (int i = 0; i < H; ++i)
+                    for (int q = 0; q < FV; ++q) hs[i][q] = q < nb && t ? h[((t - 1) * B + b0 + q) * H + i] : 0;
+            }
             fvec gi[3 * H], gh[3 * H];
             for (int g = 0; g < 3 * H; ++g) {
                 fvec a = SPLAT(bi[g]), c = SPLAT(bh[g]);
