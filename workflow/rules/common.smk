@@ -295,7 +295,7 @@ def get_report_input():
     return (
         [
             f"{RESULTS}/environment.json",
-            f"{RESULTS}/datasets/bitstream_T{BUDGET['seq_len']}.csv",
+            BITSTREAM_BUDGET,
         ]
         + get_rnn_summaries()
         + get_rnn_curves()
@@ -314,6 +314,7 @@ def get_report_input():
 
 
 GPU_MODEL = "results/gpu_model.csv"
+BITSTREAM_BUDGET = f"{RESULTS}/datasets/bitstream_T{BUDGET['seq_len']}.csv"
 
 
 def gpu_model_cases():

@@ -21,7 +21,7 @@ rule bitstream_bench:
     """Budget of one set (config bitstream.budget; the paper's largest: T = 30,000, 32,000 samples): time,
     peak memory, size."""
     output:
-        f"{RESULTS}/datasets/bitstream_T{BUDGET['seq_len']}.csv",
+        BITSTREAM_BUDGET,
     log:
         "logs/bitstream_bench.log",
     threads: job_threads("cpu_timing")

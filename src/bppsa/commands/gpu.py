@@ -171,6 +171,13 @@ def gpu_measured(args) -> int:
     return 0
 
 
+def _add_launch_us(parser) -> None:
+    from ..backends.cuda.model import LAUNCH_S
+
+    parser.add_argument("--launch-us", type=float, default=LAUNCH_S * 1e6,
+                        help="assumed overhead per kernel launch (µs)")
+
+
 def register(subparsers) -> None:
     m = subparsers.add_parser(
         "gpu-model",
@@ -190,7 +197,7 @@ def register(subparsers) -> None:
     m.add_argument("--case", action="append", default=[],
                    help="CELL/SEQ_LENS/BATCHES[/HIDDEN] (e.g. gru/259:38,1034:12/16,64), repeatable: these "
                         "instead of --cell, --seq-len, --batch")
-    m.add_argument("--launch-us", type=float, default=3.0, help="assumed overhead per kernel launch (µs)")
+    _add_launch_us(m)
     m.add_argument("--json", action="store_true", help="print a JSON list, one object per layout")
     m.add_argument("--out", default=None, help="also write the rows to this CSV (atomically)")
     m.set_defaults(func=gpu_model)
@@ -203,7 +210,7 @@ def register(subparsers) -> None:
     g.add_argument("--bench", nargs="+", required=True, help="the RNN's bench CSVs (results/<device>/rnn/bench_*.csv)")
     g.add_argument("--gpu", required=True, help="the GPU the benches ran on: a name of the model's table or numbers "
                                                 "GBps:FP32_TFLOPs[:FP64_TFLOPs[:SMs]]")
-    g.add_argument("--launch-us", type=float, default=3.0, help="assumed overhead per kernel launch (µs)")
+    _add_launch_us(g)
     g.add_argument("--out", required=True, help="CSV to write (atomically)")
     g.set_defaults(func=gpu_measured)
 
