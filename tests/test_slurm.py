@@ -20,7 +20,8 @@ GPU_RULES = {"environment_record", "rnn_verify", "rnn_bench", "rnn_train", "rnn_
              "gru_bench", "gru_train", "vgg11_train"}
 TIMING_RULES = {"rnn_bench", "gru_bench", "rnn_train", "rnn_train_in_dtype", "gru_train", "cpu_speed", "table1_bench",
                 "bitstream_bench", "cpu_roofline", "cpu_scaling"}
-LOCAL_RULES = {"all", "irmas_make", "cifar10_make"}  # the downloads run on the submitting host
+# the downloads and the GPU cost model (seconds of arithmetic, no device) run on the submitting host
+LOCAL_RULES = {"all", "irmas_make", "cifar10_make", "gpu_model"}
 # CPU benchmarks are targets only when the folder is the CPU's (`cpu`); this run's slug is not
 CPU_FOLDER_RULES = {"cpu_speed", "cpu_roofline", "cpu_scaling"}
 
@@ -58,7 +59,7 @@ def check_slurm_run(tmp_path, out):
     # every job but the local ones went through sbatch, and each left a SLURM log
     n_local = sum(len(re.findall(rf"^localrule {r}:", out, re.M)) for r in LOCAL_RULES)
     assert len(calls) == total - n_local, (len(calls), total, n_local)
-    assert n_local == len(LOCAL_RULES) and not set(by_rule) & LOCAL_RULES  # no download went through sbatch
+    assert n_local == len(LOCAL_RULES) and not set(by_rule) & LOCAL_RULES  # no local rule went through sbatch
     logs = list((tmp_path / ".snakemake" / "slurm_logs").rglob("*.log"))
     assert len(logs) == len(calls)
     # the CPU benchmarks are only targets in a folder named `cpu`
