@@ -34,7 +34,11 @@
  * dN, dM) = grad_h * (c_r, c_z, e, c_n), 4H rows), columns c = (x_t, 1, h'): so acc holds the sums over t and
  * the lanes of the weight and bias gradients, which the caller adds over lanes and slices.
  */
+#include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define H HID
 #define NL LANES
@@ -686,8 +690,20 @@ static inline void vtanh(fvec x, fvec *n, fvec *s) {
  * z = sigmoid(Z), n = tanh(N) (Eq. 10) are computed in registers, and the rows c_r, c_z, c_n, z, e, x_t and
  * h' written: one pass over memory, where torch's gate recomputation made several. */
 /* dst[0 .. nb) = src[0 .. nb): one vector store when the block is whole (a constant-size copy the compiler
- * inlines; a library call per row took about a sixth of the pass). */
+ * inlines; a library call per row took about a sixth of the pass).  A whole aligned 64-byte row is streamed
+ * past the caches: the factors (8.7 MB at set L, B = 16) outgrow L2, and an ordinary store would first read
+ * every line it overwrites (measured on a Zen 4 core: the pass 1.25x faster, the whole backward 1.02-1.04x). */
 static inline void store_lanes(real *dst, const real *src, int nb) {
+#if defined(__AVX512F__)
+    if (nb == FV && !((uintptr_t)dst % 64)) {
+#if REALBITS == 32
+        _mm512_stream_ps(dst, *(const __m512 *)src);
+#else
+        _mm512_stream_pd(dst, *(const __m512d *)src);
+#endif
+        return;
+    }
+#endif
     if (nb == FV) memcpy(dst, src, sizeof(fvec));
     else memcpy(dst, src, nb * sizeof(real));
 }
@@ -739,5 +755,8 @@ void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, c
             for (int i = 0; i < H; ++i) store_lanes(fk + (XROW + NI + i) * B + b0, hs[i], nb);
         }
     }
+#if defined(__AVX512F__)
+    _mm_sfence(); /* the streaming stores are weakly ordered: visible before the threads that read f are told */
+#endif
 }
 #endif
