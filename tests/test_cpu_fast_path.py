@@ -168,7 +168,7 @@ def test_compiled_kernel_both_thread_splits(kind, mode, n, B, H, dtype, monkeypa
     old = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
-        for L_m in (None, 0, 2, native.FUSED_LEVELS + 1):
+        for L_m in (None, 0, 2, native.fused_levels(dense.shape[0]) + 1):
             L = scan.tree_levels(dense.shape[0] + 1, L_m)
             ref = scan.blelloch_scan(g.double(), dense.double(), L_m)
             tol = 1e-12 if dtype == torch.float64 else 1e-5
@@ -189,6 +189,14 @@ def test_the_kernel_builds_where_a_c_compiler_is():
         for dtype in (torch.float32, torch.float64):
             for lanes in (1, native.lane_width(kind, dtype)):
                 assert native.library(kind, 20, 12, lanes, dtype) is not None, (kind, dtype, lanes)
+
+
+def test_fused_levels_leave_a_tree_of_at_least_eight_blocks():
+    assert [native.fused_levels(n) for n in (1, 2, 127, 128, 255, 256, 511, 512, 1000, 2000, 30000)] == \
+        [4, 4, 4, 4, 4, 5, 5, 6, 6, 6, 6]
+    for n in range(1, 5000):
+        c = native.fused_levels(n)
+        assert 4 <= c <= 6 and (c == 4 or n >> c >= 8), n
 
 
 def test_lane_slices_are_register_wide_and_balanced():

@@ -73,13 +73,13 @@ def chain_scan_cost(n: int, B: int, H: int, L_m: int | None = None, itemsize: in
     """FLOP and compulsory bytes of the compiled scan over a factored chain of ``n`` Jacobians of ``kind``
     (``L_m = 0``: the sequential scan), and ``depth``: the dependent multiply-adds on its critical path
     when it is sequential."""
-    from ..backends.cpu.native import FUSED_LEVELS
+    from ..backends.cpu.native import fused_levels
 
     mv, mul, first, terms = _chain_ops(kind, H)
     rows = 5 * H if kind == "gru" else H             # factor rows per step the scan reads
     steps = n // 2 if kind == "paper" else n
     L = _scan.tree_levels(n + 1, L_m)
-    c = min(FUSED_LEVELS if fused is None else fused, L)
+    c = min(fused_levels(n) if fused is None else fused, L)
     nc = n >> c if L else 0
     byt = (2 * steps * rows + n * H) * B * itemsize  # factors read going up and coming down, the output written
     if not nc:                                       # no tree: the spine's mat-vecs are the whole scan

@@ -25,11 +25,18 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "library", "ChainScan", "FUSED_LEVELS", "KINDS", "lane_width",
+__all__ = ["available", "unavailable_reason", "library", "ChainScan", "fused_levels", "KINDS", "lane_width",
            "rnn_factors", "gru_factors"]
 
-# Up-sweep levels computed per block in cache (blocks of 2^FUSED_LEVELS Jacobians), see chain_scan.c.
-FUSED_LEVELS = 4
+
+
+def fused_levels(n: int) -> int:
+    """Up-sweep levels the kernel computes per block in cache for a chain of ``n`` Jacobians (blocks of 2^c,
+    see chain_scan.c): from 4 up to 6, the most that leave at least 8 blocks to the tree above them.  Each
+    level fused saves storing and re-reading a level; the tree's products over the blocks cost as much as a
+    block's, so fewer, longer blocks do less work (measured, paired, whole backward at T = 1000: 6 against 4
+    levels 1.07x faster for the RNN at B = 16, 1.11x at B = 64, 1.06x for the GRU at B = 16)."""
+    return max(4, min(6, n.bit_length() - 4))
 
 _REAL = {torch.float32: "float", torch.float64: "double"}
 # The chains the kernel runs (chain_scan.c's KIND): the RNN's fused and paper layouts, the GRU.
@@ -181,7 +188,8 @@ def gru_factors(x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor, k0: i
 class ChainScan:
     """The compiled scan of one lane slice ``[b0, b0 + lanes)`` of a factored chain of ``kind``: ``Wt``
     [NW, H, H] (the weights, transposed), ``f`` [steps, NR, B] (the per-step factors, then x_t and h' over
-    ``I`` + H rows), ``g`` [B, H], all contiguous, ``L`` tree levels, ``fused`` of them per block;
+    ``I`` + H rows), ``g`` [B, H], all contiguous, ``L`` tree levels, ``fused`` of them per block (default
+    :func:`fused_levels`);
     ``scratch(size)`` gives a contiguous tensor of f's dtype with ``size`` elements.  ``out`` is the scan
     [n, B, H] (mode 0) or None: then each part of the down phase (and the middle, with part 0) accumulates
     the parameter gradients into its own ``acc[part]`` (mode 1, :meth:`accumulators`).  :meth:`run` is the
@@ -193,9 +201,10 @@ class ChainScan:
     clipped last block takes the one-lane kernel."""
 
     def __init__(self, kind: str, Wt, f, I: int, g, out, L: int, b0: int, lanes: int, scratch, parts: int = 1,
-                 fused: int = FUSED_LEVELS):
+                 fused: int | None = None):
         B, H = g.shape
         n = f.shape[0] * (2 if kind == "paper" else 1)
+        fused = fused_levels(n) if fused is None else fused
         self.lib = library(kind, H, I, lanes, f.dtype)
         self.blocks = int(self.lib.chain_blocks(n, L, fused))
         work = scratch(int(self.lib.chain_scan_work(n, L, fused)))
