@@ -263,7 +263,8 @@ def native_chain_scan(g: torch.Tensor, chain: FactoredChain, L: int, ws: _scan.W
                     pool.spread([functools.partial(phase, a, b) for a, b in zip(cuts, cuts[1:])])
     if not grads:
         return out
-    return chain.param_grads(sum(a.sum(-1) for gr in kernels for k in gr for a in k.accumulators()))
+    sums = [k.grad_sums() for gr in kernels for k in gr]
+    return chain.param_grads(sum(sums[1:], sums[0]))
 
 
 def rnn_chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Workspace) -> torch.Tensor:

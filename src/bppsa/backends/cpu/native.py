@@ -192,7 +192,7 @@ class ChainScan:
     :func:`fused_levels`);
     ``scratch(size)`` gives a contiguous tensor of f's dtype with ``size`` elements.  ``out`` is the scan
     [n, B, H] (mode 0) or None: then each part of the down phase (and the middle, with part 0) accumulates
-    the parameter gradients into its own ``acc[part]`` (mode 1, :meth:`accumulators`).  :meth:`run` is the
+    the parameter gradients into its own sums (mode 1, :meth:`grad_sums`).  :meth:`run` is the
     whole scan on this thread; :meth:`up`, :meth:`middle` and :meth:`down` are its three phases, the first
     and last over any split of ``range(blocks)``.
 
@@ -212,9 +212,9 @@ class ChainScan:
         self.wide = library(kind, H, I, self.vl, f.dtype) if lanes == 1 and self.blocks > 1 else None
         self.mode = int(out is None)
         na = 4 * H if kind == "gru" else H
-        # mode 1: per part, the accumulators of this slice's kernel and of the wide one
-        self.acc = [(f.new_zeros((na, I + 1 + H, lanes)), f.new_zeros((na, I + 1 + H, self.vl)))
-                    for _ in range(parts)] if self.mode else [(None, None)] * parts
+        # mode 1: per part, the sums of this slice's kernel and, where it runs, of the wide one
+        self.acc = [f.new_zeros((parts, na, I + 1 + H, w)) if self.mode and lib is not None else None
+                    for lib, w in ((self.lib, lanes), (self.wide, self.vl))]
         self.tensors = (Wt, f, g, out if out is not None else g, work)  # kept alive while the kernel holds them
         self.ptrs = [t.data_ptr() for t in self.tensors]
         self.shape = (n, B, b0, L, fused)
@@ -222,13 +222,14 @@ class ChainScan:
         clipped = self.blocks > 0 and n - (self.blocks * size - 1) < size
         self.full = self.blocks - clipped
 
-    def accumulators(self) -> list[torch.Tensor]:
-        """Mode 1: every accumulator, [NA, I + 1 + H, lanes] each."""
-        return [a for pair in self.acc for a in pair if a is not None]
+    def grad_sums(self) -> torch.Tensor:
+        """Mode 1: the parameter gradients' sums over this slice's parts and lanes, [NA, I + 1 + H]."""
+        sums = [a.sum((0, 3)) for a in self.acc if a is not None]
+        return sums[0] if len(sums) == 1 else sums[0] + sums[1]
 
     def _acc(self, part: int, wide: bool = False) -> int | None:
-        a = self.acc[part][wide]
-        return None if a is None else a.data_ptr()
+        a = self.acc[wide]
+        return None if a is None else a[part].data_ptr()
 
     def _wide_end(self, j0: int, j1: int) -> int:
         """Where the full blocks among [j0, j1), the wide kernel's, end."""
