@@ -29,7 +29,6 @@ __all__ = ["available", "unavailable_reason", "library", "ChainScan", "fused_lev
            "rnn_factors", "gru_factors"]
 
 
-
 def fused_levels(n: int) -> int:
     """Up-sweep levels the kernel computes per block in cache for a chain of ``n`` Jacobians (blocks of 2^c,
     see chain_scan.c): from 4 up to 6, the most that leave at least 8 blocks to the tree above them.  Each
