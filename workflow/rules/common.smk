@@ -61,6 +61,8 @@ RNN_DIR, GRU_DIR, VGG_DIR, JAC_DIR = (
 )
 REPORT, CLAIMS = "results/report.md", "results/claims.md"
 CIFAR_MANIFEST = f"{CIFAR['root']}/cifar10.json"
+# the set whose generation bitstream_bench measures (config bitstream.budget)
+BITSTREAM_BUDGET = f"{RESULTS}/datasets/bitstream_T{BUDGET['seq_len']}.csv"
 # The CPU benchmarks (speed, roofline, worker scaling) measure this machine's CPU: only in a cpu folder.
 CPU_FOLDER = config["device"] in ("auto", "cpu") and DEVICE == "cpu"
 
@@ -314,7 +316,6 @@ def get_report_input():
 
 
 GPU_MODEL = "results/gpu_model.csv"
-BITSTREAM_BUDGET = f"{RESULTS}/datasets/bitstream_T{BUDGET['seq_len']}.csv"
 
 
 def gpu_model_cases():

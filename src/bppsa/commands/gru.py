@@ -39,7 +39,6 @@ def register(sub) -> None:
     p.set_defaults(func=_mfcc)
 
 
-
 def corpus_root(corpus: str | Path) -> Path:
     """The training folder a manifest (or the folder itself) names."""
     corpus = Path(corpus)

@@ -36,7 +36,6 @@ def register(sub) -> None:
     p.set_defaults(func=_measure)
 
 
-
 class Operator(NamedTuple):
     name: str  # as in the paper's Table 1
     op: str  # bppsa.jacobians.sparse.sparsity_expression's name for it

@@ -25,7 +25,6 @@ def register(sub) -> None:
     add_timing_args(p, _scaling)
 
 
-
 def _scaling(args) -> int:
     cpu_setup(args)
     top = args.max_threads or default_threads()

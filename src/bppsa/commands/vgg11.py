@@ -72,7 +72,6 @@ def register(sub) -> None:
     p.set_defaults(func=_flops)
 
 
-
 def _make_cifar10(args) -> int:
     m = cifar.prepare(args.source, args.root, args.out, url=args.url, md5=args.md5)
     print(f"{args.out}: {m['source']}" + (f" in {m['folder']}" if m["folder"] else ""))
