@@ -39,6 +39,7 @@ def plot(df: pd.DataFrame, out) -> pd.DataFrame:
             bot.plot(p, t[0] / t, **style)
         bp = g[g.method == BPPSA].sort_values("threads")
         c = cross[(cross.seq_len == T) & (cross.batch == B) & (cross.rival == SEQUENTIAL)]
+        verdict = ""
         if not bp.empty:
             # the paper's shapes through BPPSA's / the rivals' 1-thread points: Θ(n/p + log p) and Θ(n)
             ps = np.arange(1, max(pmax, 2) * 4 + 1)
@@ -55,14 +56,12 @@ def plot(df: pd.DataFrame, out) -> pd.DataFrame:
                 if math.isfinite(p_star):
                     tag = "extrapolated" if bool(c.extrapolated.iloc[0]) else "measured"
                     top.axvline(p_star, color="k", ls="--", lw=0.8)
-                    top.annotate(f"overtakes compiled\nsequential at p≈{p_star:.0f}\n({tag})",
-                                 (p_star, brent_time(t1, T, p_star) * 1e3),
-                                 textcoords="offset points", xytext=(-10, 25), ha="right", fontsize=8)
+                    verdict = f"overtakes compiled sequential\nat p≈{p_star:.0f} (dashed line; {tag})"
                 else:
-                    top.text(0.02, 0.02, "never overtakes compiled sequential\n(model Θ(n/p + log p), extrapolation)",
-                             transform=top.transAxes, fontsize=8)
-        top.set(xscale="log", yscale="log", title=f"T = {T}, B = {B}", xlabel="worker threads p",
-                ylabel="backward (ms), median ± 95% CI")
+                    verdict = "never overtakes compiled sequential\n(model Θ(n/p + log p))"
+        # the crossover in the title, where no legend can cover it
+        top.set_title(f"T = {T}, B = {B}" + (f"\n{verdict}" if verdict else ""), fontsize=9)
+        top.set(xscale="log", yscale="log", xlabel="worker threads p", ylabel="backward (ms), median ± 95% CI")
         plain_log_axis(top, "y", unit="")
         bot.set(xscale="log", xlabel="worker threads p", ylabel="speedup over p = 1")
         bot.set_xticks([2 ** k for k in range(int(math.log2(max(pmax, 2) * 4)) + 1)])
@@ -71,12 +70,15 @@ def plot(df: pd.DataFrame, out) -> pd.DataFrame:
             ax.grid(True, which="both", alpha=0.3)
             ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
             ax.xaxis.set_minor_formatter(ticker.NullFormatter())
-    axes[0, 0].legend(fontsize=7)
-    axes[1, 0].legend(fontsize=7)
+    # one legend for every panel, below them: inside a panel it covers points or curves
+    handles = dict(zip(*axes[1, 0].get_legend_handles_labels()[::-1]))
+    handles.update(zip(*axes[0, 0].get_legend_handles_labels()[::-1]))
+    ncol = min(2, len(keys))
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=ncol, fontsize=7)
     dev = ", ".join(sorted(map(str, df["device"].unique()))) if "device" in df else "?"
     fig.suptitle(f"Backward vs workers on {dev}\n(measured up to p = {int(med.threads.max())}; dotted: extrapolated)",
                  fontsize=10)  # two lines: one column of panels is narrower than the title
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.02 + 0.025 * -(-len(handles) // ncol), 1, 1))
     with atomic_path(out) as tmp:
         fig.savefig(tmp, dpi=120)
     plt.close(fig)
