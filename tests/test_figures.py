@@ -181,7 +181,9 @@ def test_the_scaling_figure_names_the_csv_backend_and_reads_in_plain_numbers(mon
     scaling.plot(pd.DataFrame(rows), tmp_path / "fig.png")
     (fig,) = kept
     top = fig.axes[0]
-    assert "BPPSA (backend my-fast-path)" in [t.get_text() for t in top.get_legend().get_texts()]
+    (legend,) = fig.legends  # one legend for every panel, below them
+    assert "BPPSA (backend my-fast-path)" in [t.get_text() for t in legend.get_texts()]
+    assert top.get_legend() is None and "overtakes" in top.get_title()
     labels = [t.get_text() for t in top.get_yticklabels() if t.get_text()]
     assert labels and all(PLAIN.match(t) for t in labels), labels
     common.plt.close(fig)
