@@ -180,6 +180,55 @@ def test_compiled_kernel_both_thread_splits(kind, mode, n, B, H, dtype, monkeypa
         torch.set_num_threads(old)
 
 
+@pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
+@pytest.mark.parametrize("kind", ["rnn", "paper"])
+@pytest.mark.parametrize("B", [16, 40])
+def test_factors_written_by_each_slice_equal_the_whole_pass(kind, B):
+    """The RNN's factors left for the scan's threads (each writes its own lanes) are the ones the whole
+    pass over the steps writes, bit for bit, and so is the scan."""
+    n = 301
+    g, lazy, _, _, _ = _factored(kind, n, B, 20, 3, torch.float32)
+    _, eager, _, _, _ = _factored(kind, n, B, 20, 3, torch.float32)
+    whole = eager.f  # written here, split over the steps
+    L = scan.tree_levels(lazy.shape[0] + 1, None)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        by_slice = native_chain_scan(g, lazy, L, scan.Workspace(), "slices")
+        assert lazy.claim_fill() is None  # the threads took it
+        torch.testing.assert_close(lazy.f, whole, rtol=0, atol=0)
+        torch.testing.assert_close(by_slice, native_chain_scan(g, eager, L, scan.Workspace(), "slices"), rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+@pytest.mark.parametrize("split", ["slices", "blocks"])
+def test_the_head_run_beside_the_scan_gives_the_same_gradients(kind, split):
+    """∇h_T as a callable (the head's backward, run by the caller while the other threads start their
+    up-sweeps) gives what the tensor gives, bit for bit; a head that fails stops the scan with its error
+    instead of leaving a thread waiting."""
+    g, chain, _, _, _ = _factored(kind, 517, 40, 20, 4, torch.float64, I=3)
+    L = scan.tree_levels(chain.shape[0] + 1, None)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = native_chain_scan(g, chain, L, scan.Workspace(), split, grads=True)
+        got = native_chain_scan(lambda: g, chain, L, scan.Workspace(), split, grads=True)
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+
+        def failing_head():
+            raise RuntimeError("the head failed")
+        with pytest.raises(RuntimeError, match="the head failed"):
+            native_chain_scan(failing_head, chain, L, scan.Workspace(), split, grads=True)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.skipif(shutil.which(native.compiler_name()) is None, reason="no C compiler here")
 def test_the_kernel_builds_where_a_c_compiler_is():
     """Every kernel test skips where the kernel is unavailable, so a source that stops compiling must fail
@@ -294,7 +343,7 @@ def test_sequential_rival_equals_autograd(chunking, model, T, B):
 @pytest.mark.parametrize("L_m", [None, 0, 3])
 def test_gradients_equal_autograd_through_the_fast_path(model, layouts, dtype, L_m):
     for layout in layouts:
-        for T, B in ((37, 5), (300, 3)):
+        for T, B in ((37, 5), (300, 3), (131, 16)):  # B = 16: slices, the head run beside the up-sweeps
             r = verify(model=model, seq_len=T, batch=B, dtype=dtype, backend="cpu", layout=layout, L_m=L_m, seed=T)
             assert r["backend"] == "cpu"
             assert r["ok"], (layout, T, B, r["rel_err"])

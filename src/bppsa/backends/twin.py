@@ -6,7 +6,7 @@ import torch
 from .. import scan as _scan
 from ..jacobians import gru as _gru
 from ..jacobians import recurrent as _rec
-from .base import check_operands
+from .base import check_operands, grad_of
 
 
 class TorchBackend:
@@ -33,5 +33,5 @@ class TorchBackend:
         T, B, H = h.shape
         return _gru.gru_jacobians_t(g, cell.weight_hh_l0, out=self.workspace.get(("jacobians", "gru"), (T, B, H, H), h))
 
-    def cell_grads(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None, from_scan) -> dict:
-        return from_scan(self.scan(g, J, L_m))
+    def cell_grads(self, g, J: torch.Tensor, L_m: int | None, from_scan) -> dict:
+        return from_scan(self.scan(grad_of(g), J, L_m))

@@ -73,11 +73,15 @@ class RecurrentClassifier(nn.Module):
                 J = self.jacobians_t(x, h, layout, backend)
         if not backward:
             return loss.detach()
+        def head() -> torch.Tensor:  # the head's parameters, and ∇h_T (a backend may run it beside its scan)
+            with torch.enable_grad():
+                loss.backward()
+            return h_last.grad
+
         with phase("backward"):
-            loss.backward()  # the head's parameters, and ∇h_T
             with torch.no_grad():
                 from_scan = lambda out: self.cell_param_grads(x, h, self.grads_from_scan(out, x, h, layout))  # noqa: E731
-                grads = backend.cell_grads(h_last.grad, J, L_m, from_scan)
+                grads = backend.cell_grads(head, J, L_m, from_scan)
                 del J
                 for name, g in grads.items():
                     p = getattr(self.cell, name)

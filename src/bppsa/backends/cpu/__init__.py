@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ... import scan as _scan
-from ..base import check_operands
+from ..base import check_operands, grad_of
 from ..twin import TorchBackend
 from . import native
 from .chain import FactoredChain, GruChain, PaperChain, RnnChain, native_chain_scan, rnn_chain_scan
@@ -57,14 +57,15 @@ def cpu_scan(g: torch.Tensor, J: torch.Tensor | FactoredChain, L_m: int | None =
 
 
 @torch.no_grad()
-def param_grads(g: torch.Tensor, chain: FactoredChain, L_m: int | None, ws: _scan.Workspace, from_scan,
+def param_grads(g, chain: FactoredChain, L_m: int | None, ws: _scan.Workspace, from_scan,
                 split: str = "auto") -> dict[str, torch.Tensor]:
     """The cell's parameter gradients from the scan over ``chain``: accumulated by the compiled kernel as
     the prefixes come out, or ``from_scan(scan)`` without it (or for a chain built without x).
-    ``L_m = 0`` is the sequential backward over the same chain."""
+    ``g``: ∇h_T, or the callable that returns it (:func:`~bppsa.backends.base.grad_of`; the kernel's
+    other threads start their up-sweep meanwhile).  ``L_m = 0`` is the sequential backward over the same chain."""
     L = _scan.tree_levels(chain.shape[0] + 1, L_m)
     out = native_chain_scan(g, chain, L, ws, split, grads=True) if chain.I else None
-    return out if out is not None else from_scan(cpu_scan(g, chain, L_m, ws, split))
+    return out if out is not None else from_scan(cpu_scan(grad_of(g), chain, L_m, ws, split))
 
 
 class CpuBackend(TorchBackend):
@@ -107,7 +108,7 @@ class CpuBackend(TorchBackend):
     def scan(self, g: torch.Tensor, J, L_m: int | None = None) -> torch.Tensor:
         return cpu_scan(g, J, self._L_m(L_m), self.workspace, self._split)
 
-    def cell_grads(self, g: torch.Tensor, J, L_m, from_scan) -> dict[str, torch.Tensor]:
+    def cell_grads(self, g, J, L_m, from_scan) -> dict[str, torch.Tensor]:
         if isinstance(J, FactoredChain):
             return param_grads(g, J, self._L_m(L_m), self.workspace, from_scan, self._split)
-        return from_scan(self.scan(g, J, L_m))
+        return from_scan(self.scan(grad_of(g), J, L_m))

@@ -11,10 +11,12 @@ gradients as the prefixes come out; without a C compiler, :func:`rnn_chain_scan`
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
 from ... import scan as _scan
+from ..base import grad_of
 from . import native, pool
 from .dense import dense_tree_scan
 
@@ -28,20 +30,37 @@ class FactoredChain:
     :class:`~bppsa.backends.cpu.CpuBackend` builds.  The last I + H rows of a step are x_t and h' = h_{t-1},
     for the parameter gradients the kernel accumulates as it scans (zero rows where the chain was built
     without x, ``I = 0``).  It stands where a dense chain ``[n, B, H, H]`` would (``shape``, ``dim()``);
-    :meth:`dense` is that chain."""
+    :meth:`dense` is that chain.  ``fill(k0, k1, b0, b1)``, where given, writes the factors of steps
+    [k0, k1) and lanes [b0, b1) later: the scan's threads each write their own lanes (:meth:`claim_fill`),
+    and :attr:`f` writes them all on first use otherwise."""
 
     kind: str
     NF: int  # rows of H factors per step before x and h'
 
-    def __init__(self, W_hh: torch.Tensor, Wt: torch.Tensor, f: torch.Tensor, n: int, I: int):
+    def __init__(self, W_hh: torch.Tensor, Wt: torch.Tensor, f: torch.Tensor, n: int, I: int, fill=None):
         steps, rows, B = f.shape
         H = Wt.shape[-1]
         if rows != self.NF * H + I + H or Wt.dtype != f.dtype:
             raise ValueError(f"{type(self).__name__}: factors {tuple(f.shape)} {f.dtype} do not fit weights "
                              f"{tuple(Wt.shape)} {Wt.dtype} and input size {I}")
-        self.W_hh, self.Wt, self.f, self.I = W_hh.detach(), Wt.detach().contiguous(), f, I
+        self.W_hh, self.Wt, self._f, self._fill, self.I = W_hh.detach(), Wt.detach().contiguous(), f, fill, I
         self.shape = torch.Size((n, B, H, H))
         self.dtype, self.device = f.dtype, f.device
+
+    @property
+    def f(self) -> torch.Tensor:
+        """The factors [steps, NR, B], written first where they were left for later."""
+        fill = self.claim_fill()
+        if fill is not None:
+            steps, rows, B = self._f.shape
+            pool.parallel(lambda a, b: fill(a, b, 0, B), steps, FACTOR_FLOP * B * rows)
+        return self._f
+
+    def claim_fill(self):
+        """The writer of the factors left for later, handed to the caller, who must run it over every step
+        and lane before they are read (None: they are written)."""
+        fill, self._fill = self._fill, None
+        return fill
 
     def dim(self) -> int:
         return 4
@@ -75,8 +94,10 @@ def _factor_buffer(h: torch.Tensor, rows: int, out: torch.Tensor | None) -> torc
     return out if out is not None and tuple(out.shape) == (T, rows, B) else h.new_empty((T, rows, B))
 
 
-def _rnn_factors(h: torch.Tensor, x: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
-    """d_k = 1 - h_{T-k}², then x and h' in scan order and lane order, [T, 2H + I, B]."""
+def _rnn_factors(h: torch.Tensor, x: torch.Tensor | None, out: torch.Tensor | None):
+    """The buffer for d_k = 1 - h_{T-k}², then x and h' in scan order and lane order, [T, 2H + I, B], and
+    its writer: the compiled builder, left for the scan's threads to run over their own lanes (each then
+    reads what it wrote, from its own cache); or the buffer written by torch, and None."""
     T, B, H = h.shape
     h = h.detach().contiguous()
     I = 0 if x is None else x.shape[2]
@@ -84,12 +105,11 @@ def _rnn_factors(h: torch.Tensor, x: torch.Tensor | None, out: torch.Tensor | No
     # the compiled factor builder reads host memory: CUDA tensors (the factored GPU path) take torch
     if h.device.type == "cpu" and native.available() and native.library("rnn", H, I, 1, h.dtype) is not None:
         xc = (x if x is not None else h[:, :, :0]).detach().contiguous()
-        pool.parallel(lambda a, b: native.rnn_factors(h, xc, f, a, b), T, FACTOR_FLOP * B * f.shape[1])
-        return f
+        return f, lambda k0, k1, b0, b1: native.rnn_factors(h, xc, f, k0, k1, b0, b1)
     hf = h.flip(0)
     torch.sub(torch.ones((), dtype=h.dtype), hf * hf, out=f[:, :H].permute(0, 2, 1))  # as 1 - h * h, bit for bit
     FactoredChain._fill(f, 1, H, x, h)
-    return f
+    return f, None
 
 
 class _RnnParams:
@@ -108,17 +128,24 @@ class RnnChain(_RnnParams, FactoredChain):
 
     kind, NF = "rnn", 1
 
-    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0):
-        super().__init__(W_hh, W_hh.detach().t()[None], f, f.shape[0], I)
-        self.d_lanes = self.lanes(0)
-        self.d = self.d_lanes.permute(0, 2, 1)  # [T, B, H], a view
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0, fill=None):
+        super().__init__(W_hh, W_hh.detach().t()[None], f, f.shape[0], I, fill)
+
+    @property
+    def d_lanes(self) -> torch.Tensor:
+        return self.lanes(0)
+
+    @property
+    def d(self) -> torch.Tensor:
+        return self.d_lanes.permute(0, 2, 1)  # [T, B, H], a view
 
     @classmethod
     def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor | None = None,
                     out: torch.Tensor | None = None) -> RnnChain:
         """From the forward's states ``h`` [T, B, H] and inputs ``x`` [T, B, I] (None: the scan only);
         ``out``: a buffer for the factors, used where its shape fits."""
-        return cls(W_hh, _rnn_factors(h, x, out), 0 if x is None else x.shape[2])
+        f, fill = _rnn_factors(h, x, out)
+        return cls(W_hh, f, 0 if x is None else x.shape[2], fill)
 
     def dense(self) -> torch.Tensor:
         return self.W_hh.t() * self.d.unsqueeze(-2)  # as rnn_jacobians_t(h, W_hh, "fused")
@@ -130,13 +157,14 @@ class PaperChain(_RnnParams, FactoredChain):
 
     kind, NF = "paper", 1
 
-    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0):
-        super().__init__(W_hh, W_hh.detach().t()[None], f, 2 * f.shape[0], I)
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0, fill=None):
+        super().__init__(W_hh, W_hh.detach().t()[None], f, 2 * f.shape[0], I, fill)
 
     @classmethod
     def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor | None = None,
                     out: torch.Tensor | None = None) -> PaperChain:
-        return cls(W_hh, _rnn_factors(h, x, out), 0 if x is None else x.shape[2])
+        f, fill = _rnn_factors(h, x, out)
+        return cls(W_hh, f, 0 if x is None else x.shape[2], fill)
 
     def dense(self) -> torch.Tensor:
         n, B, H, _ = self.shape
@@ -213,43 +241,79 @@ def lane_slices(B: int, p: int, max_lanes: int) -> list[list[tuple[int, int]]]:
     return groups
 
 
-def native_chain_scan(g: torch.Tensor, chain: FactoredChain, L: int, ws: _scan.Workspace, split: str = "auto",
-                       grads: bool = False):
+def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, split: str = "auto",
+                      grads: bool = False):
     """The scan over a :class:`FactoredChain` by the compiled kernel (:mod:`.native`); None where it is
-    unavailable.  ``grads``: instead of the scan, the cell's parameter gradients (a dict), accumulated by
-    the kernel as the prefixes come out (the chain must have been built with x).  Lane slices as wide as
-    one vector register; where every thread gets a slice of at least 32 bytes of lanes or a single batch
-    element the threads take whole slices (one hand-off per scan), otherwise ("blocks") they split each
-    slice's blocks in the up phase and, where it carries enough work, the down phase.  ``split`` "slices"
-    (the sequential rival, whose chain cannot be split by blocks) takes whole slices only, on one thread
-    where they would be narrower than that."""
+    unavailable.  ``g``: ∇h_T, or the callable that returns it (the head's backward, run by this thread
+    while the others start their slices' up-sweeps, which do not need it).  ``grads``: instead of the
+    scan, the cell's parameter gradients (a dict), accumulated by the kernel as the prefixes come out (the
+    chain must have been built with x).  Lane slices as wide as one vector register; where every thread
+    gets a slice of at least 32 bytes of lanes or a single batch element the threads take whole slices
+    (one hand-off per scan; each first writes its slices' factors where the chain left them for later,
+    :meth:`FactoredChain.claim_fill`), otherwise ("blocks") they split each slice's blocks in the up
+    phase and, where it carries enough work, the down phase.  ``split`` "slices" (the sequential rival,
+    whose chain cannot be split by blocks) takes whole slices only, on one thread where they would be
+    narrower than that."""
     n, B, H, _ = chain.shape
+    dtype = chain.dtype
     min_flop = pool.KERNEL_SPEEDUP * pool.MIN_CHUNK_FLOP  # the same hand-off, repaid only by more of the kernel's FLOP
     p = pool.threads() if split == "slices" else min(pool.threads(), max(1, int(n * B * 2 * H ** 3 // min_flop)))
-    vl = native.lane_width(chain.kind, g.dtype)
+    vl = native.lane_width(chain.kind, dtype)
     # slices for every thread where each is at least 32 bytes of lanes, or one batch element (whose blocks
     # then fill the lanes); narrower ones waste the vector units, so the threads split the blocks instead
     # (measured on a 2-core Zen 4: e.g. B = 16 in two 8-lane slices 1.9 ms against 2.4 split by blocks,
     # B = 8 split by blocks 1.35 against 1.8 in 4-lane slices, B = 2 one element each 0.53 against 1.5)
-    wide_enough = B <= p or B >= p * (32 // g.element_size())
+    wide_enough = B <= p or B >= p * (32 // dtype.itemsize)
     by_slice = split == "slices" or (split == "auto" and wide_enough)
     if split == "slices" and not wide_enough:
         p = 1  # narrower slices would cost more than the second thread brings (the same measurements)
     groups = lane_slices(B, p if by_slice else 1, vl)
-    if not native.available() or any(native.library(chain.kind, H, chain.I, w, g.dtype) is None
+    if not native.available() or any(native.library(chain.kind, H, chain.I, w, dtype) is None
                                      for gr in groups for _, w in gr):
         return None
+    head = g if callable(g) and by_slice and n else None
+    g = chain.Wt.new_empty((B, H)) if head is not None else grad_of(g).contiguous()
     out = None if grads else g.new_empty((n, B, H))
     if n == 0:
         return out
-    g = g.contiguous()
     # the down phase is ~H times lighter than the up phase: split only where it repays a hand-off
     p_down = 1 if by_slice else min(p, max(1, int(n * B * (2 * H * H + H) // min_flop)))
+    fill = chain.claim_fill() if by_slice else None  # then each thread writes its slices' factors
     kernels = [[native.ChainScan(chain.kind, chain.Wt, chain.f, chain.I, g, out, L, b0, w,
                                  lambda size, key=(b0, w): ws.get(("cpu", "native", *key), (size,), g), p_down)
                 for b0, w in gr] for gr in groups]
     if by_slice:
-        pool.spread([lambda gr=gr: [k.run() for k in gr] for gr in kernels])
+        steps = chain.f.shape[0]
+        ready, failed = threading.Event(), []
+
+        def run_head():
+            # on one thread: torch's parallel regions would wait for cores the other slices hold (measured:
+            # the RNN's head took 2.2 ms instead of 0.27 beside the other thread's up-sweep)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                g.copy_(grad_of(head))
+            except BaseException:
+                failed.append(True)
+                raise
+            finally:
+                torch.set_num_threads(threads)
+                ready.set()
+
+        def task(gr, ks, caller):
+            if caller and head is not None:
+                run_head()
+            for i, ((b0, w), k) in enumerate(zip(gr, ks)):
+                if fill is not None:
+                    fill(0, steps, b0, b0 + w)
+                k.up(0, k.blocks)
+                if i == 0 and head is not None and not caller:
+                    ready.wait()  # the up-sweep needs no g; the rest does
+                    if failed:
+                        return
+                k.middle()
+                k.down(0, k.blocks)
+        pool.spread([functools.partial(task, gr, ks, i == 0) for i, (gr, ks) in enumerate(zip(groups, kernels))])
     else:
         for k in kernels[0]:
             for phase, parts in ((k.up, p), (k.middle, 0), (k.down, p_down)):

@@ -122,7 +122,7 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
     lib = ctypes.CDLL(str(out))
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     factors = ({"gru_factors": [p, p, p, p, p, p, l, l, l, l, p]} if kind == KINDS["gru"]
-               else {"rnn_factors": [p, p, l, l, l, l, p]})
+               else {"rnn_factors": [p, p, l, l, l, l, l, l, p]})
     for name, args in {"chain_up": [p, p, l, l, l, i, i, l, l, p],
                        "chain_tree": [p, p, p, p, i, l, l, l, i, i, p, p],
                        "chain_down": [p, p, p, i, l, l, l, i, i, l, l, p, p],
@@ -167,11 +167,14 @@ def lane_width(kind: str, dtype: torch.dtype) -> int:
     return (32 if kind == "gru" else 64) // dtype.itemsize
 
 
-def rnn_factors(h: torch.Tensor, x: torch.Tensor, out: torch.Tensor, k0: int, k1: int) -> None:
+def rnn_factors(h: torch.Tensor, x: torch.Tensor, out: torch.Tensor, k0: int, k1: int, b0: int = 0,
+                b1: int | None = None) -> None:
     """``out`` [T, H + I + H, B] = the RNN's d_k = 1 - h_{T-k}^2, x_{T-k} and h_{T-k-1} (scan order, lane
-    order; steps k0 .. k1 - 1) from ``h`` [T, B, H] and ``x`` [T, B, I], all contiguous."""
+    order; steps k0 .. k1 - 1, lanes b0 .. b1 - 1, default all) from ``h`` [T, B, H] and ``x`` [T, B, I],
+    all contiguous."""
     T, B, H = h.shape
-    library("rnn", H, x.shape[2], 1, h.dtype).rnn_factors(h.data_ptr(), x.data_ptr(), T, B, k0, k1, out.data_ptr())
+    library("rnn", H, x.shape[2], 1, h.dtype).rnn_factors(h.data_ptr(), x.data_ptr(), T, B, k0, k1, b0,
+                                                           B if b1 is None else b1, out.data_ptr())
 
 
 def gru_factors(x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor, k0: int, k1: int) -> None:

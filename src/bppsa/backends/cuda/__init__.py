@@ -30,7 +30,7 @@ import torch
 
 from ...jacobians.recurrent import num_jacobians
 from ...scan import tree_levels
-from ..base import check_operands
+from ..base import check_operands, grad_of
 from ..cpu.chain import FactoredChain, GruChain, RnnChain
 from ..twin import TorchBackend
 from . import plan, runtime
@@ -124,7 +124,8 @@ class CupyFactoredBackend(CupyBackend):
             return super().scan(g, J.dense() if isinstance(J, FactoredChain) else J, L_m)
         return self._factored(g, J, L_m, grads=False)
 
-    def cell_grads(self, g: torch.Tensor, J, L_m, from_scan) -> dict[str, torch.Tensor]:
+    def cell_grads(self, g, J, L_m, from_scan) -> dict[str, torch.Tensor]:
+        g = grad_of(g)
         if not _factored(J) or not J.I:
             return from_scan(self.scan(g, J, L_m))
         return J.param_grads(self._factored(g, J, L_m, grads=True))
