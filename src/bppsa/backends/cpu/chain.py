@@ -279,9 +279,11 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     # the down phase is ~H times lighter than the up phase: split only where it repays a hand-off
     p_down = 1 if by_slice else min(p, max(1, int(n * B * (2 * H * H + H) // min_flop)))
     fill = chain.claim_fill() if by_slice else None  # then each thread writes its slices' factors
-    kernels = [[native.ChainScan(chain.kind, chain.Wt, chain.f, chain.I, g, out, L, b0, w,
-                                 lambda size, key=(b0, w): ws.get(("cpu", "native", *key), (size,), g), p_down)
-                for b0, w in gr] for gr in groups]
+    def kernel(b0: int, w: int) -> native.ChainScan:
+        return native.ChainScan(chain.kind, chain.Wt, chain.f, chain.I, g, out, L, b0, w,
+                                lambda size: ws.get(("cpu", "native", b0, w), (size,), g), p_down)
+
+    sums = {}  # (group, slice) -> that slice's gradient sums, added in this order: the same rounding every run
     if by_slice:
         steps = chain.f.shape[0]
         ready, failed = threading.Event(), []
@@ -300,10 +302,12 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
                 torch.set_num_threads(threads)
                 ready.set()
 
-        def task(gr, ks, caller):
+        def task(j, gr):  # each thread sets up its own slices' kernels, and sums their gradients
+            caller = j == 0
             if caller and head is not None:
                 run_head()
-            for i, ((b0, w), k) in enumerate(zip(gr, ks)):
+            for i, (b0, w) in enumerate(gr):
+                k = kernel(b0, w)
                 if fill is not None:
                     fill(0, steps, b0, b0 + w)
                 k.up(0, k.blocks)
@@ -313,9 +317,12 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
                         return
                 k.middle()
                 k.down(0, k.blocks)
-        pool.spread([functools.partial(task, gr, ks, i == 0) for i, (gr, ks) in enumerate(zip(groups, kernels))])
+                if grads:
+                    sums[j, i] = k.grad_sums()
+        pool.spread([functools.partial(task, j, gr) for j, gr in enumerate(groups)])
     else:
-        for k in kernels[0]:
+        for i, (b0, w) in enumerate(groups[0]):
+            k = kernel(b0, w)
             for phase, parts in ((k.up, p), (k.middle, 0), (k.down, p_down)):
                 if not parts:
                     phase()
@@ -325,10 +332,12 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
                     pool.spread([functools.partial(phase, a, b, i) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))])
                 else:
                     pool.spread([functools.partial(phase, a, b) for a, b in zip(cuts, cuts[1:])])
+            if grads:
+                sums[0, i] = k.grad_sums()
     if not grads:
         return out
-    sums = [k.grad_sums() for gr in kernels for k in gr]
-    return chain.param_grads(sum(sums[1:], sums[0]))
+    ordered = [sums[key] for key in sorted(sums)]
+    return chain.param_grads(sum(ordered[1:], ordered[0]))
 
 
 def rnn_chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Workspace) -> torch.Tensor:
