@@ -67,9 +67,13 @@ def spread(tasks) -> None:
     if len(tasks) > 1:
         _numpy_blas_single_threaded()
     futures = [executor(threads()).submit(t) for t in tasks[1:]]
-    tasks[0]()
-    for f in futures:
-        f.result()
+    try:
+        tasks[0]()
+    finally:  # the workers finish (or fail) before anything they write to is handed back
+        errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
 
 
 def parallel(fn, n: int, flop_per_item: float) -> None:
