@@ -73,9 +73,9 @@ class RecurrentClassifier(nn.Module):
                 J = self.jacobians_t(x, h, layout, backend)
         if not backward:
             return loss.detach()
+
         def head() -> torch.Tensor:  # the head's parameters, and ∇h_T (a backend may run it beside its scan)
-            with torch.enable_grad():
-                loss.backward()
+            loss.backward()
             return h_last.grad
 
         with phase("backward"):

@@ -279,6 +279,7 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     # the down phase is ~H times lighter than the up phase: split only where it repays a hand-off
     p_down = 1 if by_slice else min(p, max(1, int(n * B * (2 * H * H + H) // min_flop)))
     fill = chain.claim_fill() if by_slice else None  # then each thread writes its slices' factors
+
     def kernel(b0: int, w: int) -> native.ChainScan:
         return native.ChainScan(chain.kind, chain.Wt, chain.f, chain.I, g, out, L, b0, w,
                                 lambda size: ws.get(("cpu", "native", b0, w), (size,), g), p_down)
@@ -321,7 +322,7 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
                     sums[j, i] = k.grad_sums()
         pool.spread([functools.partial(task, j, gr) for j, gr in enumerate(groups)])
     else:
-        for i, (b0, w) in enumerate(groups[0]):
+        for s, (b0, w) in enumerate(groups[0]):
             k = kernel(b0, w)
             for phase, parts in ((k.up, p), (k.middle, 0), (k.down, p_down)):
                 if not parts:
@@ -333,7 +334,7 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
                 else:
                     pool.spread([functools.partial(phase, a, b) for a, b in zip(cuts, cuts[1:])])
             if grads:
-                sums[0, i] = k.grad_sums()
+                sums[0, s] = k.grad_sums()
     if not grads:
         return out
     ordered = [sums[key] for key in sorted(sums)]
