@@ -182,22 +182,34 @@ def test_compiled_kernel_both_thread_splits(kind, mode, n, B, H, dtype, monkeypa
 
 @pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
 @pytest.mark.parametrize("kind", ["rnn", "paper"])
-@pytest.mark.parametrize("B", [16, 40])
-def test_factors_written_by_each_slice_equal_the_whole_pass(kind, B):
-    """The RNN's factors left for the scan's threads (each writes its own lanes) are the ones the whole
-    pass over the steps writes, bit for bit, and so is the scan."""
+@pytest.mark.parametrize("B", [1, 2, 5, 16, 40])
+@pytest.mark.parametrize("split", ["slices", "blocks"])
+def test_the_rnn_scanned_from_its_states_equals_the_scan_of_its_written_factors(kind, B, split):
+    """The kernel reads the RNN's factors (d = 1 - h², x and h') straight from the forward's states as it
+    scans each step, writing none of them: the scan and the parameter gradients are those of the same kernel
+    reading the factors the compiled builder writes, bit for bit -- every lane width, the wide kernel
+    of one batch element (B = 1, 2), both thread splits -- and the factors it would write equal torch's."""
     n = 301
-    g, lazy, _, _, _ = _factored(kind, n, B, 20, 3, torch.float32)
-    _, eager, _, _, _ = _factored(kind, n, B, 20, 3, torch.float32)
-    whole = eager.f  # written here, split over the steps
-    L = scan.tree_levels(lazy.shape[0] + 1, None)
+    g, chain, _, _, _ = _factored(kind, n, B, 20, 3, torch.float32)
+    assert chain.states is not None
+    h, x = chain.states
+    L = scan.tree_levels(chain.shape[0] + 1, None)
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        by_slice = native_chain_scan(g, lazy, L, scan.Workspace(), "slices")
-        assert lazy.claim_fill() is None  # the threads took it
-        torch.testing.assert_close(lazy.f, whole, rtol=0, atol=0)
-        torch.testing.assert_close(by_slice, native_chain_scan(g, eager, L, scan.Workspace(), "slices"), rtol=0, atol=0)
+        got = [native_chain_scan(g, chain, L, scan.Workspace(), split, grads=grads) for grads in (False, True)]
+        assert chain._fill is not None  # nothing written yet: the next line writes the factors
+        written = type(chain)(chain.W_hh, chain.f.clone(), chain.I)
+        assert written.states is None
+        torch.testing.assert_close(chain.f[:, :20].permute(0, 2, 1), 1 - h.flip(0) * h.flip(0), rtol=0, atol=0)
+        for grads, a in zip((False, True), got):
+            b = native_chain_scan(g, written, L, scan.Workspace(), split, grads=grads)
+            if grads:
+                assert a.keys() == b.keys()
+                for key in a:
+                    torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+            else:
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
     finally:
         torch.set_num_threads(old)
 

@@ -11,7 +11,6 @@ gradients as the prefixes come out; without a C compiler, :func:`rnn_chain_scan`
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 
@@ -30,37 +29,40 @@ class FactoredChain:
     :class:`~bppsa.backends.cpu.CpuBackend` builds.  The last I + H rows of a step are x_t and h' = h_{t-1},
     for the parameter gradients the kernel accumulates as it scans (zero rows where the chain was built
     without x, ``I = 0``).  It stands where a dense chain ``[n, B, H, H]`` would (``shape``, ``dim()``);
-    :meth:`dense` is that chain.  ``fill(k0, k1, b0, b1)``, where given, writes the factors of steps
-    [k0, k1) and lanes [b0, b1) later: the scan's threads each write their own lanes (:meth:`claim_fill`),
-    and :attr:`f` writes them all on first use otherwise."""
+    :meth:`dense` is that chain.  ``states``, where given (the RNN's chains, the compiled kernel at hand):
+    the forward's states h [T, B, H] and inputs x [T, B, I] (contiguous), from which the kernel reads each
+    step's factors as it scans it; ``fill(k0, k1, b0, b1)`` then writes the factors of steps [k0, k1) and lanes
+    [b0, b1), which :attr:`f` does on first use for any other reader."""
 
     kind: str
     NF: int  # rows of H factors per step before x and h'
 
-    def __init__(self, W_hh: torch.Tensor, Wt: torch.Tensor, f: torch.Tensor, n: int, I: int, fill=None):
+    def __init__(self, W_hh: torch.Tensor, Wt: torch.Tensor, f: torch.Tensor, n: int, I: int, fill=None,
+                 states: tuple[torch.Tensor, torch.Tensor] | None = None):
         steps, rows, B = f.shape
         H = Wt.shape[-1]
         if rows != self.NF * H + I + H or Wt.dtype != f.dtype:
             raise ValueError(f"{type(self).__name__}: factors {tuple(f.shape)} {f.dtype} do not fit weights "
                              f"{tuple(Wt.shape)} {Wt.dtype} and input size {I}")
         self.W_hh, self.Wt, self._f, self._fill, self.I = W_hh.detach(), Wt.detach().contiguous(), f, fill, I
+        self.states = states
         self.shape = torch.Size((n, B, H, H))
         self.dtype, self.device = f.dtype, f.device
 
     @property
     def f(self) -> torch.Tensor:
         """The factors [steps, NR, B], written first where they were left for later."""
-        fill = self.claim_fill()
+        fill, self._fill = self._fill, None
         if fill is not None:
             steps, rows, B = self._f.shape
-            pool.parallel(lambda a, b: fill(a, b, 0, B), steps, FACTOR_FLOP * B * rows)
+            pool.parallel(fill, steps, FACTOR_FLOP * B * rows)
         return self._f
 
-    def claim_fill(self):
-        """The writer of the factors left for later, handed to the caller, who must run it over every step
-        and lane before they are read (None: they are written)."""
-        fill, self._fill = self._fill, None
-        return fill
+    @property
+    def source(self):
+        """What the compiled kernel reads the steps' factors from (:class:`~.native.ChainScan`): the
+        states, or the factors."""
+        return self.states if self.states is not None else self.f
 
     def dim(self) -> int:
         return 4
@@ -95,9 +97,9 @@ def _factor_buffer(h: torch.Tensor, rows: int, out: torch.Tensor | None) -> torc
 
 
 def _rnn_factors(h: torch.Tensor, x: torch.Tensor | None, out: torch.Tensor | None):
-    """The buffer for d_k = 1 - h_{T-k}², then x and h' in scan order and lane order, [T, 2H + I, B], and
-    its writer: the compiled builder, left for the scan's threads to run over their own lanes (each then
-    reads what it wrote, from its own cache); or the buffer written by torch, and None."""
+    """The buffer for d_k = 1 - h_{T-k}², then x and h' in scan order and lane order, [T, 2H + I, B], its
+    writer and the states the compiled kernel reads instead (the builder and the kernel at hand: the buffer
+    is written only if something else reads it); or the buffer written by torch, None and None."""
     T, B, H = h.shape
     h = h.detach().contiguous()
     I = 0 if x is None else x.shape[2]
@@ -105,11 +107,11 @@ def _rnn_factors(h: torch.Tensor, x: torch.Tensor | None, out: torch.Tensor | No
     # the compiled factor builder reads host memory: CUDA tensors (the factored GPU path) take torch
     if h.device.type == "cpu" and native.available() and native.library("rnn", H, I, 1, h.dtype) is not None:
         xc = (x if x is not None else h[:, :, :0]).detach().contiguous()
-        return f, lambda k0, k1, b0, b1: native.rnn_factors(h, xc, f, k0, k1, b0, b1)
+        return f, functools.partial(native.rnn_factors, h, xc, f), (h, xc)
     hf = h.flip(0)
     torch.sub(torch.ones((), dtype=h.dtype), hf * hf, out=f[:, :H].permute(0, 2, 1))  # as 1 - h * h, bit for bit
     FactoredChain._fill(f, 1, H, x, h)
-    return f, None
+    return f, None, None
 
 
 class _RnnParams:
@@ -128,8 +130,8 @@ class RnnChain(_RnnParams, FactoredChain):
 
     kind, NF = "rnn", 1
 
-    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0, fill=None):
-        super().__init__(W_hh, W_hh.detach().t()[None], f, f.shape[0], I, fill)
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0, fill=None, states=None):
+        super().__init__(W_hh, W_hh.detach().t()[None], f, f.shape[0], I, fill, states)
 
     @property
     def d_lanes(self) -> torch.Tensor:
@@ -144,8 +146,8 @@ class RnnChain(_RnnParams, FactoredChain):
                     out: torch.Tensor | None = None) -> RnnChain:
         """From the forward's states ``h`` [T, B, H] and inputs ``x`` [T, B, I] (None: the scan only);
         ``out``: a buffer for the factors, used where its shape fits."""
-        f, fill = _rnn_factors(h, x, out)
-        return cls(W_hh, f, 0 if x is None else x.shape[2], fill)
+        f, fill, states = _rnn_factors(h, x, out)
+        return cls(W_hh, f, 0 if x is None else x.shape[2], fill, states)
 
     def dense(self) -> torch.Tensor:
         return self.W_hh.t() * self.d.unsqueeze(-2)  # as rnn_jacobians_t(h, W_hh, "fused")
@@ -157,14 +159,14 @@ class PaperChain(_RnnParams, FactoredChain):
 
     kind, NF = "paper", 1
 
-    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0, fill=None):
-        super().__init__(W_hh, W_hh.detach().t()[None], f, 2 * f.shape[0], I, fill)
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0, fill=None, states=None):
+        super().__init__(W_hh, W_hh.detach().t()[None], f, 2 * f.shape[0], I, fill, states)
 
     @classmethod
     def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor | None = None,
                     out: torch.Tensor | None = None) -> PaperChain:
-        f, fill = _rnn_factors(h, x, out)
-        return cls(W_hh, f, 0 if x is None else x.shape[2], fill)
+        f, fill, states = _rnn_factors(h, x, out)
+        return cls(W_hh, f, 0 if x is None else x.shape[2], fill, states)
 
     def dense(self) -> torch.Tensor:
         n, B, H, _ = self.shape
@@ -278,49 +280,42 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
         return out
     # the down phase is ~H times lighter than the up phase: split only where it repays a hand-off
     p_down = 1 if by_slice else min(p, max(1, int(n * B * (2 * H * H + H) // min_flop)))
-    fill = chain.claim_fill() if by_slice else None  # then each thread writes its slices' factors
+    source = chain.source
 
     def kernel(b0: int, w: int) -> native.ChainScan:
-        return native.ChainScan(chain.kind, chain.Wt, chain.f, chain.I, g, out, L, b0, w,
+        return native.ChainScan(chain.kind, chain.Wt, source, chain.I, g, out, L, b0, w,
                                 lambda size: ws.get(("cpu", "native", b0, w), (size,), g), p_down)
 
     sums = {}  # (group, slice) -> that slice's gradient sums, added in this order: the same rounding every run
     if by_slice:
-        steps = chain.f.shape[0]
-        ready, failed = threading.Event(), []
+        # every slice's kernel set up here, and each worker's task one call into the kernel, which releases
+        # the interpreter lock: where a thread took it between phases while another ran Python, each
+        # hand-over cost a wake-up (~0.1 ms here).  The caller runs the head meanwhile (before the workers
+        # wake, mostly), then its own slices; every middle and down phase waits for its ∇h_T
+        kernels = [[kernel(b0, w) for b0, w in gr] for gr in groups]
+        ready = native.Ready(kernels[0][0].lib) if head is not None else None
 
-        def run_head():
-            # on one thread: torch's parallel regions would wait for cores the other slices hold (measured:
-            # the RNN's head took 2.2 ms instead of 0.27 beside the other thread's up-sweep)
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                g.copy_(grad_of(head))
-            except BaseException:
-                failed.append(True)
-                raise
-            finally:
-                torch.set_num_threads(threads)
-                ready.set()
+        def caller():
+            if ready is not None:
+                # on one thread: torch's parallel regions would wait for cores the other slices hold (measured:
+                # the RNN's head took 2.2 ms instead of 0.27 beside the other thread's up-sweep)
+                threads, ok = torch.get_num_threads(), False
+                torch.set_num_threads(1)
+                try:
+                    g.copy_(grad_of(head))
+                    ok = True
+                finally:
+                    torch.set_num_threads(threads)
+                    ready.set(ok)
+            for k in kernels[0]:
+                k.run_slice()
 
-        def task(j, gr):  # each thread sets up its own slices' kernels, and sums their gradients
-            caller = j == 0
-            if caller and head is not None:
-                run_head()
-            for i, (b0, w) in enumerate(gr):
-                k = kernel(b0, w)
-                if fill is not None:
-                    fill(0, steps, b0, b0 + w)
-                k.up(0, k.blocks)
-                if i == 0 and head is not None and not caller:
-                    ready.wait()  # the up-sweep needs no g; the rest does
-                    if failed:
-                        return
-                k.middle()
-                k.down(0, k.blocks)
-                if grads:
-                    sums[j, i] = k.grad_sums()
-        pool.spread([functools.partial(task, j, gr) for j, gr in enumerate(groups)])
+        def worker(ks):
+            for k in ks:
+                k.run_slice(ready)
+        pool.spread([caller] + [functools.partial(worker, ks) for ks in kernels[1:]])
+        if grads:
+            sums = {(j, i): k.grad_sums() for j, ks in enumerate(kernels) for i, k in enumerate(ks)}
     else:
         for s, (b0, w) in enumerate(groups[0]):
             k = kernel(b0, w)

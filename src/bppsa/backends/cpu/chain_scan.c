@@ -34,6 +34,7 @@
  * dN, dM) = grad_h * (c_r, c_z, e, c_n), 4H rows), columns c = (x_t, 1, h'): so acc holds the sums over t and
  * the lanes of the weight and bias gradients, which the caller adds over lanes and slices.
  */
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512F__)
@@ -397,9 +398,9 @@ static void tree(const real *spine, const real *A, real *out, long n, int L, rea
     }
     long pairs = (n - 1) / 2, carry = (n - 1) % 2, m = pairs + carry;
     real *nxt = work, *sp = nxt + m * MAT, *Q = sp + VEC;
-    for (long j = 0; j < pairs; ++j) mat_mat(A + (2 * j + 2) * MAT, A + (2 * j + 1) * MAT, nxt + j * MAT);
-    if (carry) memcpy(nxt + pairs * MAT, A + (n - 1) * MAT, sizeof(real) * MAT);
-    mat_vec(A, spine, sp);
+    /* the level's last entry, like A's, is never read: the prefixes out[k] reach A[n - 2] at most */
+    for (long j = 0; j + 1 < m; ++j) mat_mat(A + (2 * j + 2) * MAT, A + (2 * j + 1) * MAT, nxt + j * MAT);
+    if (m) mat_vec(A, spine, sp);
     tree(sp, nxt, Q, m, L - 1, Q + m * VEC);
     for (long j = 0; j < pairs; ++j) {
         memcpy(out + (2 * j + 1) * VEC, Q + j * VEC, sizeof(real) * VEC);
@@ -410,8 +411,120 @@ static void tree(const real *spine, const real *A, real *out, long n, int L, rea
 
 /* -- the entry points ---------------------------------------------------------------------------- */
 
-#define FAC(f, s, B) ((f) + fstep(s) * (long)NR * (B))
 #define ALL ((vec){0} + 1)
+
+/* Where the steps' factor rows come from: f [steps][NR][B], built before the scan (the GRU's: gru_factors);
+ * or, where h is given (the RNN's), nothing built: each step's rows (rnn_factors': d = 1 - h_t^2, x_t and
+ * h_{t-1}, 0 at t = 0) are read from the forward's states h [T][B][H] and inputs x [T][B][NI] into a tile of
+ * the lanes, [NR][NL], as the step is scanned. */
+typedef struct {
+    const real *f, *h, *x;
+} chain_src;
+
+#if KIND != 2
+/* The square, rounded before the subtraction that follows it (as torch's 1 - h * h): the empty asm takes and
+ * gives back the value in a register, so no compiler fuses the two into one multiply-add. */
+#if defined(__x86_64__) || defined(__i386__)
+#define ROUNDED(v) __asm__("" : "+v"(v))
+#elif defined(__aarch64__)
+#define ROUNDED(v) __asm__("" : "+w"(v))
+#else
+#define ROUNDED(v)                                                                                           \
+    do {                                                                                                     \
+        volatile vec r_ = (v);                                                                               \
+        (v) = r_;                                                                                            \
+    } while (0)
+#endif
+
+/* Lane q's value p[q * stride], every lane (one gather instruction where the CPU has them). */
+static inline vec lanes_at(const real *p, int stride) {
+#if NL == 1
+    (void)stride;
+    return *p;
+#elif defined(__AVX512F__) && NL * REALBITS == 512 && REALBITS == 32
+    const __m512i q = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return (vec)_mm512_i32gather_ps(_mm512_mullo_epi32(q, _mm512_set1_epi32(stride)), p, 4);
+#elif defined(__AVX512F__) && NL * REALBITS == 512 && REALBITS == 64
+    const __m256i q = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return (vec)_mm512_i32gather_pd(_mm256_mullo_epi32(q, _mm256_set1_epi32(stride)), p, 8);
+#elif defined(__AVX2__) && NL * REALBITS == 256 && REALBITS == 32
+    const __m256i q = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return (vec)_mm256_i32gather_ps(p, _mm256_mullo_epi32(q, _mm256_set1_epi32(stride)), 4);
+#elif defined(__AVX2__) && NL * REALBITS == 256 && REALBITS == 64
+    const __m128i q = _mm_setr_epi32(0, 1, 2, 3);
+    return (vec)_mm256_i32gather_pd(p, _mm_mullo_epi32(q, _mm_set1_epi32(stride)), 8);
+#else
+    real g[NL] __attribute__((aligned(64)));
+    for (int q = 0; q < NL; ++q) g[q] = p[q * stride];
+    return LD(g);
+#endif
+}
+
+/* d = 1 - h * h, every lane. */
+static inline vec one_minus_sq(vec h) {
+    vec sq = h * h;
+    ROUNDED(sq);
+    return ((vec){0} + 1) - sq;
+}
+
+/* dst [rows][NL] (rows: H, d only; or NR, all): lane q's rows of step k[q] of batch element b[q] of a chain
+ * of T steps (step k is t = T - 1 - k of h and x). */
+static void rnn_tile(const chain_src *S, long T, long B, const long *k, const long *b, int rows, real *dst) {
+    real hv[H * NL] __attribute__((aligned(64)));
+    for (int q = 0; q < NL; ++q) {
+        long t = T - 1 - k[q];
+        const real *ht = S->h + (t * B + b[q]) * H;
+        for (int i = 0; i < H; ++i) hv[i * NL + q] = ht[i];
+        if (rows == H) continue;
+        const real *xt = S->x + (t * B + b[q]) * NI;
+        for (int j = 0; j < NI; ++j) dst[(XROW + j) * NL + q] = xt[j];
+        if (t) {
+            const real *hp = S->h + ((t - 1) * B + b[q]) * H;
+            for (int i = 0; i < H; ++i) dst[(XROW + NI + i) * NL + q] = hp[i];
+        } else {
+            for (int i = 0; i < H; ++i) dst[(XROW + NI + i) * NL + q] = 0;
+        }
+    }
+    for (int i = 0; i < H; ++i) ST(dst + i * NL) = one_minus_sq(LD(hv + i * NL));
+}
+
+/* The same for the lanes b0 .. b0 + NL - 1 at one step k; where the tile holds step k - 1's rows (the down
+ * phase's order), its h_{t-1} is this step's h_t. */
+static void rnn_lanes(const chain_src *S, long T, long B, long b0, long k, int rows, int next, real *dst) {
+    long t = T - 1 - k;
+    const real *ht = S->h + (t * B + b0) * H;
+    for (int i = 0; i < H; ++i)
+        ST(dst + i * NL) = one_minus_sq(next ? LD(dst + (XROW + NI + i) * NL) : lanes_at(ht + i, H));
+    if (rows == H) return;
+    const real *xt = S->x + (t * B + b0) * NI, *hp = t ? S->h + ((t - 1) * B + b0) * H : 0;
+    for (int j = 0; j < NI; ++j) ST(dst + (XROW + j) * NL) = lanes_at(xt + j, NI);
+    for (int i = 0; i < H; ++i) ST(dst + (XROW + NI + i) * NL) = hp ? lanes_at(hp + i, H) : (vec){0};
+}
+#endif
+
+/* The rows of position s's step for lanes b0 .. b0 + NL - 1 (row r at the result + r * *ld), at least `rows`
+ * of them (H or NR): the GRU's in f; the RNN's built into tile (which holds step *k, all rows if *full). */
+static inline const real *step_rows(const chain_src *S, long n, long B, long b0, long s, int rows, real *tile,
+                                    long *k, int *full, long *ld) {
+#if KIND != 2
+    if (S->h) {
+        long ks = fstep(s);
+        if (ks != *k || (rows > H && !*full)) {
+            rnn_lanes(S, KIND == 1 ? n / 2 : n, B, b0, ks, rows, ks == *k + 1 && *full, tile);
+            *k = ks;
+            *full = rows > H;
+        }
+        *ld = NL;
+        return tile;
+    }
+#endif
+    (void)n, (void)rows, (void)tile, (void)k, (void)full;
+    *ld = B;
+    return S->f + fstep(s) * (long)NR * B + b0;
+}
+/* In an entry point: the tile, and the rows of position s. */
+#define TILE real tile[NR * NL] __attribute__((aligned(64))); long tk = -1, ld; int tfull = 0
+#define ROWS(s, rows) step_rows(S, n, B, b0, (s), (rows), tile, &tk, &tfull, &ld)
 
 /* The blocks of level c (0 where the tree has no levels); block j holds J_lo .. J_hi. */
 long chain_blocks(long n, int L, int c) { return L == 0 ? 0 : n >> (c < L ? c : L); }
@@ -426,26 +539,35 @@ static void block_range(long j, long n, int c, long *lo, long *hi) {
  * the last split into independent ranges of blocks [j0, j1) (one per thread), the middle is serial.
  * work (chain_scan_work reals) holds the blocks' products A, their prefixes Q and the tree's scratch. */
 
-/* Up: A[j] = J_hi ... J_lo for the blocks j0 .. j1 - 1, accumulated in cache from the factors. */
-void chain_up(const real *Wt, const real *f, long n, long B, long b0, int L, int c, long j0, long j1, real *work) {
+/* Up: A[j] = J_hi ... J_lo for the blocks j0 .. j1 - 1, accumulated in cache from the factors.  The last
+ * block's product is never read (an exclusive scan needs no total: the tree's prefixes reach only the
+ * blocks before it), so it is not computed. */
+void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int L, int c, long j0, long j1,
+              real *work) {
     if (c > L) c = L;
-    const real *fl = f + b0;
+    TILE;
+    long nc = chain_blocks(n, L, c);
+    if (j1 > nc - 1) j1 = nc - 1;
     for (long j = j0; j < j1; ++j) {
         long lo, hi;
         block_range(j, n, c, &lo, &hi);
         real *M = work + j * MAT;
-        jac_set(Wt, hi, FAC(fl, hi, B), B, M);
-        for (long s = hi - 1; s >= lo; --s) mul_jac(M, Wt, s, FAC(fl, s, B), B);
+        const real *fs = ROWS(hi, H);
+        jac_set(Wt, hi, fs, ld, M);
+        for (long s = hi - 1; s >= lo; --s) {
+            fs = ROWS(s, H);
+            mul_jac(M, Wt, s, fs, ld);
+        }
     }
 }
 
 /* Middle: positions 0 .. 2^c - 1 (g, then the spine's mat-vecs) and the tree above level c: Q[j], the
  * prefix at each block's first position.  Without blocks the spine is the whole (sequential) scan. */
-void chain_tree(const real *Wt, const real *f, const real *g, real *out, int mode, long n, long B, long b0, int L,
-                int c, real *work, real *acc) {
+void chain_tree(const real *Wt, const chain_src *S, const real *g, real *out, int mode, long n, long B, long b0,
+                int L, int c, real *work, real *acc) {
     if (n <= 0) return;
     if (c > L) c = L;
-    const real *fl = f + b0;
+    TILE;
     group gp;
     gp.np = 0;
     WCOLS(wc);
@@ -454,12 +576,15 @@ void chain_tree(const real *Wt, const real *f, const real *g, real *out, int mod
         for (int b = 0; b < NL; ++b) v[i * NL + b] = g[(b0 + b) * H + i];
     long nc = chain_blocks(n, L, c), spine_end = nc ? (1L << c) - 1 : n - 1;
     for (long s = 0; s < spine_end; ++s) {
-        const real *fs = FAC(fl, s, B);
-        take(out, mode, &gp, acc, B, b0, s, v, fs, B, NL, ALL);
-        jac_vec(Wt, wc, s, fs, B, v, u);
+        const real *fs = ROWS(s, NR);
+        take(out, mode, &gp, acc, B, b0, s, v, fs, ld, NL, ALL);
+        jac_vec(Wt, wc, s, fs, ld, v, u);
         memcpy(v, u, sizeof(v));
     }
-    if (nc == 0) take(out, mode, &gp, acc, B, b0, n - 1, v, FAC(fl, n - 1, B), B, NL, ALL);
+    if (nc == 0) {
+        const real *fs = ROWS(n - 1, NR);
+        take(out, mode, &gp, acc, B, b0, n - 1, v, fs, ld, NL, ALL);
+    }
     grp_flush(&gp, acc);
     if (nc == 0) return;
     real *A = work, *Q = A + nc * MAT, *sp = Q + nc * VEC;
@@ -468,10 +593,11 @@ void chain_tree(const real *Wt, const real *f, const real *g, real *out, int mod
 }
 
 /* Down: each block j0 .. j1 - 1 from its prefix, by the factored mat-vecs out[s+1] = J_s out[s]. */
-void chain_down(const real *Wt, const real *f, real *out, int mode, long n, long B, long b0, int L, int c, long j0,
-                long j1, real *work, real *acc) {
+void chain_down(const real *Wt, const chain_src *S, real *out, int mode, long n, long B, long b0, int L, int c,
+                long j0, long j1, real *work, real *acc) {
     if (c > L) c = L;
-    const real *fl = f + b0, *Q = work + chain_blocks(n, L, c) * MAT;
+    TILE;
+    const real *Q = work + chain_blocks(n, L, c) * MAT;
     group gp;
     gp.np = 0;
     WCOLS(wc);
@@ -481,15 +607,41 @@ void chain_down(const real *Wt, const real *f, real *out, int mode, long n, long
         block_range(j, n, c, &lo, &hi);
         memcpy(v, Q + j * VEC, sizeof(v));
         for (long s = lo; s < hi; ++s) {
-            const real *fs = FAC(fl, s, B);
-            take(out, mode, &gp, acc, B, b0, s, v, fs, B, NL, ALL);
-            jac_vec(Wt, wc, s, fs, B, v, u);
+            const real *fs = ROWS(s, NR);
+            take(out, mode, &gp, acc, B, b0, s, v, fs, ld, NL, ALL);
+            jac_vec(Wt, wc, s, fs, ld, v, u);
             memcpy(v, u, sizeof(v));
         }
-        take(out, mode, &gp, acc, B, b0, hi, v, FAC(fl, hi, B), B, NL, ALL);
+        const real *fs = ROWS(hi, NR);
+        take(out, mode, &gp, acc, B, b0, hi, v, fs, ld, NL, ALL);
     }
     grp_flush(&gp, acc);
 }
+
+/* A slice's whole scan on this thread, in one call (a worker thread then takes the interpreter lock only to
+ * start it): the up phase, then -- once *ready is set (where given: 1 goes on, any other value stops) --
+ * the middle and the down phase.  Returns 0 where it stopped. */
+int chain_slice(const real *Wt, const chain_src *S, const real *g, real *out, int mode, long n, long B, long b0,
+                int L, int c, real *work, real *acc, const int *ready) {
+    long nc = chain_blocks(n, L, c);
+    chain_up(Wt, S, n, B, b0, L, c, 0, nc, work);
+    if (ready) {
+        int v;
+        for (long spin = 1; !(v = __atomic_load_n(ready, __ATOMIC_ACQUIRE)); ++spin) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+            if (!(spin & 1023)) sched_yield();
+        }
+        if (v != 1) return 0;
+    }
+    chain_tree(Wt, S, g, out, mode, n, B, b0, L, c, work, acc);
+    chain_down(Wt, S, out, mode, n, B, b0, L, c, 0, nc, work, acc);
+    return 1;
+}
+
+/* *flag = v, seen by chain_slice's wait after every store this thread made before it. */
+void chain_signal(int *flag, int v) { __atomic_store_n(flag, v, __ATOMIC_RELEASE); }
 
 /* Scratch (in reals) for n Jacobians, L levels, c of them fused. */
 long chain_scan_work(long n, int L, int c) {
@@ -508,25 +660,35 @@ long chain_scan_work(long n, int L, int c) {
 
 /* The lanes' factor rows at offset off of their blocks: dst[r][q] = row r of the factors of position
  * lo + off of batch element b0, for block min(j + q, last). */
-static void gather_f(const real *f, long B, long b0, long j, long last, int c, long off, real *dst) {
+static void gather_f(const chain_src *S, long n, long B, long b0, long j, long last, int c, long off, real *dst) {
+    long kq[NL], bq[NL];
     for (int q = 0; q < NL; ++q) {
         long jq = j + q < last ? j + q : last;
-        const real *src = FAC(f, (jq + 1) * (1L << c) - 1 + off, B) + b0;
-        for (int r = 0; r < NR; ++r) dst[r * NL + q] = src[r * B];
+        kq[q] = fstep((jq + 1) * (1L << c) - 1 + off), bq[q] = b0;
     }
+#if KIND != 2
+    if (S->h) {
+        rnn_tile(S, KIND == 1 ? n / 2 : n, B, kq, bq, NR, dst);
+        return;
+    }
+#endif
+    (void)n;
+    for (int q = 0; q < NL; ++q)
+        for (int r = 0; r < NR; ++r) dst[r * NL + q] = S->f[(kq[q] * NR + r) * B + b0];
 }
 
-void chain_up_lanes(const real *Wt, const real *f, long n, long B, long b0, int L, int c, long j0, long j1,
+void chain_up_lanes(const real *Wt, const chain_src *f, long n, long B, long b0, int L, int c, long j0, long j1,
                     real *work1) {
     if (c > L) c = L;
     real M[H * H * NL] __attribute__((aligned(64))), fs[NR * NL] __attribute__((aligned(64)));
-    long size = 1L << c;
+    long size = 1L << c, nc = chain_blocks(n, L, c);
+    if (j1 > nc - 1) j1 = nc - 1; /* the last block's product is never read (chain_up) */
     for (long j = j0; j < j1; j += NL) {
         /* position lo + off has the parity of size - 1 + off (blocks start at odd positions, size is even) */
-        gather_f(f, B, b0, j, j1 - 1, c, size - 1, fs);
+        gather_f(f, n, B, b0, j, j1 - 1, c, size - 1, fs);
         jac_set(Wt, 2 * size - 2, fs, NL, M);
         for (long off = size - 2; off >= 0; --off) {
-            gather_f(f, B, b0, j, j1 - 1, c, off, fs);
+            gather_f(f, n, B, b0, j, j1 - 1, c, off, fs);
             mul_jac(M, Wt, size - 1 + off, fs, NL);
         }
         for (int q = 0; q < NL && j + q < j1; ++q)
@@ -534,7 +696,7 @@ void chain_up_lanes(const real *Wt, const real *f, long n, long B, long b0, int 
     }
 }
 
-void chain_down_lanes(const real *Wt, const real *f, real *out, int mode, long n, long B, long b0, int L, int c,
+void chain_down_lanes(const real *Wt, const chain_src *f, real *out, int mode, long n, long B, long b0, int L, int c,
                       long j0, long j1, real *work1, real *acc) {
     if (c > L) c = L;
     long nc = chain_blocks(n, L, c), size = 1L << c;
@@ -552,7 +714,7 @@ void chain_down_lanes(const real *Wt, const real *f, real *out, int mode, long n
         for (int q = 0; q < NL; ++q)
             for (int i = 0; i < H; ++i) v[i * NL + q] = Q[(j + (q < valid ? q : valid - 1)) * H + i];
         for (long off = 0; off < size; ++off) {
-            gather_f(f, B, b0, j, j1 - 1, c, off, fs);
+            gather_f(f, n, B, b0, j, j1 - 1, c, off, fs);
             if (mode == 0) { /* lane q is block j + q's position lo + off of the one-lane layout */
                 for (int q = 0; q < valid; ++q) {
                     real *o = out + (((j + q + 1) * size - 1 + off) * B + b0) * H;
@@ -584,21 +746,21 @@ real fma_chain(long n) {
 #define NO_FMA __attribute__((optimize("fp-contract=off")))
 
 /* The RNN's factors [T][NR][B] in scan order (step T first) from h and x ([T][B][H], [T][B][INP]): rows
- * d_k = 1 - h_{T-k}^2, then x_{T-k} and h_{T-k-1} (0 for the first step); steps k0 .. k1 - 1, lanes b0 .. b1 - 1.  Loops run
- * along the output rows (contiguous stores; measured 2x faster than along the inputs'). */
+ * d_k = 1 - h_{T-k}^2, then x_{T-k} and h_{T-k-1} (0 for the first step); steps k0 .. k1 - 1.  What the
+ * scan reads from h and x itself (rnn_tile, rnn_lanes), written for other readers.  Loops run along the
+ * output rows (contiguous stores; measured 2x faster than along the inputs'). */
 #if KIND != 2
-NO_FMA void rnn_factors(const real *h, const real *x, long T, long B, long k0, long k1, long b0, long b1,
-                        real *f) {
+NO_FMA void rnn_factors(const real *h, const real *x, long T, long B, long k0, long k1, real *f) {
     for (long k = k0; k < k1; ++k) {
         long t = T - 1 - k;
         const real *ht = h + t * B * H, *hp = h + (t - 1) * B * H, *xt = x + t * B * NI;
         real *fk = f + k * NR * B;
         for (int i = 0; i < H; ++i)
-            for (long b = b0; b < b1; ++b) fk[i * B + b] = 1 - ht[b * H + i] * ht[b * H + i];
+            for (long b = 0; b < B; ++b) fk[i * B + b] = 1 - ht[b * H + i] * ht[b * H + i];
         for (int j = 0; j < NI; ++j)
-            for (long b = b0; b < b1; ++b) fk[(XROW + j) * B + b] = xt[b * NI + j];
+            for (long b = 0; b < B; ++b) fk[(XROW + j) * B + b] = xt[b * NI + j];
         for (int i = 0; i < H; ++i)
-            for (long b = b0; b < b1; ++b) fk[(XROW + NI + i) * B + b] = t ? hp[b * H + i] : 0;
+            for (long b = 0; b < B; ++b) fk[(XROW + NI + i) * B + b] = t ? hp[b * H + i] : 0;
     }
 }
 

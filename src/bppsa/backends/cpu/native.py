@@ -20,12 +20,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from importlib import resources
 from pathlib import Path
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "library", "ChainScan", "fused_levels", "KINDS", "lane_width",
+__all__ = ["available", "unavailable_reason", "library", "ChainScan", "Ready", "fused_levels", "KINDS", "lane_width",
            "rnn_factors", "gru_factors"]
 
 
@@ -122,15 +123,16 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
     lib = ctypes.CDLL(str(out))
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     factors = ({"gru_factors": [p, p, p, p, p, p, l, l, l, l, p]} if kind == KINDS["gru"]
-               else {"rnn_factors": [p, p, l, l, l, l, l, l, p]})
+               else {"rnn_factors": [p, p, l, l, l, l, p]})
     for name, args in {"chain_up": [p, p, l, l, l, i, i, l, l, p],
                        "chain_tree": [p, p, p, p, i, l, l, l, i, i, p, p],
                        "chain_down": [p, p, p, i, l, l, l, i, i, l, l, p, p],
                        "chain_up_lanes": [p, p, l, l, l, i, i, l, l, p],
                        "chain_down_lanes": [p, p, p, i, l, l, l, i, i, l, l, p, p],
+                       "chain_slice": [p, p, p, p, i, l, l, l, i, i, p, p, p], "chain_signal": [p, i],
                        "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i], "fma_chain": [l], **factors}.items():
         f = getattr(lib, name)
-        f.argtypes, f.restype = args, {"chain_scan_work": l, "chain_blocks": l,
+        f.argtypes, f.restype = args, {"chain_scan_work": l, "chain_blocks": l, "chain_slice": i,
                                        "fma_chain": ctypes.c_float if real == "float" else ctypes.c_double}.get(name)
     return lib
 
@@ -145,13 +147,12 @@ def unavailable_reason() -> str | None:
     gen = torch.Generator().manual_seed(0)
     n, B, H, L = 11, 2, 3, 4
     W = torch.randn(H, H, generator=gen, dtype=torch.float64)
-    d = torch.rand(n, B, H, generator=gen, dtype=torch.float64)
+    h = torch.rand(n, B, H, generator=gen, dtype=torch.float64)  # states, time order: step k reads h[n - 1 - k]
     g = torch.randn(B, H, generator=gen, dtype=torch.float64)
     out = torch.empty(n, B, H, dtype=torch.float64)
-    f = torch.cat([d.permute(0, 2, 1), torch.zeros(n, H, B, dtype=torch.float64)], 1)  # d, then h' (here unused)
-    ChainScan("rnn", W.t().contiguous()[None], f, 0, g, out, L, 0, B,
+    ChainScan("rnn", W.t().contiguous()[None], (h, h[:, :, :0]), 0, g, out, L, 0, B,
               lambda size: torch.empty(size, dtype=torch.float64)).run()
-    ref = _scan.blelloch_scan(g, W.t() * d.unsqueeze(-2))
+    ref = _scan.blelloch_scan(g, W.t() * (1 - h.flip(0) ** 2).unsqueeze(-2))
     err = ((out - ref).abs().max() / ref.abs().max()).item()
     return None if err <= 1e-12 else f"the compiled kernel disagrees with the reference scan (rel. err {err:.1e})"
 
@@ -167,14 +168,32 @@ def lane_width(kind: str, dtype: torch.dtype) -> int:
     return (32 if kind == "gru" else 64) // dtype.itemsize
 
 
-def rnn_factors(h: torch.Tensor, x: torch.Tensor, out: torch.Tensor, k0: int, k1: int, b0: int = 0,
-                b1: int | None = None) -> None:
+def rnn_factors(h: torch.Tensor, x: torch.Tensor, out: torch.Tensor, k0: int, k1: int) -> None:
     """``out`` [T, H + I + H, B] = the RNN's d_k = 1 - h_{T-k}^2, x_{T-k} and h_{T-k-1} (scan order, lane
-    order; steps k0 .. k1 - 1, lanes b0 .. b1 - 1, default all) from ``h`` [T, B, H] and ``x`` [T, B, I],
-    all contiguous."""
+    order; steps k0 .. k1 - 1) from ``h`` [T, B, H] and ``x`` [T, B, I], all contiguous: what the kernel
+    reads from ``h`` and ``x`` itself, written for other readers."""
     T, B, H = h.shape
-    library("rnn", H, x.shape[2], 1, h.dtype).rnn_factors(h.data_ptr(), x.data_ptr(), T, B, k0, k1, b0,
-                                                           B if b1 is None else b1, out.data_ptr())
+    library("rnn", H, x.shape[2], 1, h.dtype).rnn_factors(h.data_ptr(), x.data_ptr(), T, B, k0, k1, out.data_ptr())
+
+
+class Ready:
+    """Whether ∇h_T is ready for the slices of one scan (:meth:`ChainScan.run_slice`): an int the kernel
+    waits on (0, then 1 to go on or 2 to stop), set through ``lib`` (any of the kernel's builds), and an event
+    for waits in Python."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._flag = ctypes.c_int(0)
+        self.ptr = ctypes.addressof(self._flag)
+        self._event = threading.Event()
+        self._lib = lib
+
+    def set(self, ok: bool = True) -> None:
+        self._lib.chain_signal(self.ptr, 1 if ok else 2)
+        self._event.set()
+
+    def wait(self) -> bool:
+        self._event.wait()
+        return self._flag.value == 1
 
 
 def gru_factors(x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor, k0: int, k1: int) -> None:
@@ -187,12 +206,18 @@ def gru_factors(x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor, k0: i
                                                            T, B, k0, k1, out.data_ptr())
 
 
+class _Source(ctypes.Structure):
+    """chain_scan.c's chain_src: where the steps' factor rows come from."""
+    _fields_ = [("f", ctypes.c_void_p), ("h", ctypes.c_void_p), ("x", ctypes.c_void_p)]
+
+
 class ChainScan:
     """The compiled scan of one lane slice ``[b0, b0 + lanes)`` of a factored chain of ``kind``: ``Wt``
-    [NW, H, H] (the weights, transposed), ``f`` [steps, NR, B] (the per-step factors, then x_t and h' over
-    ``I`` + H rows), ``g`` [B, H], all contiguous, ``L`` tree levels, ``fused`` of them per block (default
-    :func:`fused_levels`);
-    ``scratch(size)`` gives a contiguous tensor of f's dtype with ``size`` elements.  ``out`` is the scan
+    [NW, H, H] (the weights, transposed); ``source`` the steps' factors: the GRU's ``f`` [steps, NR, B] (the
+    per-step factors, then x_t and h' over ``I`` + H rows), or the RNN's ``(h, x)``, the forward's states
+    [T, B, H] and inputs [T, B, I], from which the kernel reads each step's rows as it scans them; ``g``
+    [B, H]; all contiguous; ``L`` tree levels, ``fused`` of them per block (default :func:`fused_levels`);
+    ``scratch(size)`` gives a contiguous tensor of g's dtype with ``size`` elements.  ``out`` is the scan
     [n, B, H] (mode 0) or None: then each part of the down phase (and the middle, with part 0) accumulates
     the parameter gradients into its own sums (mode 1, :meth:`grad_sums`).  :meth:`run` is the
     whole scan on this thread; :meth:`up`, :meth:`middle` and :meth:`down` are its three phases, the first
@@ -202,24 +227,30 @@ class ChainScan:
     lanes of the kernel built for ``VL`` lanes (a vector register's worth), where that builds; only a
     clipped last block takes the one-lane kernel."""
 
-    def __init__(self, kind: str, Wt, f, I: int, g, out, L: int, b0: int, lanes: int, scratch, parts: int = 1,
-                 fused: int | None = None):
+    def __init__(self, kind: str, Wt, source, I: int, g, out, L: int, b0: int, lanes: int, scratch,
+                 parts: int = 1, fused: int | None = None):
         B, H = g.shape
-        n = f.shape[0] * (2 if kind == "paper" else 1)
+        dtype = g.dtype
+        sources = (source,) if isinstance(source, torch.Tensor) else tuple(source)
+        n = sources[0].shape[0] * (2 if kind == "paper" else 1)
         fused = fused_levels(n) if fused is None else fused
-        self.lib = library(kind, H, I, lanes, f.dtype)
+        self.lib = library(kind, H, I, lanes, dtype)
         self.blocks = int(self.lib.chain_blocks(n, L, fused))
         work = scratch(int(self.lib.chain_scan_work(n, L, fused)))
-        self.vl = lane_width(kind, f.dtype)
-        self.wide = library(kind, H, I, self.vl, f.dtype) if lanes == 1 and self.blocks > 1 else None
+        self.vl = lane_width(kind, dtype)
+        self.wide = library(kind, H, I, self.vl, dtype) if lanes == 1 and self.blocks > 1 else None
         self.mode = int(out is None)
         na = 4 * H if kind == "gru" else H
         # mode 1: per part, the sums of this slice's kernel and, where it runs, of the wide one
-        self.acc = [f.new_zeros((parts, na, I + 1 + H, w)) if self.mode and lib is not None else None
+        self.acc = [g.new_zeros((parts, na, I + 1 + H, w)) if self.mode and lib is not None else None
                     for lib, w in ((self.lib, lanes), (self.wide, self.vl))]
-        self.tensors = (Wt, f, g, out if out is not None else g, work)  # kept alive while the kernel holds them
-        self.ptrs = [t.data_ptr() for t in self.tensors]
+        self.tensors = (Wt, *sources, g, out if out is not None else g, work)  # kept alive while the kernel holds them
+        ptrs = [t.data_ptr() for t in sources]
+        self.source = _Source(*(ptrs if len(ptrs) == 1 else [None, *ptrs]))
+        self.ptrs = [Wt.data_ptr(), ctypes.addressof(self.source), g.data_ptr(), self.tensors[-2].data_ptr(),
+                     work.data_ptr()]
         self.shape = (n, B, b0, L, fused)
+        self.lanes = lanes
         size = 1 << min(fused, L)  # blocks hold `size` Jacobians; the last one may be clipped at J_{n-1}
         clipped = self.blocks > 0 and n - (self.blocks * size - 1) < size
         self.full = self.blocks - clipped
@@ -247,6 +278,20 @@ class ChainScan:
         self.up(0, self.blocks)
         self.middle()
         self.down(0, self.blocks)
+
+    def run_slice(self, ready: Ready | None = None) -> None:
+        """This slice's whole scan on this thread, in one call into the kernel where it runs no wide kernel
+        (a worker thread then takes the interpreter lock only to start): the up phase, then, once ``ready``
+        (where given) says ∇h_T is in ``g``, the middle and the down phase (none if it never comes)."""
+        if self.wide is None:
+            Wt, src, g, out, work = self.ptrs
+            self.lib.chain_slice(Wt, src, g, out, self.mode, *self.shape, work, self._acc(0),
+                                 None if ready is None else ready.ptr)
+            return
+        self.up(0, self.blocks)
+        if ready is None or ready.wait():
+            self.middle()
+            self.down(0, self.blocks)
 
     def up(self, j0: int, j1: int) -> None:
         Wt, f, _, _, work = self.ptrs
