@@ -215,6 +215,43 @@ def test_the_rnn_scanned_from_its_states_equals_the_scan_of_its_written_factors(
 
 
 @pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
+@pytest.mark.parametrize("B", [2, 16, 40])
+def test_the_gru_gate_pass_written_by_the_scans_threads_equals_the_pass_before_it(B):
+    """The GRU's gate pass left to the scan's threads (each writes a range of the steps, then every slice
+    waits for all of them) writes the factors the pass before the scan writes, and the scan and gradients are
+    the same, bit for bit; a thread whose range fails stops the scan with its error instead of leaving the
+    others waiting."""
+    g, lazy, _, _, _ = _factored("gru", 301, B, 20, 5, torch.float32, I=3)
+    _, eager, _, _, _ = _factored("gru", 301, B, 20, 5, torch.float32, I=3)
+    whole = eager.f.clone()  # written here, before any scan
+    L = scan.tree_levels(lazy.shape[0] + 1, None)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = native_chain_scan(lambda: g, lazy, L, scan.Workspace(), "slices", grads=True)
+        assert lazy.claim_fill() is None  # the threads wrote it
+        torch.testing.assert_close(lazy.f, whole, rtol=0, atol=0)
+        want = native_chain_scan(g, eager, L, scan.Workspace(), "slices", grads=True)
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+        for failing in (lambda k0: k0 == 0, lambda k0: k0 > 0):  # the caller's range, a worker's
+            _, chain, _, _, _ = _factored("gru", 301, B, 20, 5, torch.float32, I=3)
+            fill = chain.claim_fill()
+
+            def broken(k0, k1, fill=fill, failing=failing):
+                if failing(k0):
+                    raise RuntimeError("the gate pass failed")
+                fill(k0, k1)
+            chain._fill = broken
+            if B > 2 or failing(0):  # B = 2: one-lane slices, whose factors are written before the scan
+                with pytest.raises(RuntimeError, match="the gate pass failed"):
+                    native_chain_scan(lambda: g, chain, L, scan.Workspace(), "slices", grads=True)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
 @pytest.mark.parametrize("kind", ["rnn", "gru"])
 @pytest.mark.parametrize("split", ["slices", "blocks"])
 def test_the_head_run_beside_the_scan_gives_the_same_gradients(kind, split):

@@ -52,11 +52,17 @@ class FactoredChain:
     @property
     def f(self) -> torch.Tensor:
         """The factors [steps, NR, B], written first where they were left for later."""
-        fill, self._fill = self._fill, None
+        fill = self.claim_fill()
         if fill is not None:
             steps, rows, B = self._f.shape
             pool.parallel(fill, steps, FACTOR_FLOP * B * rows)
         return self._f
+
+    def claim_fill(self):
+        """The writer of the factors left for later, ``fill(k0, k1)`` for steps k0 .. k1 - 1, handed to the
+        caller, who must run it over every step before they are read (None: they are written)."""
+        fill, self._fill = self._fill, None
+        return fill
 
     @property
     def source(self):
@@ -183,9 +189,9 @@ class GruChain(FactoredChain):
 
     kind, NF = "gru", 5
 
-    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0):
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0, fill=None):
         H = W_hh.shape[1]
-        super().__init__(W_hh, W_hh.detach().view(3, H, H).transpose(1, 2), f, f.shape[0], I)
+        super().__init__(W_hh, W_hh.detach().view(3, H, H).transpose(1, 2), f, f.shape[0], I, fill)
 
     @classmethod
     def from_states(cls, x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor | None = None) -> GruChain:
@@ -197,8 +203,7 @@ class GruChain(FactoredChain):
         f = _factor_buffer(h, 6 * H + I, out)
         h, x = h.detach().contiguous(), x.detach().contiguous()
         if h.device.type == "cpu" and native.available() and native.library("gru", H, I, 1, h.dtype) is not None:
-            pool.parallel(lambda a, b: native.gru_factors(x, h, cell, f, a, b), T, FACTOR_FLOP * B * f.shape[1])
-            return cls(cell.weight_hh_l0, f, I)
+            return cls(cell.weight_hh_l0, f, I, functools.partial(native.gru_factors, x, h, cell, f))
         from ...jacobians.gru import gru_gates
 
         c = cell
@@ -280,6 +285,10 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
         return out
     # the down phase is ~H times lighter than the up phase: split only where it repays a hand-off
     p_down = 1 if by_slice else min(p, max(1, int(n * B * (2 * H * H + H) // min_flop)))
+    # the factors still to write (the GRU's gate pass), where the threads take whole slices of more than one
+    # lane: each writes a range of the steps in the same hand-off as its scan, which waits for all of them
+    fill = chain.claim_fill() if by_slice and chain.states is None and all(w > 1 for gr in groups for _, w in gr) \
+        else None
     source = chain.source
 
     def kernel(b0: int, w: int) -> native.ChainScan:
@@ -293,27 +302,45 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
         # hand-over cost a wake-up (~0.1 ms here).  The caller runs the head meanwhile (before the workers
         # wake, mostly), then its own slices; every middle and down phase waits for its ∇h_T
         kernels = [[kernel(b0, w) for b0, w in gr] for gr in groups]
-        ready = native.Ready(kernels[0][0].lib) if head is not None else None
+        ready = native.Ready(kernels[0][0].lib) if head is not None or fill is not None else None
+        parts = len(groups) if fill is not None else 0
+        steps = chain._f.shape[0]
+        cuts = [steps * j // parts for j in range(parts + 1)] if parts else []
+
+        def write(j):
+            if fill is not None:
+                fill(cuts[j], cuts[j + 1])
+                ready.written()
 
         def caller():
-            if ready is not None:
-                # on one thread: torch's parallel regions would wait for cores the other slices hold (measured:
-                # the RNN's head took 2.2 ms instead of 0.27 beside the other thread's up-sweep)
-                threads, ok = torch.get_num_threads(), False
-                torch.set_num_threads(1)
-                try:
-                    g.copy_(grad_of(head))
-                    ok = True
-                finally:
-                    torch.set_num_threads(threads)
-                    ready.set(ok)
+            ok = False
+            try:
+                write(0)
+                if head is not None:
+                    # on one thread: torch's parallel regions would wait for cores the other slices hold
+                    # (measured: the RNN's head took 2.2 ms instead of 0.27 beside the other thread's up-sweep)
+                    threads = torch.get_num_threads()
+                    torch.set_num_threads(1)
+                    try:
+                        g.copy_(grad_of(head))
+                    finally:
+                        torch.set_num_threads(threads)
+                ok = True
+            finally:
+                if ready is not None:
+                    ready.set(ok)  # on failure the workers stop instead of waiting
             for k in kernels[0]:
-                k.run_slice()
+                k.run_slice(ready, parts)
 
-        def worker(ks):
+        def worker(j, ks):
+            try:
+                write(j)
+            except BaseException:
+                ready.set(False)
+                raise
             for k in ks:
-                k.run_slice(ready)
-        pool.spread([caller] + [functools.partial(worker, ks) for ks in kernels[1:]])
+                k.run_slice(ready, parts)
+        pool.spread([caller] + [functools.partial(worker, j, ks) for j, ks in enumerate(kernels) if j])
         if grads:
             sums = {(j, i): k.grad_sums() for j, ks in enumerate(kernels) for i, k in enumerate(ks)}
     else:

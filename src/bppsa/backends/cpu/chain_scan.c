@@ -618,30 +618,43 @@ void chain_down(const real *Wt, const chain_src *S, real *out, int mode, long n,
     grp_flush(&gp, acc);
 }
 
-/* A slice's whole scan on this thread, in one call (a worker thread then takes the interpreter lock only to
- * start it): the up phase, then -- once *ready is set (where given: 1 goes on, any other value stops) --
- * the middle and the down phase.  Returns 0 where it stopped. */
-int chain_slice(const real *Wt, const chain_src *S, const real *g, real *out, int mode, long n, long B, long b0,
-                int L, int c, real *work, real *acc, const int *ready) {
-    long nc = chain_blocks(n, L, c);
-    chain_up(Wt, S, n, B, b0, L, c, 0, nc, work);
-    if (ready) {
-        int v;
-        for (long spin = 1; !(v = __atomic_load_n(ready, __ATOMIC_ACQUIRE)); ++spin) {
+/* Spin until flags[i] >= v (acquire) or flags[0] says stop (2), yielding now and then; returns whether
+ * to go on. */
+static int wait_flag(const int *flags, int i, int v) {
+    for (long spin = 1; __atomic_load_n(flags + i, __ATOMIC_ACQUIRE) < v; ++spin) {
+        if (__atomic_load_n(flags, __ATOMIC_ACQUIRE) == 2) return 0;
 #if defined(__x86_64__) || defined(__i386__)
-            __builtin_ia32_pause();
+        __builtin_ia32_pause();
 #endif
-            if (!(spin & 1023)) sched_yield();
-        }
-        if (v != 1) return 0;
+        if (!(spin & 1023)) sched_yield();
     }
+    return __atomic_load_n(flags, __ATOMIC_ACQUIRE) != 2;
+}
+
+/* A slice's whole scan on this thread, in one call (a worker thread then takes the interpreter lock only to
+ * start it): once flags[1] reaches `parts` (the threads that write the factors first, each a range of
+ * steps: 0 where they are written), the up phase; then, once flags[0] is 1, the middle and the down phase.
+ * flags[0] = 2 stops it (a thread failed); flags NULL: nothing to wait for.  Returns 0 where it stopped. */
+int chain_slice(const real *Wt, const chain_src *S, const real *g, real *out, int mode, long n, long B, long b0,
+                int L, int c, real *work, real *acc, int *flags, int parts) {
+    long nc = chain_blocks(n, L, c);
+    if (flags && parts && !wait_flag(flags, 1, parts)) return 0;
+    chain_up(Wt, S, n, B, b0, L, c, 0, nc, work);
+    if (flags && !wait_flag(flags, 0, 1)) return 0;
     chain_tree(Wt, S, g, out, mode, n, B, b0, L, c, work, acc);
     chain_down(Wt, S, out, mode, n, B, b0, L, c, 0, nc, work, acc);
     return 1;
 }
 
-/* *flag = v, seen by chain_slice's wait after every store this thread made before it. */
-void chain_signal(int *flag, int v) { __atomic_store_n(flag, v, __ATOMIC_RELEASE); }
+/* *flag = v where it is still 0 (the first to set it wins), seen by chain_slice's wait after every store this
+ * thread made before it. */
+void chain_signal(int *flag, int v) {
+    int zero = 0;
+    __atomic_compare_exchange_n(flag, &zero, v, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
+}
+
+/* *flag += 1, likewise. */
+void chain_count(int *flag) { __atomic_add_fetch(flag, 1, __ATOMIC_RELEASE); }
 
 /* Scratch (in reals) for n Jacobians, L levels, c of them fused. */
 long chain_scan_work(long n, int L, int c) {

@@ -129,7 +129,8 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
                        "chain_down": [p, p, p, i, l, l, l, i, i, l, l, p, p],
                        "chain_up_lanes": [p, p, l, l, l, i, i, l, l, p],
                        "chain_down_lanes": [p, p, p, i, l, l, l, i, i, l, l, p, p],
-                       "chain_slice": [p, p, p, p, i, l, l, l, i, i, p, p, p], "chain_signal": [p, i],
+                       "chain_slice": [p, p, p, p, i, l, l, l, i, i, p, p, p, i], "chain_signal": [p, i],
+                       "chain_count": [p],
                        "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i], "fma_chain": [l], **factors}.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, {"chain_scan_work": l, "chain_blocks": l, "chain_slice": i,
@@ -177,23 +178,28 @@ def rnn_factors(h: torch.Tensor, x: torch.Tensor, out: torch.Tensor, k0: int, k1
 
 
 class Ready:
-    """Whether ∇h_T is ready for the slices of one scan (:meth:`ChainScan.run_slice`): an int the kernel
-    waits on (0, then 1 to go on or 2 to stop), set through ``lib`` (any of the kernel's builds), and an event
-    for waits in Python."""
+    """What the slices of one scan wait for (:meth:`ChainScan.run_slice`), in two ints the kernel reads: ∇h_T
+    (0, then 1 to go on or 2 to stop) and how many of the threads have written their range of the steps'
+    factors; set through ``lib`` (any of the kernel's builds).  An event mirrors the first for waits in Python."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self._flag = ctypes.c_int(0)
-        self.ptr = ctypes.addressof(self._flag)
+        self._flags = (ctypes.c_int * 2)(0, 0)
+        self.ptr = ctypes.addressof(self._flags)
         self._event = threading.Event()
         self._lib = lib
 
     def set(self, ok: bool = True) -> None:
+        """∇h_T is in g (ok) or never will be (a thread failed: the others stop); the first call counts."""
         self._lib.chain_signal(self.ptr, 1 if ok else 2)
         self._event.set()
 
     def wait(self) -> bool:
         self._event.wait()
-        return self._flag.value == 1
+        return self._flags[0] == 1
+
+    def written(self) -> None:
+        """This thread's range of the factors is written."""
+        self._lib.chain_count(self.ptr + ctypes.sizeof(ctypes.c_int))
 
 
 def gru_factors(x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor, k0: int, k1: int) -> None:
@@ -279,14 +285,15 @@ class ChainScan:
         self.middle()
         self.down(0, self.blocks)
 
-    def run_slice(self, ready: Ready | None = None) -> None:
-        """This slice's whole scan on this thread, in one call into the kernel where it runs no wide kernel
-        (a worker thread then takes the interpreter lock only to start): the up phase, then, once ``ready``
-        (where given) says ∇h_T is in ``g``, the middle and the down phase (none if it never comes)."""
+    def run_slice(self, ready: Ready | None = None, parts: int = 0) -> None:
+        """This slice's whole scan on this thread, in one call into the kernel (a worker thread then takes
+        the interpreter lock only to start): once ``parts`` threads have said :meth:`Ready.written`, the up
+        phase; then, once ``ready`` (where given) says ∇h_T is in ``g``, the middle and the down phase (none if
+        it never comes).  A slice that runs the wide kernel waits for nothing but ∇h_T."""
         if self.wide is None:
             Wt, src, g, out, work = self.ptrs
             self.lib.chain_slice(Wt, src, g, out, self.mode, *self.shape, work, self._acc(0),
-                                 None if ready is None else ready.ptr)
+                                 None if ready is None else ready.ptr, parts)
             return
         self.up(0, self.blocks)
         if ready is None or ready.wait():
