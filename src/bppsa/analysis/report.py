@@ -89,7 +89,8 @@ def _speedups(results: Path, model: str) -> str:
             "`baseline` (cuDNN's default algorithm on a GPU; "
             "`baseline-packed` rows, where present, compare with the per-step algorithm the paper had). "
             "`backward` includes BPPSA's Jacobian generation; `backward-excl-FO` leaves it out (as the paper's GRU "
-            "numbers do; the CPU fast path writes the RNN's factors inside its scan, so there they stay in it); "
+            "numbers do; the CPU fast path reads the RNN's factors from the states and recomputes the GRU's gates "
+            "inside its backward, so there they stay in it); "
             "`backward-nobp` is the paper's subtraction. Paper: see `claims.md`.\n\n"
             + noisy + "\n\n" + _md(table))
 

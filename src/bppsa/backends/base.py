@@ -23,7 +23,9 @@ class Backend(Protocol):
       from them);
     * :meth:`cell_grads`: the cell's parameter gradients, ``from_scan(scan(g, J, L_m))`` unless the backend
       accumulates them as it scans.  ``g`` is ∇h_T, or a callable that returns it (the head's backward,
-      :func:`grad_of`), which a backend may run while its scan starts on other threads.
+      :func:`grad_of`), which a backend may run while its scan starts on other threads;
+    * :meth:`head_grads`: the head's backward in closed form (softmax cross-entropy through a linear map):
+      the gradients w.r.t. its weight, its bias and its input.
     """
 
     name: str
@@ -37,6 +39,9 @@ class Backend(Protocol):
 
     def cell_grads(self, g: torch.Tensor | Callable[[], torch.Tensor], J: Any, L_m: int | None,
                    from_scan: Callable[[torch.Tensor], dict]) -> dict[str, torch.Tensor]: ...
+
+    def head_grads(self, logits: torch.Tensor, y: torch.Tensor, W: torch.Tensor,
+                   h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 def grad_of(g: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:

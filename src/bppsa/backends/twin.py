@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .. import scan as _scan
 from ..jacobians import gru as _gru
@@ -35,3 +36,10 @@ class TorchBackend:
 
     def cell_grads(self, g, J: torch.Tensor, L_m: int | None, from_scan) -> dict:
         return from_scan(self.scan(grad_of(g), J, L_m))
+
+    def head_grads(self, logits: torch.Tensor, y: torch.Tensor, W: torch.Tensor, h: torch.Tensor):
+        """A training step's head in closed form: for the mean softmax cross-entropy of ``logits`` = h Wᵀ + b
+        [B, C] against labels ``y``, the gradient w.r.t. the logits is d = (softmax - onehot(y)) / B, and
+        through the linear map (W, b and h) -> (dᵀ h, d summed over the batch, d W)."""
+        d = torch.softmax(logits, 1).sub_(F.one_hot(y, logits.shape[1])).div_(logits.shape[0])
+        return d.t() @ h, d.sum(0), d @ W

@@ -50,16 +50,15 @@ class RecurrentClassifier(nn.Module):
     def cell_param_grads(self, x, h, step_grads) -> dict[str, torch.Tensor]:  # pragma: no cover
         raise NotImplementedError
 
-    def head_backward(self, h_last: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The head's backward in closed form: the mean cross-entropy's gradient w.r.t. the logits is
-        (softmax - onehot(y)) / B; through the linear head it gives the weight's and the bias's gradients
-        (added to their ``.grad``) and ∇h_T, returned."""
+    def head_backward(self, h_last: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, backend) -> torch.Tensor:
+        """The head's backward in closed form (``backend.head_grads``): its weight's and bias's gradients
+        added to their ``.grad``, and ∇h_T returned."""
         with torch.no_grad():
-            d = torch.softmax(logits, 1).sub_(F.one_hot(y, logits.shape[1])).div_(logits.shape[0])
-            for p, g in ((self.head.weight, d.t() @ h_last), (self.head.bias, d.sum(0))):
+            gW, gb, gh = backend.head_grads(logits, y, self.head.weight.detach(), h_last)
+            for p, g in ((self.head.weight, gW), (self.head.bias, gb)):
                 if p is not None:
                     p.grad = g if p.grad is None else p.grad + g
-            return d @ self.head.weight
+            return gh
 
     # -- the two training steps -------------------------------------------------------------------
     def baseline_step(self, x, y, phase: Phase = no_phase, backward: bool = True,
@@ -87,7 +86,7 @@ class RecurrentClassifier(nn.Module):
             return loss.detach()
 
         def head() -> torch.Tensor:  # the head's parameters, and ∇h_T (a backend may run it beside its scan)
-            return self.head_backward(h_last, logits, y)
+            return self.head_backward(h_last, logits, y, backend)
 
         with phase("backward"):
             with torch.no_grad():

@@ -34,6 +34,7 @@
  * dN, dM) = grad_h * (c_r, c_z, e, c_n), 4H rows), columns c = (x_t, 1, h'): so acc holds the sums over t and
  * the lanes of the weight and bias gradients, which the caller adds over lanes and slices.
  */
+#include <math.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
@@ -646,11 +647,12 @@ int chain_slice(const real *Wt, const chain_src *S, const real *g, real *out, in
     return 1;
 }
 
-/* *flag = v where it is still 0 (the first to set it wins), seen by chain_slice's wait after every store this
- * thread made before it. */
+/* flags[0] = v, seen by chain_slice's wait after every store this thread made before it: 2 (stop) always,
+ * 1 (go on) only where nothing was set before (a stop is never undone). */
 void chain_signal(int *flag, int v) {
     int zero = 0;
-    __atomic_compare_exchange_n(flag, &zero, v, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
+    if (v == 2) __atomic_store_n(flag, 2, __ATOMIC_RELEASE);
+    else __atomic_compare_exchange_n(flag, &zero, v, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
 }
 
 /* *flag += 1, likewise. */
@@ -743,6 +745,37 @@ void chain_down_lanes(const real *Wt, const chain_src *f, real *out, int mode, l
         }
     }
     grp_flush(&gp, acc);
+}
+
+/* -- a training step's head: the gradients of the mean softmax cross-entropy of logits = h W^T + b ------ */
+/* logits [B][C], labels y [B], W [C][Hh], h [B][Hh] (any sizes): d = (softmax(logits) - onehot(y)) / B, then
+ * gW = d^T h [C][Hh], gb = the sums of d's columns [C], gh = d W [B][Hh].  Returns 0, or 1 where a label is
+ * out of range (nothing written). */
+int xent_head_grads(const real *logits, const int64_t *y, const real *W, const real *h, long B, long C, long Hh,
+                    real *gW, real *gb, real *gh) {
+    for (long b = 0; b < B; ++b)
+        if (y[b] < 0 || y[b] >= C) return 1;
+    real d[C > 0 ? C : 1];
+    memset(gW, 0, sizeof(real) * C * Hh);
+    memset(gb, 0, sizeof(real) * C);
+    for (long b = 0; b < B; ++b) {
+        const real *l = logits + b * C;
+        real m = l[0], s = 0;
+        for (long c = 1; c < C; ++c) m = l[c] > m ? l[c] : m;
+        for (long c = 0; c < C; ++c) s += d[c] = REALBITS == 32 ? expf(l[c] - m) : exp(l[c] - m);
+        for (long c = 0; c < C; ++c) d[c] = (d[c] / s - (c == y[b])) / B;
+        const real *hb = h + b * Hh;
+        real *ghb = gh + b * Hh;
+        for (long j = 0; j < Hh; ++j) ghb[j] = 0;
+        for (long c = 0; c < C; ++c) {
+            gb[c] += d[c];
+            for (long j = 0; j < Hh; ++j) {
+                gW[c * Hh + j] += d[c] * hb[j];
+                ghb[j] += d[c] * W[c * Hh + j];
+            }
+        }
+    }
+    return 0;
 }
 
 /* A chain of n dependent multiply-adds: times one multiply-add's latency (the sequential scan's roof). */
