@@ -191,13 +191,14 @@ def test_compiled_kernel_both_thread_splits(kind, mode, n, B, H, dtype, monkeypa
 
 @pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
 @pytest.mark.parametrize("kind", ["rnn", "paper"])
-@pytest.mark.parametrize("B", [1, 2, 5, 16, 40])
+@pytest.mark.parametrize("B", [2, 5, 40])
 @pytest.mark.parametrize("split", ["slices", "blocks"])
 def test_the_rnn_scanned_from_its_states_equals_the_scan_of_its_written_factors(kind, B, split):
     """The kernel reads the RNN's factors (d = 1 - h², x and h') straight from the forward's states as it
     scans each step, writing none of them: the scan and the parameter gradients are those of the same kernel
-    reading the factors the compiled builder writes, bit for bit -- every lane width, the wide kernel
-    of one batch element (B = 1, 2), both thread splits -- and the factors it would write equal torch's."""
+    reading the factors the compiled builder writes, bit for bit -- slices of 16, 8, 4 and 1 lanes, the
+    wide kernel of one batch element (B = 2), both thread splits -- and the factors it would write equal
+    torch's."""
     n = 301
     g, chain, _, _, _ = _factored(kind, n, B, 20, 3, torch.float32)
     assert chain.states is not None
