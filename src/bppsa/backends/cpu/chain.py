@@ -31,8 +31,8 @@ class FactoredChain:
     without x, ``I = 0``).  It stands where a dense chain ``[n, B, H, H]`` would (``shape``, ``dim()``);
     :meth:`dense` is that chain.  ``states``, where given (the RNN's chains, the compiled kernel at hand):
     the forward's states h [T, B, H] and inputs x [T, B, I] (contiguous), from which the kernel reads each
-    step's factors as it scans it; ``fill(k0, k1, b0, b1)`` then writes the factors of steps [k0, k1) and lanes
-    [b0, b1), which :attr:`f` does on first use for any other reader."""
+    step's factors as it scans it.  ``fill(k0, k1)``, where given, writes the factors of steps [k0, k1) later:
+    :attr:`f` runs it on first use, or the scan's threads take it (:meth:`claim_fill`)."""
 
     kind: str
     NF: int  # rows of H factors per step before x and h'
@@ -196,8 +196,9 @@ class GruChain(FactoredChain):
     @classmethod
     def from_states(cls, x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor | None = None) -> GruChain:
         """From the forward's inputs ``x`` and states ``h`` (time order) and ``cell`` (its torch.nn.GRU): the
-        gates recomputed and the factors written in one compiled pass (:func:`bppsa.backends.cpu.native.gru_factors`),
-        or by torch without the kernel; ``out``: a [T, 6H + I, B] buffer, used where its shape fits."""
+        gates recomputed and the factors written by one compiled pass (:func:`bppsa.backends.cpu.native.gru_factors`),
+        left for the first reader (the scan's threads write a range of the steps each), or by torch without
+        the kernel; ``out``: a [T, 6H + I, B] buffer, used where its shape fits."""
         T, B, H = h.shape
         I = x.shape[2]
         f = _factor_buffer(h, 6 * H + I, out)
@@ -256,8 +257,8 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     scan, the cell's parameter gradients (a dict), accumulated by the kernel as the prefixes come out (the
     chain must have been built with x).  Lane slices as wide as one vector register; where every thread
     gets a slice of at least 32 bytes of lanes or a single batch element the threads take whole slices
-    (one hand-off per scan; each first writes its slices' factors where the chain left them for later,
-    :meth:`FactoredChain.claim_fill`), otherwise ("blocks") they split each slice's blocks in the up
+    (one hand-off per scan; where the chain left its factors for later, :meth:`FactoredChain.claim_fill`,
+    each first writes a range of the steps), otherwise ("blocks") they split each slice's blocks in the up
     phase and, where it carries enough work, the down phase.  ``split`` "slices" (the sequential rival,
     whose chain cannot be split by blocks) takes whole slices only, on one thread where they would be
     narrower than that."""

@@ -38,7 +38,7 @@
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -425,11 +425,18 @@ typedef struct {
 #if KIND != 2
 /* The square, rounded before the subtraction that follows it (as torch's 1 - h * h): the empty asm takes and
  * gives back the value in a register, so no compiler fuses the two into one multiply-add. */
-#if defined(__x86_64__) || defined(__i386__)
-#define ROUNDED(v) __asm__("" : "+v"(v))
-#elif defined(__aarch64__)
-#define ROUNDED(v) __asm__("" : "+w"(v))
+#if defined(__AVX512F__)
+#define VREG_BYTES 64 /* the widest vector register */
+#elif defined(__AVX__)
+#define VREG_BYTES 32
 #else
+#define VREG_BYTES 16
+#endif
+#if (defined(__x86_64__) || defined(__i386__)) && NL * REALBITS / 8 <= VREG_BYTES
+#define ROUNDED(v) __asm__("" : "+v"(v))
+#elif defined(__aarch64__) && NL * REALBITS / 8 <= VREG_BYTES
+#define ROUNDED(v) __asm__("" : "+w"(v))
+#else /* a vector wider than a register (or another CPU): through memory */
 #define ROUNDED(v)                                                                                           \
     do {                                                                                                     \
         volatile vec r_ = (v);                                                                               \

@@ -269,7 +269,6 @@ class ChainScan:
         self.ptrs = [Wt.data_ptr(), ctypes.addressof(self.source), g.data_ptr(), self.tensors[-2].data_ptr(),
                      work.data_ptr()]
         self.shape = (n, B, b0, L, fused)
-        self.lanes = lanes
         size = 1 << min(fused, L)  # blocks hold `size` Jacobians; the last one may be clipped at J_{n-1}
         clipped = self.blocks > 0 and n - (self.blocks * size - 1) < size
         self.full = self.blocks - clipped
