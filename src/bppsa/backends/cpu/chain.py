@@ -300,13 +300,13 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     if by_slice:
         # every slice's kernel set up here, and each worker's task one call into the kernel, which releases
         # the interpreter lock: where a thread took it between phases while another ran Python, each
-        # hand-over cost a wake-up (~0.1 ms here).  The caller runs the head meanwhile (before the workers
-        # wake, mostly), then its own slices; every middle and down phase waits for its ∇h_T
+        # hand-over cost a wake-up (~0.1 ms here).  Each thread first writes its range of the factors left
+        # for later; the caller then runs the head while the workers wake, then its own slices.  Every up
+        # phase waits for all the ranges, every middle and down phase for ∇h_T
         kernels = [[kernel(b0, w) for b0, w in gr] for gr in groups]
         ready = native.Ready(kernels[0][0].lib) if head is not None or fill is not None else None
         parts = len(groups) if fill is not None else 0
-        steps = chain._f.shape[0]
-        cuts = [steps * j // parts for j in range(parts + 1)] if parts else []
+        cuts = [chain._f.shape[0] * j // parts for j in range(parts + 1)] if parts else []
 
         def write(j):
             if fill is not None:

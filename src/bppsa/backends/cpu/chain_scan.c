@@ -424,7 +424,8 @@ typedef struct {
 
 #if KIND != 2
 /* The square, rounded before the subtraction that follows it (as torch's 1 - h * h): the empty asm takes and
- * gives back the value in a register, so no compiler fuses the two into one multiply-add. */
+ * gives back the value (a vector of the lanes, or one real) in a register, so no compiler fuses the two into
+ * one multiply-add. */
 #if defined(__AVX512F__)
 #define VREG_BYTES 64 /* the widest vector register */
 #elif defined(__AVX__)
@@ -439,7 +440,7 @@ typedef struct {
 #else /* a vector wider than a register (or another CPU): through memory */
 #define ROUNDED(v)                                                                                           \
     do {                                                                                                     \
-        volatile vec r_ = (v);                                                                               \
+        volatile __typeof__(v) r_ = (v);                                                                     \
         (v) = r_;                                                                                            \
     } while (0)
 #endif
@@ -794,22 +795,24 @@ real fma_chain(long n) {
 }
 
 /* -- the factors, from the forward's states ------------------------------------------------------- */
-/* Without fused multiply-adds: each product rounded as torch's elementwise ops round it, so that the
- * factors equal those of the dense chains bit for bit. */
-#define NO_FMA __attribute__((optimize("fp-contract=off")))
 
 /* The RNN's factors [T][NR][B] in scan order (step T first) from h and x ([T][B][H], [T][B][INP]): rows
- * d_k = 1 - h_{T-k}^2, then x_{T-k} and h_{T-k-1} (0 for the first step); steps k0 .. k1 - 1.  What the
- * scan reads from h and x itself (rnn_tile, rnn_lanes), written for other readers.  Loops run along the
+ * d_k = 1 - h_{T-k}^2 (rounded as torch rounds it, so that the factors equal the dense chains' bit for bit),
+ * then x_{T-k} and h_{T-k-1} (0 for the first step); steps k0 .. k1 - 1.  What the scan reads from h and x
+ * itself (rnn_tile, rnn_lanes), written for other readers.  Loops run along the
  * output rows (contiguous stores; measured 2x faster than along the inputs'). */
 #if KIND != 2
-NO_FMA void rnn_factors(const real *h, const real *x, long T, long B, long k0, long k1, real *f) {
+void rnn_factors(const real *h, const real *x, long T, long B, long k0, long k1, real *f) {
     for (long k = k0; k < k1; ++k) {
         long t = T - 1 - k;
         const real *ht = h + t * B * H, *hp = h + (t - 1) * B * H, *xt = x + t * B * NI;
         real *fk = f + k * NR * B;
         for (int i = 0; i < H; ++i)
-            for (long b = 0; b < B; ++b) fk[i * B + b] = 1 - ht[b * H + i] * ht[b * H + i];
+            for (long b = 0; b < B; ++b) {
+                real sq = ht[b * H + i] * ht[b * H + i];
+                ROUNDED(sq);
+                fk[i * B + b] = 1 - sq;
+            }
         for (int j = 0; j < NI; ++j)
             for (long b = 0; b < B; ++b) fk[(XROW + j) * B + b] = xt[b * NI + j];
         for (int i = 0; i < H; ++i)

@@ -265,8 +265,8 @@ class ChainScan:
                     for lib, w in ((self.lib, lanes), (self.wide, self.vl))]
         self.tensors = (Wt, *sources, g, out if out is not None else g, work)  # kept alive while the kernel holds them
         ptrs = [t.data_ptr() for t in sources]
-        self.source = _Source(*(ptrs if len(ptrs) == 1 else [None, *ptrs]))
-        self.ptrs = [Wt.data_ptr(), ctypes.addressof(self.source), g.data_ptr(), self.tensors[-2].data_ptr(),
+        self._src = _Source(*(ptrs if len(ptrs) == 1 else [None, *ptrs]))  # kept alive, as the tensors
+        self.ptrs = [Wt.data_ptr(), ctypes.addressof(self._src), g.data_ptr(), self.tensors[-2].data_ptr(),
                      work.data_ptr()]
         self.shape = (n, B, b0, L, fused)
         size = 1 << min(fused, L)  # blocks hold `size` Jacobians; the last one may be clipped at J_{n-1}
