@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import warnings
 
 import pytest
@@ -16,6 +15,7 @@ from hypothesis import strategies as st
 
 from bppsa import backends, scan
 from bppsa.backends import cpu
+from bppsa.backends.base import Head
 from bppsa.backends.cpu import native, pool
 from bppsa.backends.cpu.chain import FactoredChain, lane_slices, native_chain_scan
 from bppsa.backends.twin import TorchBackend
@@ -248,10 +248,9 @@ def test_the_head_in_closed_form_equals_autograd(dtype, B, C):
 @pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
 @pytest.mark.parametrize("B", [2, 16, 40])
 def test_the_gru_gate_pass_written_by_the_scans_threads_equals_the_pass_before_it(B):
-    """The GRU's gate pass left to the scan's threads (each writes a range of the steps, then every slice
-    waits for all of them) writes the factors the pass before the scan writes, and the scan and gradients are
-    the same, bit for bit; a thread whose range fails stops the scan with its error instead of leaving the
-    others waiting."""
+    """The GRU's gate pass left to the scan's threads (units of steps any thread claims; every up unit waits
+    for all of them) writes the factors the pass before the scan writes, and the scan and gradients are the
+    same, bit for bit; a writer the kernel cannot run runs first, and its error stops the scan."""
     g, lazy, _, _, _ = _factored("gru", 301, B, 20, 5, torch.float32, I=3)
     _, eager, _, _, _ = _factored("gru", 301, B, 20, 5, torch.float32, I=3)
     whole = eager.f.clone()  # written here, before any scan
@@ -266,20 +265,14 @@ def test_the_gru_gate_pass_written_by_the_scans_threads_equals_the_pass_before_i
         assert got.keys() == want.keys()
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
-        for failing in (lambda k0: k0 == 0, lambda k0: k0 > 0):  # the caller's range, a worker's
-            _, chain, _, _, _ = _factored("gru", 301, B, 20, 5, torch.float32, I=3)
-            fill = chain.claim_fill()
+        # a writer the kernel cannot run (not its gate pass) runs before the threads start; its error stops the scan
+        _, chain, _, _, _ = _factored("gru", 301, B, 20, 5, torch.float32, I=3)
 
-            def broken(k0, k1, fill=fill, failing=failing):
-                if failing(k0):
-                    if k0 > 0:
-                        time.sleep(0.05)  # a worker's range fails after the caller has said "go on"
-                    raise RuntimeError("the gate pass failed")
-                fill(k0, k1)
-            chain._fill = broken
-            if B > 2 or failing(0):  # B = 2: one-lane slices, whose factors are written before the scan
-                with pytest.raises(RuntimeError, match="the gate pass failed"):
-                    native_chain_scan(lambda: g, chain, L, scan.Workspace(), "slices", grads=True)
+        def broken(k0, k1):
+            raise RuntimeError("the gate pass failed")
+        chain._fill = broken
+        with pytest.raises(RuntimeError, match="the gate pass failed"):
+            native_chain_scan(lambda: g, chain, L, scan.Workspace(), "slices", grads=True)
     finally:
         torch.set_num_threads(old)
 
@@ -287,20 +280,43 @@ def test_the_gru_gate_pass_written_by_the_scans_threads_equals_the_pass_before_i
 @pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
 @pytest.mark.parametrize("kind", ["rnn", "gru"])
 @pytest.mark.parametrize("split", ["slices", "blocks"])
-def test_the_head_run_beside_the_scan_gives_the_same_gradients(kind, split):
-    """∇h_T as a callable (the head's backward, run by the caller while the other threads start their
-    up-sweeps) gives what the tensor gives, bit for bit; a head that fails stops the scan with its error
-    instead of leaving a thread waiting."""
+def test_the_head_run_in_the_scans_call_gives_the_same_gradients(kind, split):
+    """∇h_T as the head's backward (a :class:`Head`, which the kernel runs in the scan's own call, or any other
+    callable, run first) gives what the tensor gives, bit for bit: the cell's gradients and the head's; a label
+    out of range is an error that leaves the same workspace's next scan right; a head that fails stops the
+    scan with its error."""
     g, chain, _, _, _ = _factored(kind, 517, 40, 20, 4, torch.float64, I=3)
+    gen = torch.Generator().manual_seed(7)
+    linear = torch.nn.Linear(20, 5, dtype=torch.float64)
+    h_last, y = torch.randn(40, 20, generator=gen, dtype=torch.float64), torch.randint(0, 5, (40,), generator=gen)
+    with torch.no_grad():
+        logits = linear(h_last)
     L = scan.tree_levels(chain.shape[0] + 1, None)
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        want = native_chain_scan(g, chain, L, scan.Workspace(), split, grads=True)
-        got = native_chain_scan(lambda: g, chain, L, scan.Workspace(), split, grads=True)
-        assert got.keys() == want.keys()
+        be, ws = cpu.CpuBackend(), scan.Workspace()
+        gW, gb, gh = be.head_grads(logits, y, linear.weight.detach(), h_last)
+        for grads in (True, False):
+            want = native_chain_scan(gh, chain, L, scan.Workspace(), split, grads=grads)
+            for head in (Head(linear, h_last, logits, y, be), lambda: gh):
+                linear.zero_grad(set_to_none=True)
+                got = native_chain_scan(head, chain, L, ws, split, grads=grads)
+                if grads:
+                    assert got.keys() == want.keys()
+                    for k in want:
+                        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+                else:
+                    torch.testing.assert_close(got, want, rtol=0, atol=0)
+                if isinstance(head, Head):
+                    torch.testing.assert_close(linear.weight.grad, gW, rtol=0, atol=0)
+                    torch.testing.assert_close(linear.bias.grad, gb, rtol=0, atol=0)
+        with pytest.raises(IndexError, match="out of range"):
+            native_chain_scan(Head(linear, h_last, logits, torch.full((40,), 5), be), chain, L, ws, split, grads=True)
+        again = native_chain_scan(Head(linear, h_last, logits, y, be), chain, L, ws, split, grads=True)
+        want = native_chain_scan(gh, chain, L, scan.Workspace(), split, grads=True)
         for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+            torch.testing.assert_close(again[k], want[k], rtol=0, atol=0)
 
         def failing_head():
             raise RuntimeError("the head failed")

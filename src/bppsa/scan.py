@@ -162,6 +162,14 @@ class Workspace:
 
     def __init__(self):
         self._bufs: dict = {}
+        self._objs: dict = {}
+
+    def memo(self, key, build):
+        """The object ``build()`` made for ``key`` the first time (a compiled scan's plan), reused after."""
+        obj = self._objs.get(key)
+        if obj is None:
+            obj = self._objs[key] = build()
+        return obj
 
     def get(self, key, shape, like: torch.Tensor) -> torch.Tensor:
         shape = tuple(shape)

@@ -44,6 +44,28 @@ class Backend(Protocol):
                    h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
+class Head:
+    """A training step's head backward (softmax cross-entropy of ``logits`` = ``linear(h)`` against labels
+    ``y``), handed to :meth:`Backend.cell_grads` as ∇h_T: calling it runs ``backend.head_grads``, adds the
+    weight's and the bias's gradients to their ``.grad`` (:meth:`apply`) and returns ∇h_T.  A backend may
+    compute the same gradients its own way from the operands (the CPU backend: in its scan's call) and hand
+    the first two to :meth:`apply`."""
+
+    def __init__(self, linear: torch.nn.Linear, h: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, backend):
+        self.linear, self.h, self.logits, self.y, self.backend = linear, h, logits, y, backend
+
+    def __call__(self) -> torch.Tensor:
+        with torch.no_grad():
+            gW, gb, gh = self.backend.head_grads(self.logits, self.y, self.linear.weight.detach(), self.h)
+        self.apply(gW, gb)
+        return gh
+
+    def apply(self, gW: torch.Tensor, gb: torch.Tensor) -> None:
+        for p, g in ((self.linear.weight, gW), (self.linear.bias, gb)):
+            if p is not None:
+                p.grad = g if p.grad is None else p.grad + g
+
+
 def grad_of(g: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
     """∇h_T given to :meth:`Backend.cell_grads`: the tensor, or what the callable returns."""
     return g() if callable(g) else g

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..backends.base import Head
+
 Phase = Callable[[str], contextlib.AbstractContextManager]
 
 
@@ -53,12 +55,7 @@ class RecurrentClassifier(nn.Module):
     def head_backward(self, h_last: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, backend) -> torch.Tensor:
         """The head's backward in closed form (``backend.head_grads``): its weight's and bias's gradients
         added to their ``.grad``, and ∇h_T returned."""
-        with torch.no_grad():
-            gW, gb, gh = backend.head_grads(logits, y, self.head.weight.detach(), h_last)
-            for p, g in ((self.head.weight, gW), (self.head.bias, gb)):
-                if p is not None:
-                    p.grad = g if p.grad is None else p.grad + g
-            return gh
+        return Head(self.head, h_last, logits, y, backend)()
 
     # -- the two training steps -------------------------------------------------------------------
     def baseline_step(self, x, y, phase: Phase = no_phase, backward: bool = True,
@@ -85,8 +82,7 @@ class RecurrentClassifier(nn.Module):
         if not backward:
             return loss.detach()
 
-        def head() -> torch.Tensor:  # the head's parameters, and ∇h_T (a backend may run it beside its scan)
-            return self.head_backward(h_last, logits, y, backend)
+        head = Head(self.head, h_last, logits, y, backend)  # ∇h_T, which a backend may compute in its own way
 
         with phase("backward"):
             with torch.no_grad():

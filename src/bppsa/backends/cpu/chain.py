@@ -15,7 +15,7 @@ import functools
 import torch
 
 from ... import scan as _scan
-from ..base import grad_of
+from ..base import Head, grad_of
 from . import native, pool
 from .dense import dense_tree_scan
 
@@ -64,12 +64,6 @@ class FactoredChain:
         fill, self._fill = self._fill, None
         return fill
 
-    @property
-    def source(self):
-        """What the compiled kernel reads the steps' factors from (:class:`~.native.ChainScan`): the
-        states, or the factors."""
-        return self.states if self.states is not None else self.f
-
     def dim(self) -> int:
         return 4
 
@@ -81,9 +75,16 @@ class FactoredChain:
     def dense(self) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def param_grads(self, acc: torch.Tensor) -> dict[str, torch.Tensor]:  # pragma: no cover - abstract
-        """The cell's parameter gradients from the kernel's sums ``acc`` [NA, I + 1 + H] (summed over lanes)."""
-        raise NotImplementedError
+    def grad_layout(self) -> list[tuple[str, tuple[int, ...], list[tuple[slice, slice]]]]:
+        """The cell's parameter gradients in the kernel's sums [NA, I + 1 + H] (summed over lanes; rows: the
+        gradient w.r.t. the pre-activations, columns x, 1, h'): per parameter its name, shape and the (rows,
+        columns) blocks whose values, row by row and block after block, are its gradient."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def param_grads(self, acc: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The cell's parameter gradients from the kernel's sums ``acc`` (:meth:`grad_layout`)."""
+        return {name: torch.cat([acc[r, c].reshape(-1) for r, c in parts]).view(shape)
+                for name, shape, parts in self.grad_layout()}
 
     @staticmethod
     def _fill(f: torch.Tensor, NF: int, H: int, x: torch.Tensor | None, h: torch.Tensor) -> None:
@@ -123,10 +124,11 @@ def _rnn_factors(h: torch.Tensor, x: torch.Tensor | None, out: torch.Tensor | No
 class _RnnParams:
     """The tanh RNN's parameter gradients from the kernel's sums: rows ∇a, columns (x, 1, h')."""
 
-    def param_grads(self, acc: torch.Tensor) -> dict[str, torch.Tensor]:
-        I = self.I
-        return {"weight_ih_l0": acc[:, :I].contiguous(), "bias_ih_l0": acc[:, I].contiguous(),
-                "bias_hh_l0": acc[:, I].clone(), "weight_hh_l0": acc[:, I + 1:].contiguous()}
+    def grad_layout(self):
+        H, I = self.shape[2], self.I
+        rows, bias = slice(0, H), [(slice(0, H), slice(I, I + 1))]
+        return [("weight_ih_l0", (H, I), [(rows, slice(0, I))]), ("bias_ih_l0", (H,), bias),
+                ("bias_hh_l0", (H,), bias), ("weight_hh_l0", (H, H), [(rows, slice(I + 1, I + 1 + H))])]
 
 
 class RnnChain(_RnnParams, FactoredChain):
@@ -196,15 +198,15 @@ class GruChain(FactoredChain):
     @classmethod
     def from_states(cls, x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor | None = None) -> GruChain:
         """From the forward's inputs ``x`` and states ``h`` (time order) and ``cell`` (its torch.nn.GRU): the
-        gates recomputed and the factors written by one compiled pass (:func:`bppsa.backends.cpu.native.gru_factors`),
-        left for the first reader (the scan's threads write a range of the steps each), or by torch without
+        gates recomputed and the factors written by one compiled pass (:class:`bppsa.backends.cpu.native.GruFill`),
+        left for the first reader (the scan's team writes it, in units of steps), or by torch without
         the kernel; ``out``: a [T, 6H + I, B] buffer, used where its shape fits."""
         T, B, H = h.shape
         I = x.shape[2]
         f = _factor_buffer(h, 6 * H + I, out)
         h, x = h.detach().contiguous(), x.detach().contiguous()
         if h.device.type == "cpu" and native.available() and native.library("gru", H, I, 1, h.dtype) is not None:
-            return cls(cell.weight_hh_l0, f, I, functools.partial(native.gru_factors, x, h, cell, f))
+            return cls(cell.weight_hh_l0, f, I, native.GruFill(x, h, cell, f))
         from ...jacobians.gru import gru_gates
 
         c = cell
@@ -223,11 +225,13 @@ class GruChain(FactoredChain):
         J.diagonal(dim1=-2, dim2=-1).add_(self.lanes(3).permute(0, 2, 1))
         return J  # as bppsa.jacobians.gru.gru_jacobians_t
 
-    def param_grads(self, acc: torch.Tensor) -> dict[str, torch.Tensor]:
+    def grad_layout(self):
         H, I = self.shape[2], self.I
-        rzm = torch.cat([acc[:2 * H], acc[3 * H:]])  # (dR, dZ, dM): the recurrent affine map's gradient
-        return {"weight_ih_l0": acc[:3 * H, :I].contiguous(), "bias_ih_l0": acc[:3 * H, I].contiguous(),
-                "weight_hh_l0": rzm[:, I + 1:].contiguous(), "bias_hh_l0": rzm[:, I].contiguous()}
+        rzm = (slice(0, 2 * H), slice(3 * H, 4 * H))  # (dR, dZ, dM): the recurrent affine map's gradient
+        return [("weight_ih_l0", (3 * H, I), [(slice(0, 3 * H), slice(0, I))]),
+                ("bias_ih_l0", (3 * H,), [(slice(0, 3 * H), slice(I, I + 1))]),
+                ("weight_hh_l0", (3 * H, H), [(r, slice(I + 1, I + 1 + H)) for r in rzm]),
+                ("bias_hh_l0", (3 * H,), [(r, slice(I, I + 1)) for r in rzm])]
 
 
 def lane_slices(B: int, p: int, max_lanes: int) -> list[list[tuple[int, int]]]:
@@ -252,16 +256,19 @@ def lane_slices(B: int, p: int, max_lanes: int) -> list[list[tuple[int, int]]]:
 def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, split: str = "auto",
                       grads: bool = False):
     """The scan over a :class:`FactoredChain` by the compiled kernel (:mod:`.native`); None where it is
-    unavailable.  ``g``: ∇h_T, or the callable that returns it (the head's backward, run by this thread
-    while the others start their slices' up-sweeps, which do not need it).  ``grads``: instead of the
-    scan, the cell's parameter gradients (a dict), accumulated by the kernel as the prefixes come out (the
-    chain must have been built with x).  Lane slices as wide as one vector register; where every thread
-    gets a slice of at least 32 bytes of lanes or a single batch element the threads take whole slices
-    (one hand-off per scan; where the chain left its factors for later, :meth:`FactoredChain.claim_fill`,
-    each first writes a range of the steps), otherwise ("blocks") they split each slice's blocks in the up
-    phase and, where it carries enough work, the down phase.  ``split`` "slices" (the sequential rival,
-    whose chain cannot be split by blocks) takes whole slices only, on one thread where they would be
-    narrower than that."""
+    unavailable.  ``g``: ∇h_T, or the callable that returns it (a :class:`~bppsa.backends.base.Head` the kernel
+    runs itself, in the scan's call; another callable first).  ``grads``: instead of the scan, the cell's
+    parameter gradients (a dict), accumulated by the kernel as the prefixes come out (the chain must have been
+    built with x).
+
+    One call into the kernel (:class:`.native.Team`, built once per shape and kept in ``ws``) runs the whole
+    scan on a team of threads: lane slices as wide as one vector register; where every thread gets a slice of
+    at least 32 bytes of lanes or a single batch element, each thread owns whole slices, otherwise ("blocks")
+    the threads share each slice's blocks in the up phase and, where it carries enough work, the down phase.
+    Either way a thread that is done takes work left in the others' slices, and the factors the chain left for
+    later (the GRU's gate pass, :meth:`FactoredChain.claim_fill`) are written by the team first.  ``split``
+    "slices" (the sequential rival, whose chain cannot be split by blocks) takes whole slices only, on one
+    thread where they would be narrower than that."""
     n, B, H, _ = chain.shape
     dtype = chain.dtype
     min_flop = pool.KERNEL_SPEEDUP * pool.MIN_CHUNK_FLOP  # the same hand-off, repaid only by more of the kernel's FLOP
@@ -279,89 +286,26 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     if not native.available() or any(native.library(chain.kind, H, chain.I, w, dtype) is None
                                      for gr in groups for _, w in gr):
         return None
-    head = g if callable(g) and by_slice and n else None
-    g = chain.Wt.new_empty((B, H)) if head is not None else grad_of(g).contiguous()
-    out = None if grads else g.new_empty((n, B, H))
+    head = g if isinstance(g, Head) and native.head_fits(g) and g.logits.dtype == dtype and n else None
+    if head is None:
+        g = grad_of(g).contiguous()
+    out = None if grads else (g if head is None else chain.Wt).new_empty((n, B, H))
     if n == 0:
         return out
     # the down phase is ~H times lighter than the up phase: split only where it repays a hand-off
     p_down = 1 if by_slice else min(p, max(1, int(n * B * (2 * H * H + H) // min_flop)))
-    # the factors still to write (the GRU's gate pass), where the threads take whole slices of more than one
-    # lane: each writes a range of the steps in the same hand-off as its scan, which waits for all of them
-    fill = chain.claim_fill() if by_slice and chain.states is None and all(w > 1 for gr in groups for _, w in gr) \
-        else None
-    source = chain.source
-
-    def kernel(b0: int, w: int) -> native.ChainScan:
-        return native.ChainScan(chain.kind, chain.Wt, source, chain.I, g, out, L, b0, w,
-                                lambda size: ws.get(("cpu", "native", b0, w), (size,), g), p_down)
-
-    sums = {}  # (group, slice) -> that slice's gradient sums, added in this order: the same rounding every run
-    if by_slice:
-        # every slice's kernel set up here, and each worker's task one call into the kernel, which releases
-        # the interpreter lock: where a thread took it between phases while another ran Python, each
-        # hand-over cost a wake-up (~0.1 ms here).  Each thread first writes its range of the factors left
-        # for later; the caller then runs the head while the workers wake, then its own slices.  Every up
-        # phase waits for all the ranges, every middle and down phase for ∇h_T
-        kernels = [[kernel(b0, w) for b0, w in gr] for gr in groups]
-        ready = native.Ready(kernels[0][0].lib) if head is not None or fill is not None else None
-        parts = len(groups) if fill is not None else 0
-        cuts = [chain._f.shape[0] * j // parts for j in range(parts + 1)] if parts else []
-
-        def write(j):
-            if fill is not None:
-                fill(cuts[j], cuts[j + 1])
-                ready.written()
-
-        def caller():
-            ok = False
-            try:
-                write(0)
-                if head is not None:
-                    # on one thread: torch's parallel regions would wait for cores the other slices hold
-                    # (measured: the RNN's head took 2.2 ms instead of 0.27 beside the other thread's up-sweep)
-                    threads = torch.get_num_threads()
-                    torch.set_num_threads(1)
-                    try:
-                        g.copy_(grad_of(head))
-                    finally:
-                        torch.set_num_threads(threads)
-                ok = True
-            finally:
-                if ready is not None:
-                    ready.set(ok)  # on failure the workers stop instead of waiting
-            for k in kernels[0]:
-                k.run_slice(ready, parts)
-
-        def worker(j, ks):
-            try:
-                write(j)
-            except BaseException:
-                ready.set(False)
-                raise
-            for k in ks:
-                k.run_slice(ready, parts)
-        pool.spread([caller] + [functools.partial(worker, j, ks) for j, ks in enumerate(kernels) if j])
-        if grads:
-            sums = {(j, i): k.grad_sums() for j, ks in enumerate(kernels) for i, k in enumerate(ks)}
-    else:
-        for s, (b0, w) in enumerate(groups[0]):
-            k = kernel(b0, w)
-            for phase, parts in ((k.up, p), (k.middle, 0), (k.down, p_down)):
-                if not parts:
-                    phase()
-                    continue
-                cuts = k.cuts(parts)
-                if phase == k.down:
-                    pool.spread([functools.partial(phase, a, b, i) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))])
-                else:
-                    pool.spread([functools.partial(phase, a, b) for a, b in zip(cuts, cuts[1:])])
-            if grads:
-                sums[0, s] = k.grad_sums()
-    if not grads:
-        return out
-    ordered = [sums[key] for key in sorted(sums)]
-    return chain.param_grads(sum(ordered[1:], ordered[0]))
+    key = ("cpu", "team", chain.kind, n, B, H, chain.I, dtype, L, tuple(map(tuple, groups)), by_slice, p, p_down,
+           grads)
+    team = ws.memo(key, lambda: native.Team(chain.kind, n, B, H, chain.I, dtype, L, groups, by_slice, p, p_down,
+                                            int(grads), chain.grad_layout() if grads else None))
+    fill = chain.claim_fill() if chain.states is None else None
+    if fill is not None and not isinstance(fill, native.GruFill):
+        fill(0, chain._f.shape[0])  # a writer the kernel cannot run: here, first
+        fill = None
+    if head is not None:
+        g = ws.get(("cpu", "team-g"), (B, H), chain.Wt)  # ∇h_T, written by the kernel's head
+    sums = team.go(chain.Wt, chain.states if chain.states is not None else chain._f, g, out, head, fill)
+    return sums if grads else out
 
 
 def rnn_chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Workspace) -> torch.Tensor:

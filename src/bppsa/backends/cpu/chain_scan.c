@@ -1,8 +1,9 @@
 /* The BPPSA scan over a recurrent network's factored Jacobian chain on a CPU, for one slice of batch lanes.
  *
  * Compiled at first use by bppsa.backends.cpu.native (cc -O3 -march=native) once per chain KIND, hidden size
- * HID, lane count LANES and REAL type, and called through ctypes (the GIL released; a thread runs a
- * slice, or a range of a slice's blocks in the phases chain_up / chain_tree / chain_down).
+ * HID, lane count LANES and REAL type, and called through ctypes (the GIL released): one call, team_go, runs a
+ * whole scan on a team of threads (the caller and a pool of pthreads), which claim its units -- ranges of a
+ * slice's blocks in the phases chain_up / chain_tree / chain_down -- as they come (the end of this file).
  *
  * Layout: the LANES batch elements of a slice are the vector dimension of every operation: a matrix is
  * [H][H][LANES], a vector [H][LANES], so each of the H^3 multiply-adds of a product is one vector FMA
@@ -545,7 +546,7 @@ static void block_range(long j, long n, int c, long *lo, long *hi) {
 }
 
 /* The scan runs in three phases over one lane slice b0 .. b0 + LANES - 1 of the batch; the first and
- * the last split into independent ranges of blocks [j0, j1) (one per thread), the middle is serial.
+ * the last split into independent ranges of blocks [j0, j1) (the team's units), the middle is serial.
  * work (chain_scan_work reals) holds the blocks' products A, their prefixes Q and the tree's scratch. */
 
 /* Up: A[j] = J_hi ... J_lo for the blocks j0 .. j1 - 1, accumulated in cache from the factors.  The last
@@ -626,45 +627,6 @@ void chain_down(const real *Wt, const chain_src *S, real *out, int mode, long n,
     }
     grp_flush(&gp, acc);
 }
-
-/* Spin until flags[i] >= v (acquire) or flags[0] says stop (2), yielding now and then; returns whether
- * to go on. */
-static int wait_flag(const int *flags, int i, int v) {
-    for (long spin = 1; __atomic_load_n(flags + i, __ATOMIC_ACQUIRE) < v; ++spin) {
-        if (__atomic_load_n(flags, __ATOMIC_ACQUIRE) == 2) return 0;
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
-        if (!(spin & 1023)) sched_yield();
-    }
-    return __atomic_load_n(flags, __ATOMIC_ACQUIRE) != 2;
-}
-
-/* A slice's whole scan on this thread, in one call (a worker thread then takes the interpreter lock only to
- * start it): once flags[1] reaches `parts` (the threads that write the factors first, each a range of
- * steps: 0 where they are written), the up phase; then, once flags[0] is 1, the middle and the down phase.
- * flags[0] = 2 stops it (a thread failed); flags NULL: nothing to wait for.  Returns 0 where it stopped. */
-int chain_slice(const real *Wt, const chain_src *S, const real *g, real *out, int mode, long n, long B, long b0,
-                int L, int c, real *work, real *acc, int *flags, int parts) {
-    long nc = chain_blocks(n, L, c);
-    if (flags && parts && !wait_flag(flags, 1, parts)) return 0;
-    chain_up(Wt, S, n, B, b0, L, c, 0, nc, work);
-    if (flags && !wait_flag(flags, 0, 1)) return 0;
-    chain_tree(Wt, S, g, out, mode, n, B, b0, L, c, work, acc);
-    chain_down(Wt, S, out, mode, n, B, b0, L, c, 0, nc, work, acc);
-    return 1;
-}
-
-/* flags[0] = v, seen by chain_slice's wait after every store this thread made before it: 2 (stop) always,
- * 1 (go on) only where nothing was set before (a stop is never undone). */
-void chain_signal(int *flag, int v) {
-    int zero = 0;
-    if (v == 2) __atomic_store_n(flag, 2, __ATOMIC_RELEASE);
-    else __atomic_compare_exchange_n(flag, &zero, v, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
-}
-
-/* *flag += 1, likewise. */
-void chain_count(int *flag) { __atomic_add_fetch(flag, 1, __ATOMIC_RELEASE); }
 
 /* Scratch (in reals) for n Jacobians, L levels, c of them fused. */
 long chain_scan_work(long n, int L, int c) {
@@ -979,3 +941,350 @@ void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, c
 #endif
 }
 #endif
+
+/* -- the team: every thread of one scan over claimable units -----------------------------------------------
+ * A scan is a list of slices (lane slices of the batch, or one slice whose blocks the threads share).  Each
+ * slice runs an up phase of units (ranges of blocks), a middle on one thread, and a down phase of units (each
+ * with its own parameter-gradient sums, part u); before them all, the team may have units of the factors to
+ * write (the GRU's gate pass).  Units are claimed by whichever thread comes: a thread takes its own slices'
+ * units first, then those left in the others', so a thread that starts late (a wake-up) or is held up (a busy
+ * host) costs the team a share of its work, not all of it.  A slice's middle runs on its owner, or, where the
+ * owner has not arrived once the slice's up units are done, on the first thread free.  Which thread runs a
+ * unit changes no result: a unit writes only its own blocks (or sums), and each runs in the same order on any
+ * thread.  The calling thread leads (team_go): it wakes the pool's threads, runs the head's backward,
+ * takes its share, waits for every slice, adds the sums into the parameter gradients and returns once no
+ * other thread is inside.  The pool's threads are plain pthreads parked on a condition variable, in the
+ * caller's floating-point mode (subnormals flushed or not) for each scan. */
+#include <pthread.h>
+#include <unistd.h>
+#if defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
+typedef void (*team_fn)(const void *args, long j0, long j1, long part);
+
+/* One call's operands, shared by its slices: the weights, where the factors come from, ∇h_T and the scan's
+ * output (mode 0). */
+typedef struct {
+    const real *Wt;
+    chain_src S;
+    const real *g;
+    real *out;
+} team_call;
+
+/* What the functions of a slice read: the call's operands, the slice's scratch (chain_scan_work) and its sums
+ * [parts][NA][NBV][lanes] of this build's and of the wide build's down units (acc, wacc). */
+typedef struct {
+    const team_call *call;
+    real *work, *acc, *wacc;
+    long n, B, b0, acc_size, wacc_size;
+    int L, c, mode;
+} slice_args;
+
+void team_up(const void *args, long j0, long j1, long part) {
+    const slice_args *a = args;
+    (void)part;
+    chain_up(a->call->Wt, &a->call->S, a->n, a->B, a->b0, a->L, a->c, j0, j1, a->work);
+}
+
+void team_up_lanes(const void *args, long j0, long j1, long part) {
+    const slice_args *a = args;
+    (void)part;
+    chain_up_lanes(a->call->Wt, &a->call->S, a->n, a->B, a->b0, a->L, a->c, j0, j1, a->work);
+}
+
+/* The middle; first the slice's sums zeroed (mode 1), every part of both builds. */
+void team_mid(const void *args, long j0, long j1, long part) {
+    const slice_args *a = args;
+    (void)j0, (void)j1, (void)part;
+    if (a->mode && a->acc_size) memset(a->acc, 0, sizeof(real) * a->acc_size);
+    if (a->mode && a->wacc_size) memset(a->wacc, 0, sizeof(real) * a->wacc_size);
+    chain_tree(a->call->Wt, &a->call->S, a->call->g, a->call->out, a->mode, a->n, a->B, a->b0, a->L, a->c, a->work,
+               a->acc);
+}
+
+void team_down(const void *args, long j0, long j1, long part) {
+    const slice_args *a = args;
+    chain_down(a->call->Wt, &a->call->S, a->call->out, a->mode, a->n, a->B, a->b0, a->L, a->c, j0, j1, a->work,
+               a->mode ? a->acc + part * (long)NA * NBV * NL : 0);
+}
+
+void team_down_lanes(const void *args, long j0, long j1, long part) {
+    const slice_args *a = args;
+    chain_down_lanes(a->call->Wt, &a->call->S, a->call->out, a->mode, a->n, a->B, a->b0, a->L, a->c, j0, j1,
+                     a->work, a->mode ? a->wacc + part * (long)NA * NBV * NL : 0);
+}
+
+#if KIND == 2
+/* The GRU's gate pass over steps j0 .. j1 - 1 (gru_factors' operands). */
+typedef struct {
+    const real *x, *h, *Wi, *Wh, *bi, *bh;
+    real *f;
+    long T, B;
+} fill_args;
+
+void team_fill(const void *args, long j0, long j1, long part) {
+    const fill_args *a = args;
+    (void)part;
+    gru_factors(a->x, a->h, a->Wi, a->Wh, a->bi, a->bh, a->T, a->B, j0, j1, a->f);
+}
+#endif
+
+/* Units u = 0 .. n - 1 of a phase: fn(args, lo + u * per, min(lo + (u + 1) * per, hi), part0 + u). */
+typedef struct {
+    team_fn fn;
+    const void *args;
+    long lo, hi, per, n, part0;
+    long next, done; /* claimed, finished */
+} team_units;
+
+#define TEAM_PHASES 2 /* a phase's units: up to two lists (a wide slice: the wide build's, then the tail's) */
+
+typedef struct {
+    team_units up[TEAM_PHASES], down[TEAM_PHASES];
+    team_fn mid;
+    const void *mid_args;
+    long owner;
+    long state; /* 0: up; 1: middle claimed; 2: middle done (down units open) */
+} team_slice;
+
+/* The head's backward (xent_head_grads' operands; logits NULL: none, g is given). */
+typedef struct {
+    const real *logits, *W, *h;
+    const int64_t *y;
+    long B, C, Hh;
+    real *gW, *gb, *gh;
+} team_head;
+
+/* The parameter gradients: out = the segments (rows a0 .. a1 - 1, columns c0 .. c1 - 1 of the sums, row by row)
+ * one after another, each value the sum over the sum blocks (in order) of their parts and lanes (in order). */
+typedef struct {
+    const real *p;
+    long parts, lanes;
+} team_acc;
+
+typedef struct {
+    long a0, a1, c0, c1;
+} team_seg;
+
+typedef struct {
+    team_call call;
+    team_units pre;     /* before every up unit */
+    team_slice *sl;
+    long ns, nthreads;
+    team_head head;
+    const team_acc *acc;
+    long nacc;
+    const team_seg *seg;
+    long nseg;
+    real *grads;        /* NULL: none */
+    /* state, reset by team_go */
+    int stop, g_ready, closed, inside;
+    int arrived[64];
+    unsigned csr;
+    long gen;
+} team;
+
+static inline void relax(long spin) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+    if (!(spin & 1023)) sched_yield();
+}
+
+static inline int stopped(team *t) { return __atomic_load_n(&t->stop, __ATOMIC_ACQUIRE); }
+
+/* Claim and run the units of u until none is left. */
+static void run_units(team_units *u) {
+    for (long i; (i = __atomic_fetch_add(&u->next, 1, __ATOMIC_RELAXED)) < u->n;) {
+        long j0 = u->lo + i * u->per, j1 = j0 + u->per < u->hi ? j0 + u->per : u->hi;
+        u->fn(u->args, j0, j1, u->part0 + i);
+        __atomic_add_fetch(&u->done, 1, __ATOMIC_RELEASE);
+    }
+}
+
+static int units_done(team_units *u) { return __atomic_load_n(&u->done, __ATOMIC_ACQUIRE) >= u->n; }
+
+/* Wait until every unit of the lists is done (those claimed by other threads, still running). */
+static int wait_units(team *t, team_units *u, int nu) {
+    for (int k = 0; k < nu; ++k)
+        for (long spin = 1; !units_done(u + k); ++spin) {
+            if (stopped(t)) return 0;
+            relax(spin);
+        }
+    return 1;
+}
+
+static int run_slices_up(team *t, int me, int own) {
+    for (long i = 0; i < t->ns; ++i) {
+        team_slice *s = t->sl + i;
+        if ((s->owner == me) != own) continue;
+        for (int k = 0; k < TEAM_PHASES; ++k) {
+            if (stopped(t)) return 0;
+            run_units(s->up + k);
+        }
+    }
+    return 1;
+}
+
+/* The middle of slice s, where this thread may take it: its owner's, or anyone's once the owner is absent. */
+static int take_mid(team *t, team_slice *s, int me) {
+    if (s->owner != me && __atomic_load_n(t->arrived + s->owner, __ATOMIC_SEQ_CST)) return 1;
+    if (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE)) return 1;
+    if (!wait_units(t, s->up, TEAM_PHASES)) return 0;
+    for (long spin = 1; !__atomic_load_n(&t->g_ready, __ATOMIC_ACQUIRE); ++spin) {
+        if (stopped(t)) return 0;
+        relax(spin);
+    }
+    long zero = 0;
+    if (!__atomic_compare_exchange_n(&s->state, &zero, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) return 1;
+    s->mid(s->mid_args, 0, 0, 0);
+    __atomic_store_n(&s->state, 2, __ATOMIC_RELEASE);
+    return 1;
+}
+
+/* Thread me's share: the units before the scan, every up unit it can claim (its slices' first), the middles it
+ * may take, then the down units of every slice whose middle is done (its own first). */
+static int team_work(team *t, int me) {
+    run_units(&t->pre);
+    if (!wait_units(t, &t->pre, 1)) return 0;
+    if (!run_slices_up(t, me, 1) || !run_slices_up(t, me, 0)) return 0;
+    for (int own = 1; own >= 0; --own)
+        for (long i = 0; i < t->ns; ++i) {
+            team_slice *s = t->sl + i;
+            if ((s->owner == me) != own) continue;
+            if (!take_mid(t, s, me)) return 0;
+            for (long spin = 1; __atomic_load_n(&s->state, __ATOMIC_ACQUIRE) < 2; ++spin) { /* another's middle */
+                if (stopped(t)) return 0;
+                relax(spin);
+            }
+            for (int k = 0; k < TEAM_PHASES; ++k) run_units(s->down + k);
+        }
+    return !stopped(t);
+}
+
+/* -- the pool -- */
+static pthread_mutex_t pool_mx = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
+static long pool_threads, pool_gen;
+static pid_t pool_pid;
+static team *pool_job;
+
+/* Thread me's share of t, which it took from the pool's slot with inside counted (so t outlives it). */
+static void team_join(team *t, int me, long gen) {
+    if (!__atomic_load_n(&t->closed, __ATOMIC_SEQ_CST) && __atomic_load_n(&t->gen, __ATOMIC_SEQ_CST) == gen &&
+        me < t->nthreads) {
+#if defined(__SSE__) || defined(__x86_64__)
+        _mm_setcsr(t->csr);
+#endif
+        __atomic_store_n(t->arrived + me, 1, __ATOMIC_SEQ_CST);
+        team_work(t, me);
+    }
+    __atomic_sub_fetch(&t->inside, 1, __ATOMIC_SEQ_CST);
+}
+
+static void *pool_main(void *arg) {
+    int me = (int)(long)arg;
+    long seen = 0;
+    for (;;) {
+        long gen;
+        /* a short spin for a scan that follows at once, then sleep */
+        for (long spin = 0; (gen = __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE)) == seen && spin < 2000; ++spin)
+            relax(1);
+        pthread_mutex_lock(&pool_mx);
+        while (pool_gen == seen) pthread_cond_wait(&pool_cv, &pool_mx);
+        team *t = pool_job; /* the slot is emptied, under this lock, when its scan closes */
+        seen = gen = pool_gen;
+        if (t) __atomic_add_fetch(&t->inside, 1, __ATOMIC_SEQ_CST);
+        pthread_mutex_unlock(&pool_mx);
+        if (t) team_join(t, me, gen);
+    }
+    return 0;
+}
+
+/* Start pool threads up to n - 1 (again in a forked child, which has none). */
+static int pool_ensure(long n) {
+    if (pool_pid != getpid()) pool_threads = 0, pool_pid = getpid();
+    for (; pool_threads < n - 1; ++pool_threads) {
+        pthread_t th;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&th, &at, pool_main, (void *)(pool_threads + 1));
+        pthread_attr_destroy(&at);
+        if (rc) return 0;
+    }
+    return 1;
+}
+
+static void reduce(team *t) {
+    real *o = t->grads;
+    for (long k = 0; k < t->nseg; ++k) {
+        const team_seg *sg = t->seg + k;
+        for (long a = sg->a0; a < sg->a1; ++a)
+            for (long c = sg->c0; c < sg->c1; ++c) {
+                real v = 0;
+                for (long m = 0; m < t->nacc; ++m) {
+                    const team_acc *ac = t->acc + m;
+                    for (long q = 0; q < ac->parts; ++q) {
+                        const real *p = ac->p + ((q * NA + a) * NBV + c) * ac->lanes;
+                        for (long l = 0; l < ac->lanes; ++l) v += p[l];
+                    }
+                }
+                *o++ = v;
+            }
+    }
+}
+
+static void reset_units(team_units *u) { u->next = u->done = 0; }
+
+/* The whole scan, led by the calling thread.  Returns 0; 1 where a label is out of range (the head); 2 where
+ * a pool thread could not be started. */
+int team_go(team *t) {
+    reset_units(&t->pre);
+    for (long i = 0; i < t->ns; ++i) {
+        team_slice *s = t->sl + i;
+        for (int k = 0; k < TEAM_PHASES; ++k) reset_units(s->up + k), reset_units(s->down + k);
+        s->state = 0;
+    }
+    long nt = t->nthreads < 64 ? t->nthreads : 64;
+    t->stop = 0;
+    t->g_ready = t->head.logits == 0;
+    t->inside = 0;
+    for (long i = 0; i < nt; ++i) t->arrived[i] = i == 0;
+#if defined(__SSE__) || defined(__x86_64__)
+    t->csr = _mm_getcsr();
+#endif
+    if (nt > 1) {
+        pthread_mutex_lock(&pool_mx);
+        int ok = pool_ensure(nt);
+        if (ok) {
+            pool_job = t;
+            t->gen = ++pool_gen;
+            __atomic_store_n(&t->closed, 0, __ATOMIC_SEQ_CST);
+            pthread_cond_broadcast(&pool_cv);
+        }
+        pthread_mutex_unlock(&pool_mx);
+        if (!ok) return 2;
+    } else {
+        t->closed = 0;
+    }
+    int rc = 0;
+    if (t->head.logits) {
+        const team_head *h = &t->head;
+        rc = xent_head_grads(h->logits, h->y, h->W, h->h, h->B, h->C, h->Hh, h->gW, h->gb, h->gh);
+        __atomic_store_n(rc ? &t->stop : &t->g_ready, 1, __ATOMIC_RELEASE);
+    }
+    if (!rc) {
+        team_work(t, 0);
+        /* every slice's down units done: those another thread claimed may still run */
+        for (long i = 0; i < t->ns; ++i) wait_units(t, t->sl[i].down, TEAM_PHASES);
+    }
+    pthread_mutex_lock(&pool_mx); /* no thread takes t after this; those that did are counted in inside */
+    __atomic_store_n(&t->closed, 1, __ATOMIC_SEQ_CST);
+    if (pool_job == t) pool_job = 0;
+    pthread_mutex_unlock(&pool_mx);
+    for (long spin = 1; __atomic_load_n(&t->inside, __ATOMIC_SEQ_CST); ++spin) relax(spin);
+    if (!rc && t->grads) reduce(t);
+    return rc;
+}

@@ -20,14 +20,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import threading
 from importlib import resources
 from pathlib import Path
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "library", "ChainScan", "Ready", "fused_levels", "KINDS", "lane_width",
-           "rnn_factors", "gru_factors", "head_grads"]
+__all__ = ["available", "unavailable_reason", "library", "Team", "GruFill", "head_fits", "fused_levels", "KINDS",
+           "lane_width", "rnn_factors", "head_grads"]
 
 
 def fused_levels(n: int) -> int:
@@ -41,7 +40,7 @@ def fused_levels(n: int) -> int:
 _REAL = {torch.float32: "float", torch.float64: "double"}
 # The chains the kernel runs (chain_scan.c's KIND): the RNN's fused and paper layouts, the GRU.
 KINDS = {"rnn": 0, "paper": 1, "gru": 2}
-_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11"]
+_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-pthread"]
 _LIBS = ["-lm"]
 
 
@@ -125,16 +124,10 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     factors = ({"gru_factors": [p, p, p, p, p, p, l, l, l, l, p]} if kind == KINDS["gru"]
                else {"rnn_factors": [p, p, l, l, l, l, p]})
-    for name, args in {"chain_up": [p, p, l, l, l, i, i, l, l, p],
-                       "chain_tree": [p, p, p, p, i, l, l, l, i, i, p, p],
-                       "chain_down": [p, p, p, i, l, l, l, i, i, l, l, p, p],
-                       "chain_up_lanes": [p, p, l, l, l, i, i, l, l, p],
-                       "chain_down_lanes": [p, p, p, i, l, l, l, i, i, l, l, p, p],
-                       "chain_slice": [p, p, p, p, i, l, l, l, i, i, p, p, p, i], "chain_signal": [p, i],
-                       "chain_count": [p], "xent_head_grads": [p, p, p, p, l, l, l, p, p, p],
+    for name, args in {"team_go": [p], "xent_head_grads": [p, p, p, p, l, l, l, p, p, p],
                        "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i], "fma_chain": [l], **factors}.items():
         f = getattr(lib, name)
-        f.argtypes, f.restype = args, {"chain_scan_work": l, "chain_blocks": l, "chain_slice": i, "xent_head_grads": i,
+        f.argtypes, f.restype = args, {"chain_scan_work": l, "chain_blocks": l, "team_go": i, "xent_head_grads": i,
                                        "fma_chain": ctypes.c_float if real == "float" else ctypes.c_double}.get(name)
     return lib
 
@@ -152,8 +145,8 @@ def unavailable_reason() -> str | None:
     h = torch.rand(n, B, H, generator=gen, dtype=torch.float64)  # states, time order: step k reads h[n - 1 - k]
     g = torch.randn(B, H, generator=gen, dtype=torch.float64)
     out = torch.empty(n, B, H, dtype=torch.float64)
-    ChainScan("rnn", W.t().contiguous()[None], (h, h[:, :, :0]), 0, g, out, L, 0, B,
-              lambda size: torch.empty(size, dtype=torch.float64)).run()
+    team = Team("rnn", n, B, H, 0, torch.float64, L, [[(0, B)]], True, 1, 1, 0)
+    team.go(W.t().contiguous(), (h, h[:, :, :0]), g, out)
     ref = _scan.blelloch_scan(g, W.t() * (1 - h.flip(0) ** 2).unsqueeze(-2))
     err = ((out - ref).abs().max() / ref.abs().max()).item()
     return None if err <= 1e-12 else f"the compiled kernel disagrees with the reference scan (rel. err {err:.1e})"
@@ -190,144 +183,192 @@ def head_grads(logits: torch.Tensor, y: torch.Tensor, W: torch.Tensor, h: torch.
     return gW, gb, gh
 
 
-class Ready:
-    """What the slices of one scan wait for (:meth:`ChainScan.run_slice`), in two ints the kernel reads: ∇h_T
-    (0, then 1 to go on or 2 to stop) and how many of the threads have written their range of the steps'
-    factors; set through ``lib`` (any of the kernel's builds).  An event mirrors the first for waits in Python."""
-
-    def __init__(self, lib: ctypes.CDLL):
-        self._flags = (ctypes.c_int * 2)(0, 0)
-        self.ptr = ctypes.addressof(self._flags)
-        self._event = threading.Event()
-        self._lib = lib
-
-    def set(self, ok: bool = True) -> None:
-        """∇h_T is in g (ok), or a thread failed and the others stop (which no later call undoes)."""
-        self._lib.chain_signal(self.ptr, 1 if ok else 2)
-        self._event.set()
-
-    def wait(self) -> bool:
-        self._event.wait()
-        return self._flags[0] == 1
-
-    def written(self) -> None:
-        """This thread's range of the factors is written."""
-        self._lib.chain_count(self.ptr + ctypes.sizeof(ctypes.c_int))
+_p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
 
-def gru_factors(x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor, k0: int, k1: int) -> None:
-    """``out`` [T, 5H + I + H, B] = the GRU's (c_r, c_z, c_n, z, e), x and h' in scan order and lane order
-    (steps k0 .. k1 - 1), its gates recomputed from ``x`` [T, B, I] and ``h`` [T, B, H] (contiguous) and the
-    weights of ``cell`` (a one-layer torch.nn.GRU of their dtype)."""
-    T, B, H = h.shape
-    w = [t.detach().contiguous() for t in (cell.weight_ih_l0, cell.weight_hh_l0, cell.bias_ih_l0, cell.bias_hh_l0)]
-    library("gru", H, x.shape[2], 1, h.dtype).gru_factors(x.data_ptr(), h.data_ptr(), *(t.data_ptr() for t in w),
-                                                           T, B, k0, k1, out.data_ptr())
+class _Call(ctypes.Structure):
+    """chain_scan.c's team_call: one call's operands."""
+    _fields_ = [("Wt", _p), ("f", _p), ("h", _p), ("x", _p), ("g", _p), ("out", _p)]
 
 
-class _Source(ctypes.Structure):
-    """chain_scan.c's chain_src: where the steps' factor rows come from."""
-    _fields_ = [("f", ctypes.c_void_p), ("h", ctypes.c_void_p), ("x", ctypes.c_void_p)]
+class _SliceArgs(ctypes.Structure):
+    _fields_ = [("call", _p), ("work", _p), ("acc", _p), ("wacc", _p), ("n", _l), ("B", _l), ("b0", _l),
+                ("acc_size", _l), ("wacc_size", _l), ("L", _i), ("c", _i), ("mode", _i)]
 
 
-class ChainScan:
-    """The compiled scan of one lane slice ``[b0, b0 + lanes)`` of a factored chain of ``kind``: ``Wt``
-    [NW, H, H] (the weights, transposed); ``source`` the steps' factors: the GRU's ``f`` [steps, NR, B] (the
-    per-step factors, then x_t and h' over ``I`` + H rows), or the RNN's ``(h, x)``, the forward's states
-    [T, B, H] and inputs [T, B, I], from which the kernel reads each step's rows as it scans them; ``g``
-    [B, H]; all contiguous; ``L`` tree levels, ``fused`` of them per block (default :func:`fused_levels`);
-    ``scratch(size)`` gives a contiguous tensor of g's dtype with ``size`` elements.  ``out`` is the scan
-    [n, B, H] (mode 0) or None: then each part of the down phase (and the middle, with part 0) accumulates
-    the parameter gradients into its own sums (mode 1, :meth:`grad_sums`).  :meth:`run` is the
-    whole scan on this thread; :meth:`up`, :meth:`middle` and :meth:`down` are its three phases, the first
-    and last over any split of ``range(blocks)``.
+class _Units(ctypes.Structure):
+    _fields_ = [("fn", _p), ("args", _p), ("lo", _l), ("hi", _l), ("per", _l), ("n", _l), ("part0", _l),
+                ("next", _l), ("done", _l)]
 
-    A one-lane slice (B = 1) runs the up and down phases of its full blocks ``VL`` at a time as the
-    lanes of the kernel built for ``VL`` lanes (a vector register's worth), where that builds; only a
-    clipped last block takes the one-lane kernel."""
 
-    def __init__(self, kind: str, Wt, source, I: int, g, out, L: int, b0: int, lanes: int, scratch,
-                 parts: int = 1, fused: int | None = None):
-        B, H = g.shape
-        dtype = g.dtype
-        sources = (source,) if isinstance(source, torch.Tensor) else tuple(source)
-        n = sources[0].shape[0] * (2 if kind == "paper" else 1)
+class _Slice(ctypes.Structure):
+    _fields_ = [("up", _Units * 2), ("down", _Units * 2), ("mid", _p), ("mid_args", _p), ("owner", _l),
+                ("state", _l)]
+
+
+class _Head(ctypes.Structure):
+    _fields_ = [("logits", _p), ("W", _p), ("h", _p), ("y", _p), ("B", _l), ("C", _l), ("Hh", _l), ("gW", _p),
+                ("gb", _p), ("gh", _p)]
+
+
+class _Acc(ctypes.Structure):
+    _fields_ = [("p", _p), ("parts", _l), ("lanes", _l)]
+
+
+class _Seg(ctypes.Structure):
+    _fields_ = [("a0", _l), ("a1", _l), ("c0", _l), ("c1", _l)]
+
+
+class _Team(ctypes.Structure):
+    _fields_ = [("call", _Call), ("pre", _Units), ("sl", _p), ("ns", _l), ("nthreads", _l), ("head", _Head),
+                ("acc", _p), ("nacc", _l), ("seg", _p), ("nseg", _l), ("grads", _p), ("stop", _i), ("g_ready", _i),
+                ("closed", _i), ("inside", _i), ("arrived", _i * 64), ("csr", ctypes.c_uint), ("gen", _l)]
+
+
+class _FillArgs(ctypes.Structure):
+    _fields_ = [("x", _p), ("h", _p), ("Wi", _p), ("Wh", _p), ("bi", _p), ("bh", _p), ("f", _p), ("T", _l), ("B", _l)]
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _units(u: _Units, lib, fn: str, args, lo: int, hi: int, per: int, part0: int = 0) -> None:
+    """Units of [lo, hi), ``per`` at a time (none where the range is empty)."""
+    per = max(1, per)
+    u.fn, u.args = ctypes.cast(getattr(lib, fn), _p).value, ctypes.addressof(args)
+    u.lo, u.hi, u.per, u.n, u.part0 = lo, hi, per, max(0, _ceil(hi - lo, per)), part0
+
+
+class GruFill:
+    """The GRU's gate pass left for the scan (:func:`gru_factors` over steps k0 .. k1 - 1 when called): the
+    units of a team's scan write it in its threads instead."""
+
+    def __init__(self, x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor):
+        self.x, self.h, self.out = x, h, out
+        self.w = [t.detach().contiguous() for t in (cell.weight_ih_l0, cell.weight_hh_l0, cell.bias_ih_l0,
+                                                    cell.bias_hh_l0)]
+        self.lib = library("gru", h.shape[2], x.shape[2], 1, h.dtype)
+
+    def __call__(self, k0: int, k1: int) -> None:
+        T, B, _ = self.h.shape
+        self.lib.gru_factors(self.x.data_ptr(), self.h.data_ptr(), *(t.data_ptr() for t in self.w), T, B, k0, k1,
+                             self.out.data_ptr())
+
+    def units(self, u: _Units, threads: int) -> None:
+        T, B, _ = self.h.shape
+        self.args = _FillArgs(self.x.data_ptr(), self.h.data_ptr(), *(t.data_ptr() for t in self.w),
+                              self.out.data_ptr(), T, B)
+        _units(u, self.lib, "team_fill", self.args, 0, T, _ceil(T, 4 * threads))
+
+
+class Team:
+    """The compiled scan of a factored chain by a team of threads (chain_scan.c's ``team_go``), built once per
+    shape and reused from call to call: the lane slices ``groups`` (lists of ``(b0, lanes)``: thread t owns
+    ``groups[t]``; with ``by_slice`` False one list, whose slices every thread shares block by block, the down
+    phase in ``parts`` units), their scratch and sums, and the units of each phase.  ``mode`` 0: the scan, 1:
+    the parameter gradients (``layout``: the chain's :meth:`~.chain.FactoredChain.grad_layout`).
+
+    A one-lane slice (B = 1) runs the up and down phases of its full blocks ``VL`` at a time as the lanes of the
+    kernel built for ``VL`` lanes (a vector register's worth), where that builds; only a clipped last block
+    takes the one-lane kernel."""
+
+    def __init__(self, kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype, L: int,
+                 groups: list[list[tuple[int, int]]], by_slice: bool, threads: int, parts: int, mode: int,
+                 layout=None, fused: int | None = None):
         fused = fused_levels(n) if fused is None else fused
-        self.lib = library(kind, H, I, lanes, dtype)
-        self.blocks = int(self.lib.chain_blocks(n, L, fused))
-        work = scratch(int(self.lib.chain_scan_work(n, L, fused)))
-        self.vl = lane_width(kind, dtype)
-        self.wide = library(kind, H, I, self.vl, dtype) if lanes == 1 and self.blocks > 1 else None
-        self.mode = int(out is None)
-        na = 4 * H if kind == "gru" else H
-        # mode 1: per part, the sums of this slice's kernel and, where it runs, of the wide one
-        self.acc = [g.new_zeros((parts, na, I + 1 + H, w)) if self.mode and lib is not None else None
-                    for lib, w in ((self.lib, lanes), (self.wide, self.vl))]
-        self.tensors = (Wt, *sources, g, out if out is not None else g, work)  # kept alive while the kernel holds them
-        ptrs = [t.data_ptr() for t in sources]
-        self._src = _Source(*(ptrs if len(ptrs) == 1 else [None, *ptrs]))  # kept alive, as the tensors
-        self.ptrs = [Wt.data_ptr(), ctypes.addressof(self._src), g.data_ptr(), self.tensors[-2].data_ptr(),
-                     work.data_ptr()]
-        self.shape = (n, B, b0, L, fused)
-        size = 1 << min(fused, L)  # blocks hold `size` Jacobians; the last one may be clipped at J_{n-1}
-        clipped = self.blocks > 0 and n - (self.blocks * size - 1) < size
-        self.full = self.blocks - clipped
+        self.t = t = _Team()
+        self.call, self.mode, self.dtype, self.B, self.H = t.call, mode, dtype, B, H
+        t.closed = 1
+        vl = lane_width(kind, dtype)
+        na, nbv = (4 * H if kind == "gru" else H), I + 1 + H
+        owned = [(o if by_slice else 0, b0, w) for o, gr in enumerate(groups) for b0, w in gr]
+        self.sl = (_Slice * len(owned))()
+        self.keep, accs = [], []
+        for e, (owner, b0, w) in zip(self.sl, owned):
+            lib = library(kind, H, I, w, dtype)
+            blocks = int(lib.chain_blocks(n, L, fused))
+            wide = library(kind, H, I, vl, dtype) if w == 1 and blocks > 1 else None
+            size = 1 << min(fused, L)  # blocks hold `size` Jacobians; the last one may be clipped at J_{n-1}
+            full = blocks - (blocks > 0 and n - (blocks * size - 1) < size) if wide is not None else 0
+            p = 1 if by_slice else parts
+            work = torch.empty(int(lib.chain_scan_work(n, L, fused)), dtype=dtype)
+            acc = torch.zeros((p, na, nbv, w), dtype=dtype) if mode else None
+            wacc = torch.zeros((p, na, nbv, vl), dtype=dtype) if mode and wide is not None else None
+            a = _SliceArgs(ctypes.addressof(self.call), work.data_ptr(), *(0 if t_ is None else t_.data_ptr()
+                                                                            for t_ in (acc, wacc)),
+                           n, B, b0, *(0 if t_ is None else t_.numel() for t_ in (acc, wacc)), L, fused, mode)
+            self.keep += [a, work, acc, wacc]
+            accs += [(t_, p, ln) for t_, ln in ((acc, w), (wacc, vl)) if t_ is not None]
+            # up: a block per unit (the wide kernel's: VL blocks); the last block's product is never computed
+            if wide is not None:
+                _units(e.up[0], wide, "team_up_lanes", a, 0, full, vl)
+                _units(e.down[0], wide, "team_down_lanes", a, 0, full, vl * _ceil(_ceil(full, vl), p))
+                _units(e.down[1], lib, "team_down", a, full, blocks, blocks)
+            else:
+                _units(e.up[0], lib, "team_up", a, 0, blocks - 1, 1)
+                _units(e.down[0], lib, "team_down", a, 0, blocks, _ceil(blocks, p))
+            e.mid, e.mid_args, e.owner = ctypes.cast(lib.team_mid, _p).value, ctypes.addressof(a), owner
+        t.sl, t.ns, t.nthreads = ctypes.addressof(self.sl), len(owned), len(groups) if by_slice else threads
+        self.lib = library(kind, H, I, owned[0][2], dtype)
+        self.acc = (_Acc * max(1, len(accs)))(*[(a_.data_ptr(), p, ln) for a_, p, ln in accs])
+        t.acc, t.nacc = ctypes.addressof(self.acc), len(accs)
+        self.layout, self.size = [], 0
+        if mode:
+            segs = []
+            for name, shape, parts_ in layout:  # parts_: (rows, cols) slices of the sums, one after another
+                numel = 1
+                for d in shape:
+                    numel *= d
+                self.layout.append((name, shape, self.size, numel))
+                self.size += numel
+                segs += [(r.start, r.stop, c.start, c.stop) for r, c in parts_]
+            self.seg = (_Seg * len(segs))(*segs)
+            t.seg, t.nseg = ctypes.addressof(self.seg), len(segs)
 
-    def grad_sums(self) -> torch.Tensor:
-        """Mode 1: the parameter gradients' sums over this slice's parts and lanes, [NA, I + 1 + H]."""
-        sums = [a.sum((0, 3)) for a in self.acc if a is not None]
-        return sums[0] if len(sums) == 1 else sums[0] + sums[1]
+    def go(self, Wt: torch.Tensor, src, g: torch.Tensor, out: torch.Tensor | None = None, head=None,
+           fill: GruFill | None = None):
+        """One scan: ``Wt``, ``src`` (the factors f, or the RNN's states (h, x)), ∇h_T in ``g`` (or ``head``, a
+        :class:`~bppsa.backends.base.Head` the kernel can run: then ``g`` receives ∇h_T), ``out`` [n, B, H] (mode
+        0), ``fill``: the factors' writer left to the team.  Returns the parameter gradients (mode 1: a dict)."""
+        c, t = self.call, self.t
+        c.Wt, c.g = Wt.data_ptr(), g.data_ptr()
+        if isinstance(src, torch.Tensor):
+            c.f, c.h, c.x = src.data_ptr(), None, None
+        else:
+            c.f, c.h, c.x = None, src[0].data_ptr(), src[1].data_ptr()
+        c.out = None if out is None else out.data_ptr()
+        if head is not None:
+            W = head.linear.weight.detach()
+            gW, gb = torch.empty_like(W), W.new_empty(W.shape[0])
+            hd = t.head
+            hd.logits, hd.W, hd.h, hd.y = head.logits.data_ptr(), W.data_ptr(), head.h.data_ptr(), head.y.data_ptr()
+            hd.B, hd.C, hd.Hh = head.logits.shape[0], W.shape[0], W.shape[1]
+            hd.gW, hd.gb, hd.gh = gW.data_ptr(), gb.data_ptr(), g.data_ptr()
+        else:
+            t.head.logits = None
+        if fill is not None:
+            fill.units(t.pre, t.nthreads)
+        else:
+            t.pre.n = 0
+        grads = torch.empty(self.size, dtype=self.dtype) if self.mode else None
+        t.grads = None if grads is None else grads.data_ptr()
+        rc = self.lib.team_go(ctypes.byref(t))
+        if rc == 1:
+            raise IndexError(f"a label is out of range for {head.logits.shape[1]} classes")
+        if rc:
+            raise RuntimeError("the scan could not start its threads")
+        if head is not None:
+            head.apply(gW, gb)
+        if grads is None:
+            return None
+        return {name: grads[o:o + k].view(shape) for name, shape, o, k in self.layout}
 
-    def _acc(self, part: int, wide: bool = False) -> int | None:
-        a = self.acc[wide]
-        return None if a is None else a[part].data_ptr()
 
-    def _wide_end(self, j0: int, j1: int) -> int:
-        """Where the full blocks among [j0, j1), the wide kernel's, end."""
-        return j0 if self.wide is None else max(j0, min(j1, self.full))
-
-    def cuts(self, p: int) -> list[int]:
-        """Split points of range(blocks) into p parts (whole lane groups where the wide kernel runs)."""
-        unit = self.vl if self.wide is not None else 1
-        groups = -(-self.blocks // unit)
-        return [min(self.blocks, unit * (groups * i // p)) for i in range(p + 1)]
-
-    def run(self) -> None:
-        self.up(0, self.blocks)
-        self.middle()
-        self.down(0, self.blocks)
-
-    def run_slice(self, ready: Ready | None = None, parts: int = 0) -> None:
-        """This slice's whole scan on this thread, in one call into the kernel (a worker thread then takes
-        the interpreter lock only to start): once ``parts`` threads have said :meth:`Ready.written`, the up
-        phase; then, once ``ready`` (where given) says ∇h_T is in ``g``, the middle and the down phase (none if
-        it never comes).  A slice that runs the wide kernel waits for nothing but ∇h_T."""
-        if self.wide is None:
-            Wt, src, g, out, work = self.ptrs
-            self.lib.chain_slice(Wt, src, g, out, self.mode, *self.shape, work, self._acc(0),
-                                 None if ready is None else ready.ptr, parts)
-            return
-        self.up(0, self.blocks)
-        if ready is None or ready.wait():
-            self.middle()
-            self.down(0, self.blocks)
-
-    def up(self, j0: int, j1: int) -> None:
-        Wt, f, _, _, work = self.ptrs
-        a = self._wide_end(j0, j1)
-        if a > j0:
-            self.wide.chain_up_lanes(Wt, f, *self.shape, j0, a, work)
-        if j1 > a:
-            self.lib.chain_up(Wt, f, *self.shape, a, j1, work)
-
-    def middle(self) -> None:
-        Wt, f, g, out, work = self.ptrs
-        self.lib.chain_tree(Wt, f, g, out, self.mode, *self.shape, work, self._acc(0))
-
-    def down(self, j0: int, j1: int, part: int = 0) -> None:
-        Wt, f, _, out, work = self.ptrs
-        a = self._wide_end(j0, j1)
-        if a > j0:
-            self.wide.chain_down_lanes(Wt, f, out, self.mode, *self.shape, j0, a, work, self._acc(part, True))
-        if j1 > a:
-            self.lib.chain_down(Wt, f, out, self.mode, *self.shape, a, j1, work, self._acc(part))
+def head_fits(head) -> bool:
+    """Whether the kernel can run this :class:`~bppsa.backends.base.Head` (contiguous CPU tensors of one dtype,
+    int64 labels, a kernel build of that dtype)."""
+    W = head.linear.weight
+    ts = (head.logits, W, head.h)
+    return (all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == W.dtype for t in ts)
+            and head.y.dtype == torch.int64 and head.y.is_contiguous() and head.logits.dim() == 2)
