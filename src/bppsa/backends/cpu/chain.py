@@ -36,18 +36,30 @@ class FactoredChain:
 
     kind: str
     NF: int  # rows of H factors per step before x and h'
+    NW = 1  # weight matrices
 
-    def __init__(self, W_hh: torch.Tensor, Wt: torch.Tensor, f: torch.Tensor, n: int, I: int, fill=None,
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, n: int, I: int, fill=None,
                  states: tuple[torch.Tensor, torch.Tensor] | None = None):
         steps, rows, B = f.shape
-        H = Wt.shape[-1]
-        if rows != self.NF * H + I + H or Wt.dtype != f.dtype:
+        H = W_hh.shape[1]
+        if rows != self.NF * H + I + H or W_hh.dtype != f.dtype or W_hh.shape[0] != self.NW * H:
             raise ValueError(f"{type(self).__name__}: factors {tuple(f.shape)} {f.dtype} do not fit weights "
-                             f"{tuple(Wt.shape)} {Wt.dtype} and input size {I}")
-        self.W_hh, self.Wt, self._f, self._fill, self.I = W_hh.detach(), Wt.detach().contiguous(), f, fill, I
+                             f"{tuple(W_hh.shape)} {W_hh.dtype} and input size {I}")
+        self._W, self._f, self._fill, self.I = W_hh, f, fill, I
         self.states = states
         self.shape = torch.Size((n, B, H, H))
         self.dtype, self.device = f.dtype, f.device
+
+    @property
+    def W_hh(self) -> torch.Tensor:
+        """The recurrent weights [NW·H, H] (the compiled kernel transposes them itself)."""
+        return self._W.detach()
+
+    @functools.cached_property
+    def Wt(self) -> torch.Tensor:
+        """The weights transposed, [NW, H, H] (contiguous): Wt[g] = W_hg^T."""
+        H = self.shape[2]
+        return self.W_hh.reshape(self.NW, H, H).transpose(1, 2).contiguous()
 
     @property
     def f(self) -> torch.Tensor:
@@ -139,7 +151,7 @@ class RnnChain(_RnnParams, FactoredChain):
     kind, NF = "rnn", 1
 
     def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0, fill=None, states=None):
-        super().__init__(W_hh, W_hh.detach().t()[None], f, f.shape[0], I, fill, states)
+        super().__init__(W_hh, f, f.shape[0], I, fill, states)
 
     @property
     def d_lanes(self) -> torch.Tensor:
@@ -168,7 +180,7 @@ class PaperChain(_RnnParams, FactoredChain):
     kind, NF = "paper", 1
 
     def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0, fill=None, states=None):
-        super().__init__(W_hh, W_hh.detach().t()[None], f, 2 * f.shape[0], I, fill, states)
+        super().__init__(W_hh, f, 2 * f.shape[0], I, fill, states)
 
     @classmethod
     def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor | None = None,
@@ -189,11 +201,10 @@ class GruChain(FactoredChain):
     ``W_hh`` and the factors (c_r, c_z, c_n, z, e = (1 - z)(1 - n²)) in scan order; ``e`` and the c's
     also turn ∇h into the gates' gradients (dR, dZ, dN, dM), the rows of the kernel's sums."""
 
-    kind, NF = "gru", 5
+    kind, NF, NW = "gru", 5, 3
 
     def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0, fill=None):
-        H = W_hh.shape[1]
-        super().__init__(W_hh, W_hh.detach().view(3, H, H).transpose(1, 2), f, f.shape[0], I, fill)
+        super().__init__(W_hh, f, f.shape[0], I, fill)
 
     @classmethod
     def from_states(cls, x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor | None = None) -> GruChain:
@@ -289,7 +300,7 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     head = g if isinstance(g, Head) and native.head_fits(g) and g.logits.dtype == dtype and n else None
     if head is None:
         g = grad_of(g).contiguous()
-    out = None if grads else (g if head is None else chain.Wt).new_empty((n, B, H))
+    out = None if grads else torch.empty((n, B, H), dtype=dtype)
     if n == 0:
         return out
     # the down phase is ~H times lighter than the up phase: split only where it repays a hand-off
@@ -303,8 +314,8 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
         fill(0, chain._f.shape[0])  # a writer the kernel cannot run: here, first
         fill = None
     if head is not None:
-        g = ws.get(("cpu", "team-g"), (B, H), chain.Wt)  # ∇h_T, written by the kernel's head
-    sums = team.go(chain.Wt, chain.states if chain.states is not None else chain._f, g, out, head, fill)
+        g = team.g  # ∇h_T, written by the kernel's head
+    sums = team.go(chain._W, chain.states if chain.states is not None else chain._f, g, out, head, fill)
     return sums if grads else out
 
 

@@ -1056,19 +1056,20 @@ typedef struct {
     real *gW, *gb, *gh;
 } team_head;
 
-/* The parameter gradients: out = the segments (rows a0 .. a1 - 1, columns c0 .. c1 - 1 of the sums, row by row)
- * one after another, each value the sum over the sum blocks (in order) of their parts and lanes (in order). */
+/* The parameter gradients: dst[out] + off .. = the segment's values (rows a0 .. a1 - 1, columns c0 .. c1 - 1 of
+ * the sums, row by row), each the sum over the sum blocks (in order) of their parts and lanes (in order). */
 typedef struct {
     const real *p;
     long parts, lanes;
 } team_acc;
 
 typedef struct {
-    long a0, a1, c0, c1;
+    long a0, a1, c0, c1, out, off;
 } team_seg;
 
 typedef struct {
-    team_call call;
+    team_call call;     /* call.Wt: the weights transposed here from W [NW * H][H], before any thread starts */
+    const real *W;
     team_units pre;     /* before every up unit */
     team_slice *sl;
     long ns, nthreads;
@@ -1077,7 +1078,7 @@ typedef struct {
     long nacc;
     const team_seg *seg;
     long nseg;
-    real *grads;        /* NULL: none */
+    real **dst;         /* the parameters' gradients (NULL: none) */
     /* state, reset by team_go */
     int stop, g_ready, closed, inside;
     int arrived[64];
@@ -1218,9 +1219,9 @@ static int pool_ensure(long n) {
 }
 
 static void reduce(team *t) {
-    real *o = t->grads;
     for (long k = 0; k < t->nseg; ++k) {
         const team_seg *sg = t->seg + k;
+        real *o = t->dst[sg->out] + sg->off;
         for (long a = sg->a0; a < sg->a1; ++a)
             for (long c = sg->c0; c < sg->c1; ++c) {
                 real v = 0;
@@ -1241,6 +1242,10 @@ static void reset_units(team_units *u) { u->next = u->done = 0; }
 /* The whole scan, led by the calling thread.  Returns 0; 1 where a label is out of range (the head); 2 where
  * a pool thread could not be started. */
 int team_go(team *t) {
+    real *Wt = (real *)t->call.Wt;
+    for (int g = 0; g < NW; ++g)
+        for (int i = 0; i < H; ++i)
+            for (int j = 0; j < H; ++j) Wt[(g * H + i) * H + j] = t->W[(g * H + j) * H + i];
     reset_units(&t->pre);
     for (long i = 0; i < t->ns; ++i) {
         team_slice *s = t->sl + i;
@@ -1285,6 +1290,6 @@ int team_go(team *t) {
     if (pool_job == t) pool_job = 0;
     pthread_mutex_unlock(&pool_mx);
     for (long spin = 1; __atomic_load_n(&t->inside, __ATOMIC_SEQ_CST); ++spin) relax(spin);
-    if (!rc && t->grads) reduce(t);
+    if (!rc && t->dst) reduce(t);
     return rc;
 }

@@ -146,7 +146,7 @@ def unavailable_reason() -> str | None:
     g = torch.randn(B, H, generator=gen, dtype=torch.float64)
     out = torch.empty(n, B, H, dtype=torch.float64)
     team = Team("rnn", n, B, H, 0, torch.float64, L, [[(0, B)]], True, 1, 1, 0)
-    team.go(W.t().contiguous(), (h, h[:, :, :0]), g, out)
+    team.go(W, (h, h[:, :, :0]), g, out)
     ref = _scan.blelloch_scan(g, W.t() * (1 - h.flip(0) ** 2).unsqueeze(-2))
     err = ((out - ref).abs().max() / ref.abs().max()).item()
     return None if err <= 1e-12 else f"the compiled kernel disagrees with the reference scan (rel. err {err:.1e})"
@@ -216,12 +216,12 @@ class _Acc(ctypes.Structure):
 
 
 class _Seg(ctypes.Structure):
-    _fields_ = [("a0", _l), ("a1", _l), ("c0", _l), ("c1", _l)]
+    _fields_ = [("a0", _l), ("a1", _l), ("c0", _l), ("c1", _l), ("out", _l), ("off", _l)]
 
 
 class _Team(ctypes.Structure):
-    _fields_ = [("call", _Call), ("pre", _Units), ("sl", _p), ("ns", _l), ("nthreads", _l), ("head", _Head),
-                ("acc", _p), ("nacc", _l), ("seg", _p), ("nseg", _l), ("grads", _p), ("stop", _i), ("g_ready", _i),
+    _fields_ = [("call", _Call), ("W", _p), ("pre", _Units), ("sl", _p), ("ns", _l), ("nthreads", _l), ("head", _Head),
+                ("acc", _p), ("nacc", _l), ("seg", _p), ("nseg", _l), ("dst", _p), ("stop", _i), ("g_ready", _i),
                 ("closed", _i), ("inside", _i), ("arrived", _i * 64), ("csr", ctypes.c_uint), ("gen", _l)]
 
 
@@ -313,37 +313,42 @@ class Team:
         self.lib = library(kind, H, I, owned[0][2], dtype)
         self.acc = (_Acc * max(1, len(accs)))(*[(a_.data_ptr(), p, ln) for a_, p, ln in accs])
         t.acc, t.nacc = ctypes.addressof(self.acc), len(accs)
-        self.layout, self.size = [], 0
+        nw = 3 if kind == "gru" else 1
+        self.Wt, self.g = torch.empty(nw * H * H, dtype=dtype), torch.empty((B, H), dtype=dtype)
+        self.call.Wt = self.Wt.data_ptr()
+        self.layout = [] if not mode else [shape for _, shape, _ in layout]
+        self.names = [] if not mode else [name for name, _, _ in layout]
         if mode:
             segs = []
-            for name, shape, parts_ in layout:  # parts_: (rows, cols) slices of the sums, one after another
-                numel = 1
-                for d in shape:
-                    numel *= d
-                self.layout.append((name, shape, self.size, numel))
-                self.size += numel
-                segs += [(r.start, r.stop, c.start, c.stop) for r, c in parts_]
+            for k, (_, _, blocks_) in enumerate(layout):  # blocks_: (rows, cols) of the sums, one after another
+                off = 0
+                for r, c in blocks_:
+                    segs.append((r.start, r.stop, c.start, c.stop, k, off))
+                    off += (r.stop - r.start) * (c.stop - c.start)
             self.seg = (_Seg * len(segs))(*segs)
             t.seg, t.nseg = ctypes.addressof(self.seg), len(segs)
+            self.dst = (_p * len(layout))()
 
-    def go(self, Wt: torch.Tensor, src, g: torch.Tensor, out: torch.Tensor | None = None, head=None,
+    def go(self, W: torch.Tensor, src, g: torch.Tensor, out: torch.Tensor | None = None, head=None,
            fill: GruFill | None = None):
-        """One scan: ``Wt``, ``src`` (the factors f, or the RNN's states (h, x)), ∇h_T in ``g`` (or ``head``, a
-        :class:`~bppsa.backends.base.Head` the kernel can run: then ``g`` receives ∇h_T), ``out`` [n, B, H] (mode
-        0), ``fill``: the factors' writer left to the team.  Returns the parameter gradients (mode 1: a dict)."""
-        c, t = self.call, self.t
-        c.Wt, c.g = Wt.data_ptr(), g.data_ptr()
+        """One scan: the recurrent weights ``W`` [NW·H, H] (transposed here), ``src`` (the factors f, or the RNN's
+        states (h, x)), ∇h_T in ``g`` (or ``head``, a :class:`~bppsa.backends.base.Head` the kernel runs: then
+        pass :attr:`g`, which receives ∇h_T), ``out`` [n, B, H] (mode 0), ``fill``: the factors' writer left to
+        the team.  Returns the parameter gradients (mode 1: a dict of new tensors)."""
+        c, t, dtype = self.call, self.t, self.dtype
+        t.W, c.g = (W if W.is_contiguous() else W.contiguous()).data_ptr(), g.data_ptr()
         if isinstance(src, torch.Tensor):
             c.f, c.h, c.x = src.data_ptr(), None, None
         else:
             c.f, c.h, c.x = None, src[0].data_ptr(), src[1].data_ptr()
         c.out = None if out is None else out.data_ptr()
         if head is not None:
-            W = head.linear.weight.detach()
-            gW, gb = torch.empty_like(W), W.new_empty(W.shape[0])
+            Wh = head.linear.weight
+            C, Hh = Wh.shape
+            gW, gb = torch.empty((C, Hh), dtype=dtype), torch.empty(C, dtype=dtype)
             hd = t.head
-            hd.logits, hd.W, hd.h, hd.y = head.logits.data_ptr(), W.data_ptr(), head.h.data_ptr(), head.y.data_ptr()
-            hd.B, hd.C, hd.Hh = head.logits.shape[0], W.shape[0], W.shape[1]
+            hd.logits, hd.W, hd.h, hd.y = head.logits.data_ptr(), Wh.data_ptr(), head.h.data_ptr(), head.y.data_ptr()
+            hd.B, hd.C, hd.Hh = head.logits.shape[0], C, Hh
             hd.gW, hd.gb, hd.gh = gW.data_ptr(), gb.data_ptr(), g.data_ptr()
         else:
             t.head.logits = None
@@ -351,8 +356,10 @@ class Team:
             fill.units(t.pre, t.nthreads)
         else:
             t.pre.n = 0
-        grads = torch.empty(self.size, dtype=self.dtype) if self.mode else None
-        t.grads = None if grads is None else grads.data_ptr()
+        grads = [torch.empty(shape, dtype=dtype) for shape in self.layout]
+        if grads:
+            self.dst[:] = [a.data_ptr() for a in grads]
+        t.dst = ctypes.addressof(self.dst) if grads else None
         rc = self.lib.team_go(ctypes.byref(t))
         if rc == 1:
             raise IndexError(f"a label is out of range for {head.logits.shape[1]} classes")
@@ -360,9 +367,7 @@ class Team:
             raise RuntimeError("the scan could not start its threads")
         if head is not None:
             head.apply(gW, gb)
-        if grads is None:
-            return None
-        return {name: grads[o:o + k].view(shape) for name, shape, o, k in self.layout}
+        return dict(zip(self.names, grads)) if self.mode else None
 
 
 def head_fits(head) -> bool:
