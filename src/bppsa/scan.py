@@ -166,10 +166,9 @@ class Workspace:
 
     def memo(self, key, build):
         """The object ``build()`` made for ``key`` the first time (a compiled scan's plan), reused after."""
-        obj = self._objs.get(key)
-        if obj is None:
-            obj = self._objs[key] = build()
-        return obj
+        if key not in self._objs:
+            self._objs[key] = build()
+        return self._objs[key]
 
     def get(self, key, shape, like: torch.Tensor) -> torch.Tensor:
         shape = tuple(shape)

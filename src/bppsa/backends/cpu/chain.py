@@ -120,13 +120,15 @@ def _rnn_factors(h: torch.Tensor, x: torch.Tensor | None, out: torch.Tensor | No
     writer and the states the compiled kernel reads instead (the builder and the kernel at hand: the buffer
     is written only if something else reads it); or the buffer written by torch, None and None."""
     T, B, H = h.shape
-    h = h.detach().contiguous()
+    h = h if h.is_contiguous() else h.contiguous()
     I = 0 if x is None else x.shape[2]
     f = _factor_buffer(h, 2 * H + I, out)
     # the compiled factor builder reads host memory: CUDA tensors (the factored GPU path) take torch
     if h.device.type == "cpu" and native.available() and native.library("rnn", H, I, 1, h.dtype) is not None:
-        xc = (x if x is not None else h[:, :, :0]).detach().contiguous()
+        xc = x if x is not None else h[:, :, :0]
+        xc = xc if xc.is_contiguous() else xc.contiguous()
         return f, functools.partial(native.rnn_factors, h, xc, f), (h, xc)
+    h = h.detach()
     hf = h.flip(0)
     torch.sub(torch.ones((), dtype=h.dtype), hf * hf, out=f[:, :H].permute(0, 2, 1))  # as 1 - h * h, bit for bit
     FactoredChain._fill(f, 1, H, x, h)
@@ -281,6 +283,31 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     "slices" (the sequential rival, whose chain cannot be split by blocks) takes whole slices only, on one
     thread where they would be narrower than that."""
     n, B, H, _ = chain.shape
+    team = ws.memo(("cpu", "team", chain.kind, n, B, H, chain.I, chain.dtype, L, split, grads, pool.threads()),
+                   lambda: _team(chain, L, split, grads))
+    if team is None:
+        return None
+    dtype = chain.dtype
+    head = g if isinstance(g, Head) and native.head_fits(g, dtype) else None
+    if head is None:
+        g = grad_of(g)
+        g = g if g.is_contiguous() else g.contiguous()
+    out = None if grads else torch.empty((n, B, H), dtype=dtype)
+    if n == 0:
+        return out
+    fill = chain.claim_fill() if chain.states is None else None
+    if fill is not None and not isinstance(fill, native.GruFill):
+        fill(0, chain._f.shape[0])  # a writer the kernel cannot run: here, first
+        fill = None
+    sums = team.go(chain._W, chain.states if chain.states is not None else chain._f, team.g if head else g, out,
+                   head, fill)
+    return sums if grads else out
+
+
+def _team(chain: FactoredChain, L: int, split: str, grads: bool) -> native.Team | None:
+    """The kernel's plan for scans of chains like ``chain`` (:class:`.native.Team`: how the threads share the
+    work, see :func:`native_chain_scan`); None where the kernel is unavailable."""
+    n, B, H, _ = chain.shape
     dtype = chain.dtype
     min_flop = pool.KERNEL_SPEEDUP * pool.MIN_CHUNK_FLOP  # the same hand-off, repaid only by more of the kernel's FLOP
     p = pool.threads() if split == "slices" else min(pool.threads(), max(1, int(n * B * 2 * H ** 3 // min_flop)))
@@ -297,26 +324,10 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     if not native.available() or any(native.library(chain.kind, H, chain.I, w, dtype) is None
                                      for gr in groups for _, w in gr):
         return None
-    head = g if isinstance(g, Head) and native.head_fits(g) and g.logits.dtype == dtype and n else None
-    if head is None:
-        g = grad_of(g).contiguous()
-    out = None if grads else torch.empty((n, B, H), dtype=dtype)
-    if n == 0:
-        return out
     # the down phase is ~H times lighter than the up phase: split only where it repays a hand-off
     p_down = 1 if by_slice else min(p, max(1, int(n * B * (2 * H * H + H) // min_flop)))
-    key = ("cpu", "team", chain.kind, n, B, H, chain.I, dtype, L, tuple(map(tuple, groups)), by_slice, p, p_down,
-           grads)
-    team = ws.memo(key, lambda: native.Team(chain.kind, n, B, H, chain.I, dtype, L, groups, by_slice, p, p_down,
-                                            int(grads), chain.grad_layout() if grads else None))
-    fill = chain.claim_fill() if chain.states is None else None
-    if fill is not None and not isinstance(fill, native.GruFill):
-        fill(0, chain._f.shape[0])  # a writer the kernel cannot run: here, first
-        fill = None
-    if head is not None:
-        g = team.g  # ∇h_T, written by the kernel's head
-    sums = team.go(chain._W, chain.states if chain.states is not None else chain._f, g, out, head, fill)
-    return sums if grads else out
+    return native.Team(chain.kind, n, B, H, chain.I, dtype, L, groups, by_slice, p, p_down, int(grads),
+                       chain.grad_layout() if grads else None)
 
 
 def rnn_chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Workspace) -> torch.Tensor:

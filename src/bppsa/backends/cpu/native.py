@@ -370,10 +370,10 @@ class Team:
         return dict(zip(self.names, grads)) if self.mode else None
 
 
-def head_fits(head) -> bool:
-    """Whether the kernel can run this :class:`~bppsa.backends.base.Head` (contiguous CPU tensors of one dtype,
-    int64 labels, a kernel build of that dtype)."""
-    W = head.linear.weight
-    ts = (head.logits, W, head.h)
-    return (all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == W.dtype for t in ts)
-            and head.y.dtype == torch.int64 and head.y.is_contiguous() and head.logits.dim() == 2)
+def head_fits(head, dtype: torch.dtype) -> bool:
+    """Whether the kernel can run this :class:`~bppsa.backends.base.Head` in a scan of ``dtype`` (contiguous
+    CPU tensors of that dtype, int64 labels)."""
+    y = head.y
+    return (all(t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
+                for t in (head.logits, head.linear.weight, head.h))
+            and y.dtype == torch.int64 and y.is_contiguous() and y.device.type == "cpu" and head.logits.dim() == 2)
