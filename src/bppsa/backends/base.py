@@ -22,8 +22,8 @@ class Backend(Protocol):
       for the parameter gradients; ``gates()`` gives the GRU's recomputed gates to a backend that builds
       from them);
     * :meth:`cell_grads`: the cell's parameter gradients, ``from_scan(scan(g, J, L_m))`` unless the backend
-      accumulates them as it scans.  ``g`` is ∇h_T, or a callable that returns it (the head's backward,
-      :func:`grad_of`), which a backend may run while its scan starts on other threads;
+      accumulates them as it scans.  ``g`` is ∇h_T, or a callable that returns it (:func:`grad_of`; a
+      training step passes its :class:`Head`, whose gradients a backend may compute in its own way);
     * :meth:`head_grads`: the head's backward in closed form (softmax cross-entropy through a linear map):
       the gradients w.r.t. its weight, its bias and its input.
     """
