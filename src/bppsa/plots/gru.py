@@ -157,7 +157,7 @@ def fig_9(lat: pd.DataFrame, sp: pd.DataFrame, out: str | Path) -> pd.DataFrame:
                "above the bars: BPPSA speedup [95 % CI], medians of paired per-round ratios (* noisy); "
                f"bwd = BP / BPPSA (excluding FO, like the paper's {paper.GRU_MAX_BACKWARD.value:g}×), "
                "all = whole iteration",
-               *(["the CPU fast path recomputes the gates inside its backward: there FO is empty and bwd "
+               *(["the CPU fast path recomputes the gates inside its backward: there FO is only the set-up and bwd "
                   "includes it"] if "backend" in sp and (sp["backend"] == "cpu").any() else []),
                provenance(lat, f"bars: medians of each phase; black: {PROTOCOL_NOTE}; "
                                f"n = {int(d['n'].min())}–{int(d['n'].max())} rounds")]
