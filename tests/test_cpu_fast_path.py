@@ -492,3 +492,17 @@ def test_numpy_blas_is_made_single_threaded():
     cpu.cpu_scan(*_chain(9, 2, 3, 0))
     libs = [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas" and "numpy" in i["filepath"]]
     assert libs and all(i["num_threads"] == 1 for i in libs)
+
+
+@pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
+def test_more_threads_than_a_team_holds():
+    """A machine with more cores than a team's threads (native.MAX_THREADS): the scan uses that many and is right."""
+    g, chain, dense, _, _ = _factored("rnn", 61, 80 * 16, 20, 3, torch.float32)
+    L = scan.tree_levels(chain.shape[0] + 1, None)
+    old = torch.get_num_threads()
+    torch.set_num_threads(native.MAX_THREADS + 16)
+    try:
+        got = native_chain_scan(g, chain, L, scan.Workspace(), "slices")
+    finally:
+        torch.set_num_threads(old)
+    assert _rel(got.double(), scan.blelloch_scan(g.double(), dense.double())) <= 1e-5

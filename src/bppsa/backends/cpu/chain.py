@@ -310,7 +310,8 @@ def _team(chain: FactoredChain, L: int, split: str, grads: bool) -> native.Team 
     n, B, H, _ = chain.shape
     dtype = chain.dtype
     min_flop = pool.KERNEL_SPEEDUP * pool.MIN_CHUNK_FLOP  # the same hand-off, repaid only by more of the kernel's FLOP
-    p = pool.threads() if split == "slices" else min(pool.threads(), max(1, int(n * B * 2 * H ** 3 // min_flop)))
+    threads = min(pool.threads(), native.MAX_THREADS)
+    p = threads if split == "slices" else min(threads, max(1, int(n * B * 2 * H ** 3 // min_flop)))
     vl = native.lane_width(chain.kind, dtype)
     # slices for every thread where each is at least 32 bytes of lanes, or one batch element (whose blocks
     # then fill the lanes); narrower ones waste the vector units, so the threads split the blocks instead

@@ -229,6 +229,9 @@ class _FillArgs(ctypes.Structure):
     _fields_ = [("x", _p), ("h", _p), ("Wi", _p), ("Wh", _p), ("bi", _p), ("bh", _p), ("f", _p), ("T", _l), ("B", _l)]
 
 
+MAX_THREADS = 64  # a team's threads (chain_scan.c's team.arrived)
+
+
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
