@@ -117,6 +117,16 @@ def _factored(kind, T, B, H, seed, dtype, scale=1.0, I=2):
             lambda out: model.cell_param_grads(x, h, rnn_grad_preact(out, h, layout)), exact)
 
 
+def _assert_identical(got, want) -> None:
+    """The same scan (a tensor) or the same parameter gradients (a dict of tensors), bit for bit."""
+    if isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def _rel_grads(got: dict, ref: dict) -> float:
     assert got.keys() == ref.keys()
     for k in ref:
@@ -213,13 +223,7 @@ def test_the_rnn_scanned_from_its_states_equals_the_scan_of_its_written_factors(
         assert written.states is None
         torch.testing.assert_close(chain.f[:, :20].permute(0, 2, 1), 1 - h.flip(0) * h.flip(0), rtol=0, atol=0)
         for grads, a in zip((False, True), got):
-            b = native_chain_scan(g, written, L, scan.Workspace(), split, grads=grads)
-            if grads:
-                assert a.keys() == b.keys()
-                for key in a:
-                    torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
-            else:
-                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            _assert_identical(a, native_chain_scan(g, written, L, scan.Workspace(), split, grads=grads))
     finally:
         torch.set_num_threads(old)
 
@@ -261,10 +265,7 @@ def test_the_gru_gate_pass_written_by_the_scans_threads_equals_the_pass_before_i
         got = native_chain_scan(lambda: g, lazy, L, scan.Workspace(), "slices", grads=True)
         assert lazy.claim_fill() is None  # the threads wrote it
         torch.testing.assert_close(lazy.f, whole, rtol=0, atol=0)
-        want = native_chain_scan(g, eager, L, scan.Workspace(), "slices", grads=True)
-        assert got.keys() == want.keys()
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+        _assert_identical(got, native_chain_scan(g, eager, L, scan.Workspace(), "slices", grads=True))
         # a writer the kernel cannot run (not its gate pass) runs before the threads start; its error stops the scan
         _, chain, _, _, _ = _factored("gru", 301, B, 20, 5, torch.float32, I=3)
 
@@ -301,22 +302,14 @@ def test_the_head_run_in_the_scans_call_gives_the_same_gradients(kind, split):
             want = native_chain_scan(gh, chain, L, scan.Workspace(), split, grads=grads)
             for head in (Head(linear, h_last, logits, y, be), lambda: gh):
                 linear.zero_grad(set_to_none=True)
-                got = native_chain_scan(head, chain, L, ws, split, grads=grads)
-                if grads:
-                    assert got.keys() == want.keys()
-                    for k in want:
-                        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
-                else:
-                    torch.testing.assert_close(got, want, rtol=0, atol=0)
+                _assert_identical(native_chain_scan(head, chain, L, ws, split, grads=grads), want)
                 if isinstance(head, Head):
                     torch.testing.assert_close(linear.weight.grad, gW, rtol=0, atol=0)
                     torch.testing.assert_close(linear.bias.grad, gb, rtol=0, atol=0)
         with pytest.raises(IndexError, match="out of range"):
             native_chain_scan(Head(linear, h_last, logits, torch.full((40,), 5), be), chain, L, ws, split, grads=True)
         again = native_chain_scan(Head(linear, h_last, logits, y, be), chain, L, ws, split, grads=True)
-        want = native_chain_scan(gh, chain, L, scan.Workspace(), split, grads=True)
-        for k in want:
-            torch.testing.assert_close(again[k], want[k], rtol=0, atol=0)
+        _assert_identical(again, native_chain_scan(gh, chain, L, scan.Workspace(), split, grads=True))
 
         def failing_head():
             raise RuntimeError("the head failed")

@@ -281,7 +281,7 @@ class Team:
                  layout=None, fused: int | None = None):
         fused = fused_levels(n) if fused is None else fused
         self.t = t = _Team()
-        self.call, self.mode, self.dtype, self.B, self.H = t.call, mode, dtype, B, H
+        self.call, self.mode, self.dtype = t.call, mode, dtype
         t.closed = 1
         vl = lane_width(kind, dtype)
         na, nbv = (4 * H if kind == "gru" else H), I + 1 + H

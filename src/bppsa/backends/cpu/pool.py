@@ -1,4 +1,6 @@
-"""The CPU fast path's threads: one pool of workers beside the calling thread, in its subnormal mode.
+"""Threads for the CPU backend's numpy paths (the dense tree, the factor writers read outside a scan): one pool
+of workers beside the calling thread, in its subnormal mode.  The compiled scan has its own threads
+(chain_scan.c's team).
 
 Threads: ``torch.get_num_threads()`` (set by ``--threads``).  Worker threads are started in the
 calling thread's subnormal mode (``torch.set_flush_denormal``, on by default in the commands: the long
