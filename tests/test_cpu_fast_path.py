@@ -218,7 +218,7 @@ def test_the_rnn_scanned_from_its_states_equals_the_scan_of_its_written_factors(
     torch.set_num_threads(2)
     try:
         got = [native_chain_scan(g, chain, L, scan.Workspace(), split, grads=grads) for grads in (False, True)]
-        assert chain._fill is not None  # nothing written yet: the next line writes the factors
+        assert chain._f is None  # nothing written yet: the next line writes the factors
         written = type(chain)(chain.W_hh, chain.f.clone(), chain.I)
         assert written.states is None
         torch.testing.assert_close(chain.f[:, :20].permute(0, 2, 1), 1 - h.flip(0) * h.flip(0), rtol=0, atol=0)

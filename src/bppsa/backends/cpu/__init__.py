@@ -93,10 +93,8 @@ class CpuBackend(TorchBackend):
     def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x: torch.Tensor | None = None):
         if h.device.type != "cpu" or layout not in ("fused", "paper"):
             return super().rnn_jacobians_t(h, W_hh, layout, x)  # its error names the layouts
-        T, B, H = h.shape
-        rows = 2 * H + (0 if x is None else x.shape[2])
         cls = RnnChain if layout == "fused" else PaperChain
-        return cls.from_states(h, W_hh, x, out=self.workspace.get(("factors", "rnn"), (T, rows, B), h))
+        return cls.from_states(h, W_hh, x, out=lambda shape: self.workspace.get(("factors", "rnn"), shape, h))
 
     def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates=None):
         if h.device.type != "cpu":

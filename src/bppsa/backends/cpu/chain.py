@@ -31,24 +31,30 @@ class FactoredChain:
     without x, ``I = 0``).  It stands where a dense chain ``[n, B, H, H]`` would (``shape``, ``dim()``);
     :meth:`dense` is that chain.  ``states``, where given (the RNN's chains, the compiled kernel at hand):
     the forward's states h [T, B, H] and inputs x [T, B, I] (contiguous), from which the kernel reads each
-    step's factors as it scans it.  ``fill(k0, k1)``, where given, writes the factors of steps [k0, k1) later:
+    step's factors as it scans it; ``f`` is then None, the factors written only where :attr:`f` is read (a
+    training step never does).  ``fill(k0, k1)``, where given, writes the factors of steps [k0, k1) later:
     :attr:`f` runs it on first use, or the scan's threads take it (:meth:`claim_fill`)."""
 
     kind: str
     NF: int  # rows of H factors per step before x and h'
     NW = 1  # weight matrices
 
-    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, n: int, I: int, fill=None,
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor | None, n: int, I: int, fill=None,
                  states: tuple[torch.Tensor, torch.Tensor] | None = None):
-        steps, rows, B = f.shape
         H = W_hh.shape[1]
-        if rows != self.NF * H + I + H or W_hh.dtype != f.dtype or W_hh.shape[0] != self.NW * H:
-            raise ValueError(f"{type(self).__name__}: factors {tuple(f.shape)} {f.dtype} do not fit weights "
+        if f is None:  # read from the states by the kernel: written only where something reads f (_written_f)
+            h = states[0]
+            steps, rows, B = h.shape[0], self.NF * H + I + H, h.shape[1]
+            dtype, device = h.dtype, h.device
+        else:
+            (steps, rows, B), dtype, device = f.shape, f.dtype, f.device
+        if rows != self.NF * H + I + H or W_hh.dtype != dtype or W_hh.shape[0] != self.NW * H:
+            raise ValueError(f"{type(self).__name__}: factors {(steps, rows, B)} {dtype} do not fit weights "
                              f"{tuple(W_hh.shape)} {W_hh.dtype} and input size {I}")
         self._W, self._f, self._fill, self.I = W_hh, f, fill, I
         self.states = states
         self.shape = torch.Size((n, B, H, H))
-        self.dtype, self.device = f.dtype, f.device
+        self.dtype, self.device = dtype, device
 
     @property
     def W_hh(self) -> torch.Tensor:
@@ -64,11 +70,16 @@ class FactoredChain:
     @property
     def f(self) -> torch.Tensor:
         """The factors [steps, NR, B], written first where they were left for later."""
+        if self._f is None:
+            self._f = self._written_f()
         fill = self.claim_fill()
         if fill is not None:
             steps, rows, B = self._f.shape
             pool.parallel(fill, steps, FACTOR_FLOP * B * rows)
         return self._f
+
+    def _written_f(self) -> torch.Tensor:  # pragma: no cover - only chains built from states have no f
+        raise NotImplementedError
 
     def claim_fill(self):
         """The writer of the factors left for later, ``fill(k0, k1)`` for steps k0 .. k1 - 1, handed to the
@@ -110,33 +121,46 @@ class FactoredChain:
         hp[:-1].copy_(h[:-1].flip(0).permute(0, 2, 1))
 
 
-def _factor_buffer(h: torch.Tensor, rows: int, out: torch.Tensor | None) -> torch.Tensor:
+def _factor_buffer(h: torch.Tensor, rows: int, out) -> torch.Tensor:
+    """``out`` where its shape fits (a callable: what it returns for the shape), else a new buffer."""
     T, B, _ = h.shape
+    out = out((T, rows, B)) if callable(out) else out
     return out if out is not None and tuple(out.shape) == (T, rows, B) else h.new_empty((T, rows, B))
 
 
-def _rnn_factors(h: torch.Tensor, x: torch.Tensor | None, out: torch.Tensor | None):
-    """The buffer for d_k = 1 - h_{T-k}², then x and h' in scan order and lane order, [T, 2H + I, B], its
-    writer and the states the compiled kernel reads instead (the builder and the kernel at hand: the buffer
-    is written only if something else reads it); or the buffer written by torch, None and None."""
+def _rnn_factors(h: torch.Tensor, x: torch.Tensor | None, out):
+    """The RNN's factors d_k = 1 - h_{T-k}², then x and h' in scan order and lane order, [T, 2H + I, B], and
+    the states the compiled kernel reads them from: with the kernel at hand, no buffer (None: written only where
+    something reads :attr:`FactoredChain.f`) and the states; else the buffer written by torch and None."""
     T, B, H = h.shape
-    h = h if h.is_contiguous() else h.contiguous()
     I = 0 if x is None else x.shape[2]
-    f = _factor_buffer(h, 2 * H + I, out)
-    # the compiled factor builder reads host memory: CUDA tensors (the factored GPU path) take torch
+    # the compiled kernel reads host memory: CUDA tensors (the factored GPU path) take torch
     if h.device.type == "cpu" and native.available() and native.library("rnn", H, I, 1, h.dtype) is not None:
         xc = x if x is not None else h[:, :, :0]
-        xc = xc if xc.is_contiguous() else xc.contiguous()
-        return f, functools.partial(native.rnn_factors, h, xc, f), (h, xc)
+        return None, (h if h.is_contiguous() else h.contiguous(), xc if xc.is_contiguous() else xc.contiguous())
+    f = _factor_buffer(h, 2 * H + I, out)
     h = h.detach()
     hf = h.flip(0)
     torch.sub(torch.ones((), dtype=h.dtype), hf * hf, out=f[:, :H].permute(0, 2, 1))  # as 1 - h * h, bit for bit
     FactoredChain._fill(f, 1, H, x, h)
-    return f, None, None
+    return f, None
+
+
+def _steps(f: torch.Tensor | None, states) -> int:
+    return (states[0] if f is None else f).shape[0]
 
 
 class _RnnParams:
-    """The tanh RNN's parameter gradients from the kernel's sums: rows ∇a, columns (x, 1, h')."""
+    """The tanh RNN's factors, written from its states where something reads them (the compiled builder), and its
+    parameter gradients from the kernel's sums: rows ∇a, columns (x, 1, h')."""
+
+    def _written_f(self) -> torch.Tensor:
+        h, x = self.states
+        T, B, H = h.shape
+        rows = 2 * H + x.shape[2]
+        f = h.new_empty((T, rows, B))
+        pool.parallel(functools.partial(native.rnn_factors, h, x, f), T, FACTOR_FLOP * B * rows)
+        return f
 
     def grad_layout(self):
         H, I = self.shape[2], self.I
@@ -152,8 +176,8 @@ class RnnChain(_RnnParams, FactoredChain):
 
     kind, NF = "rnn", 1
 
-    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0, fill=None, states=None):
-        super().__init__(W_hh, f, f.shape[0], I, fill, states)
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor | None, I: int = 0, states=None):
+        super().__init__(W_hh, f, _steps(f, states), I, states=states)
 
     @property
     def d_lanes(self) -> torch.Tensor:
@@ -165,11 +189,12 @@ class RnnChain(_RnnParams, FactoredChain):
 
     @classmethod
     def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None) -> RnnChain:
+                    out=None) -> RnnChain:
         """From the forward's states ``h`` [T, B, H] and inputs ``x`` [T, B, I] (None: the scan only);
-        ``out``: a buffer for the factors, used where its shape fits."""
-        f, fill, states = _rnn_factors(h, x, out)
-        return cls(W_hh, f, 0 if x is None else x.shape[2], fill, states)
+        ``out``: a buffer for the factors where torch writes them, used where its shape fits (or a callable
+        that returns one for a shape: asked only then)."""
+        f, states = _rnn_factors(h, x, out)
+        return cls(W_hh, f, 0 if x is None else x.shape[2], states=states)
 
     def dense(self) -> torch.Tensor:
         return self.W_hh.t() * self.d.unsqueeze(-2)  # as rnn_jacobians_t(h, W_hh, "fused")
@@ -181,14 +206,14 @@ class PaperChain(_RnnParams, FactoredChain):
 
     kind, NF = "paper", 1
 
-    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0, fill=None, states=None):
-        super().__init__(W_hh, f, 2 * f.shape[0], I, fill, states)
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor | None, I: int = 0, states=None):
+        super().__init__(W_hh, f, 2 * _steps(f, states), I, states=states)
 
     @classmethod
     def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None) -> PaperChain:
-        f, fill, states = _rnn_factors(h, x, out)
-        return cls(W_hh, f, 0 if x is None else x.shape[2], fill, states)
+                    out=None) -> PaperChain:
+        f, states = _rnn_factors(h, x, out)
+        return cls(W_hh, f, 0 if x is None else x.shape[2], states=states)
 
     def dense(self) -> torch.Tensor:
         n, B, H, _ = self.shape

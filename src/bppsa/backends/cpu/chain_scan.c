@@ -629,7 +629,7 @@ void chain_tree(const real *Wt, const chain_src *S, const real *g, real *out, in
     group gp;
     gp.np = 0;
     WCOLS(wc);
-    real v[H * NL] __attribute__((aligned(64))), u[H * NL] __attribute__((aligned(64)));
+    real vu[2][H * NL] __attribute__((aligned(64))), *v = vu[0], *u = vu[1], *t;
     for (int i = 0; i < H; ++i)
         for (int b = 0; b < NL; ++b) v[i * NL + b] = g[(b0 + b) * H + i];
     long nc = chain_blocks(n, L, c), spine_end = nc ? (1L << c) - 1 : n - 1;
@@ -637,7 +637,7 @@ void chain_tree(const real *Wt, const chain_src *S, const real *g, real *out, in
         const real *fs = ROWS(s, NR);
         take(out, mode, &gp, acc, B, b0, s, v, fs, ld, NL, ALL);
         jac_vec(Wt, wc, s, fs, ld, v, u);
-        memcpy(v, u, sizeof(v));
+        t = v, v = u, u = t; /* the next position's prefix: the buffers swap, nothing copied */
     }
     if (nc == 0) {
         const real *fs = ROWS(n - 1, NR);
@@ -646,7 +646,7 @@ void chain_tree(const real *Wt, const chain_src *S, const real *g, real *out, in
     grp_flush(&gp, acc);
     if (nc == 0) return;
     real *A = work, *Q = A + nc * MAT, *sp = Q + nc * VEC;
-    memcpy(sp, v, sizeof(v)); /* the prefix at position 2^c - 1, the first block's, taken by chain_down */
+    memcpy(sp, v, sizeof(real) * VEC); /* the prefix at position 2^c - 1, the first block's, taken by chain_down */
     tree(sp, A, Q, nc, L - c, sp + VEC);
 }
 
@@ -659,16 +659,17 @@ void chain_down(const real *Wt, const chain_src *S, real *out, int mode, long n,
     group gp;
     gp.np = 0;
     WCOLS(wc);
-    real v[H * NL] __attribute__((aligned(64))), u[H * NL] __attribute__((aligned(64)));
+    real vu[2][H * NL] __attribute__((aligned(64))), *v, *u, *t;
     for (long j = j0; j < j1; ++j) {
         long lo, hi;
         block_range(j, n, c, &lo, &hi);
-        memcpy(v, Q + j * VEC, sizeof(v));
+        v = vu[0], u = vu[1];
+        memcpy(v, Q + j * VEC, sizeof(real) * VEC);
         for (long s = lo; s < hi; ++s) {
             const real *fs = ROWS(s, NR);
             take(out, mode, &gp, acc, B, b0, s, v, fs, ld, NL, ALL);
             jac_vec(Wt, wc, s, fs, ld, v, u);
-            memcpy(v, u, sizeof(v));
+            t = v, v = u, u = t;
         }
         const real *fs = ROWS(hi, NR);
         take(out, mode, &gp, acc, B, b0, hi, v, fs, ld, NL, ALL);
@@ -737,13 +738,13 @@ void chain_down_lanes(const real *Wt, const chain_src *f, real *out, int mode, l
     group gp;
     gp.np = 0;
     WCOLS(wc);
-    real v[H * NL] __attribute__((aligned(64))), u[H * NL] __attribute__((aligned(64))),
-        fs[NR * NL] __attribute__((aligned(64)));
+    real vu[2][H * NL] __attribute__((aligned(64))), *v, *u, *t, fs[NR * NL] __attribute__((aligned(64)));
     for (long j = j0; j < j1; j += NL) {
         int valid = j1 - j < NL ? (int)(j1 - j) : NL;
         real m[NL] __attribute__((aligned(64)));
         for (int q = 0; q < NL; ++q) m[q] = q < valid;
         vec mask = LD(m);
+        v = vu[0], u = vu[1];
         for (int q = 0; q < NL; ++q)
             for (int i = 0; i < H; ++i) v[i * NL + q] = Q[(j + (q < valid ? q : valid - 1)) * H + i];
         for (long off = 0; off < size; ++off) {
@@ -758,7 +759,7 @@ void chain_down_lanes(const real *Wt, const chain_src *f, real *out, int mode, l
             }
             if (off + 1 < size) {
                 jac_vec(Wt, wc, size - 1 + off, fs, NL, v, u);
-                memcpy(v, u, sizeof(v));
+                t = v, v = u, u = t;
             }
         }
     }

@@ -377,6 +377,5 @@ def head_fits(head, dtype: torch.dtype) -> bool:
     """Whether the kernel can run this :class:`~bppsa.backends.base.Head` in a scan of ``dtype`` (contiguous
     CPU tensors of that dtype, int64 labels)."""
     y = head.y
-    return (all(t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
-                for t in (head.logits, head.linear.weight, head.h))
-            and y.dtype == torch.int64 and y.is_contiguous() and y.device.type == "cpu" and head.logits.dim() == 2)
+    return (all(t.dtype == dtype and t.is_cpu and t.is_contiguous() for t in (head.logits, head.linear.weight, head.h))
+            and y.dtype == torch.int64 and y.is_cpu and y.is_contiguous() and head.logits.dim() == 2)
