@@ -383,6 +383,25 @@ def test_kernel_builds_once_into_the_cache(tmp_path):
     assert not [p for p in (tmp_path / "native").iterdir() if p.is_dir()]  # no temporary left behind
 
 
+@pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
+def test_processes_wanting_the_same_kernel_build_it_once(tmp_path):
+    """Processes started together on an empty cache (test workers, cluster jobs on a shared cache) compile a
+    kernel once: the others wait for that build and load it."""
+    log = tmp_path / "cc.log"
+    cc = tmp_path / "cc"  # the compiler, logging each kernel build and slow enough for the builds to overlap
+    cc.write_text(f"#!/bin/sh\ncase \"$*\" in *-DKIND=*) echo \"$*\" >> {log}; sleep 1;; esac\n"
+                  f"exec {shutil.which(native.compiler_name())} \"$@\"\n")
+    cc.chmod(0o755)
+    code = "from bppsa.backends.cpu import native; print(native.available())"
+    env = {**os.environ, "CC": str(cc), "BPPSA_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(out.strip() == "True" for out, _ in outs), [err for _, err in outs]
+    builds = log.read_text().splitlines()
+    assert len(builds) == 1 and "-DHID=3" in builds[0], builds
+
+
 def test_cli_shortens_the_openmp_spin_unless_set():
     code = "import os, bppsa.cli; print(os.environ['GOMP_SPINCOUNT'])"
     env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}

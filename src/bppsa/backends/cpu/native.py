@@ -13,6 +13,7 @@ Where no compiler works, :func:`unavailable_reason` says why and the fast path r
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -111,15 +112,20 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
     out = cache_dir() / f"chain_scan_k{kind}_{real}_H{H}_I{I}_L{lanes}_{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            c_file, so_file = Path(tmp) / "chain_scan.c", Path(tmp) / out.name
-            c_file.write_bytes(src)
-            r = subprocess.run([cc, *_FLAGS, *defs, "-o", str(so_file), str(c_file), *_LIBS], capture_output=True,
-                               text=True, timeout=300)
-            if r.returncode != 0:
-                _errors["cc"] = f"{cc} failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-500:]}"
-                return None
-            os.replace(so_file, out)
+        # one build per kernel: processes that want the same one (test workers, cluster jobs starting
+        # together on a shared cache) wait for the first instead of compiling it again
+        with open(out.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not out.exists():
+                with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+                    c_file, so_file = Path(tmp) / "chain_scan.c", Path(tmp) / out.name
+                    c_file.write_bytes(src)
+                    r = subprocess.run([cc, *_FLAGS, *defs, "-o", str(so_file), str(c_file), *_LIBS],
+                                       capture_output=True, text=True, timeout=300)
+                    if r.returncode != 0:
+                        _errors["cc"] = f"{cc} failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-500:]}"
+                        return None
+                    os.replace(so_file, out)
     lib = ctypes.CDLL(str(out))
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     factors = ({"gru_factors": [p, p, p, p, p, p, l, l, l, l, p]} if kind == KINDS["gru"]
