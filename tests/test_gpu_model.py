@@ -160,6 +160,7 @@ def test_measured_needs_the_cuda_kernels(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name,key", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", None),
+                                      ("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", None),
                                       ("NVIDIA GeForce RTX 2080 Ti", "rtx2080ti"), ("Tesla V100-SXM2-16GB", "v100"),
                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L4", None)])
 def test_device_names(name, key):

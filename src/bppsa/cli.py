@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = args.func(args)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:  # clear one-line errors for users
+        if os.environ.get("BPPSA_TRACEBACK"):  # the whole traceback too (scripts/gpu_check.sh sets it)
+            import traceback
+
+            traceback.print_exc()
         print(f"bppsa {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return int(rc or 0)

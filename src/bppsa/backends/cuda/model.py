@@ -57,11 +57,12 @@ GPUS = {
     "v100": Gpu("V100 SXM2", 900, 15.7, 7.8, 80, 2048, "NVIDIA V100 datasheet"),
     "a100": Gpu("A100 SXM4 80 GB", 2039, 19.5, 9.7, 108, 2048, "NVIDIA A100 datasheet (FP64 without tensor cores)"),
     "h100": Gpu("H100 SXM5", 3350, 67.0, 34.0, 132, 2048, "NVIDIA H100 datasheet (SXM5, non-tensor-core)"),
+    "h200": Gpu("H200 SXM", 4800, 67.0, 34.0, 132, 2048, "NVIDIA H200 datasheet (SXM, non-tensor-core)"),
 }
 
 
 # substrings of torch.cuda.get_device_name() -> the table's key, most specific first
-_DEVICE_NAMES = (("H100", "h100"), ("A100", "a100"), ("V100", "v100"), ("2080 Ti", "rtx2080ti"), ("2070", "rtx2070"))
+_DEVICE_NAMES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("V100", "v100"), ("2080 Ti", "rtx2080ti"), ("2070", "rtx2070"))
 
 
 def key_for_device_name(name: str) -> str | None:
