@@ -62,7 +62,8 @@ GPUS = {
 
 
 # substrings of torch.cuda.get_device_name() -> the table's key, most specific first
-_DEVICE_NAMES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("V100", "v100"), ("2080 Ti", "rtx2080ti"), ("2070", "rtx2070"))
+_DEVICE_NAMES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("V100", "v100"), ("2080 Ti", "rtx2080ti"),
+                 ("2070", "rtx2070"))
 
 
 def key_for_device_name(name: str) -> str | None:
