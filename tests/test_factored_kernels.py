@@ -207,6 +207,10 @@ def test_cupy_factored_matches_the_torch_twin(kind, T, B, H, C, dtype):
     assert out.shape == (T, B, H) and out.dtype == dtype and out.device.type == "cuda"
     assert _rel(out.cpu(), ref.cpu()) <= tol
     torch.testing.assert_close(be.scan(g, chain), ref.to(dtype), rtol=tol, atol=tol * float(ref.abs().max()))
+    if not be.sums_fit(chain, dtype, chain.device):  # the GRU at H = 64 in fp64 on an H100/H200 (227 KiB a block)
+        with pytest.raises(ValueError, match="shared memory per block"):
+            be._factored(g, chain, None, grads=True, C=C)
+        return
     acc = be._factored(g, chain, None, grads=True, C=C)
     _, acc_ref = _reference(_cpu64(chain), g.double().cpu())
     assert acc.shape == acc_ref.shape and _rel(acc.cpu(), acc_ref) <= tol
@@ -252,6 +256,27 @@ def test_cupy_factored_training_step_matches_autograd(model, T, B, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("model", ["rnn", "gru"])
+def test_cupy_factored_training_step_at_H64_fp64_matches_autograd(model):
+    """The largest blocks: where the gradient sums' block does not fit (the GRU in fp64 on an H100/H200), the scan's
+    output and GEMMs give the gradients; either way they equal autograd's."""
+    from bppsa.models import build
+
+    be = backend_or_skip("CupyFactoredBackend")
+    torch.manual_seed(64)
+    I = 1 if model == "rnn" else 12
+    ref = build(model, I, hidden=64).to("cuda", torch.float64)
+    got = copy.deepcopy(ref)
+    got.cell.flatten_parameters()
+    x, y = torch.randn(301, 4, I, device="cuda", dtype=torch.float64), torch.randint(0, 10, (4,), device="cuda")
+    loss_ref = ref.baseline_step(x, y)
+    loss = got.bppsa_step(x, y, be, "fused")
+    assert abs(float(loss) - float(loss_ref)) <= 1e-10 * max(1.0, abs(float(loss_ref)))
+    for (name, p), (_, q) in zip(ref.named_parameters(), got.named_parameters()):
+        assert _rel(q.grad.cpu(), p.grad.cpu()) <= 1e-10, (name, _rel(q.grad.cpu(), p.grad.cpu()))
+
+
+@pytest.mark.gpu
 def test_cupy_factored_is_what_auto_picks_on_a_gpu():
     backend_or_skip("CupyFactoredBackend")
     from bppsa.backends import get_backend
@@ -283,6 +308,35 @@ def test_backend_refuses_what_does_not_fit_in_shared_memory(monkeypatch):
     monkeypatch.setattr(runtime, "as_cupy", lambda t: t)
     be.scan(torch.zeros(2, 5, dtype=torch.float64), small)  # fits: up, the middle scan, down
     assert [a[1].kernel for a in launched][0] == "bppsa_factored_up_gru" and launched[-1][0] == "factored.cu"
+
+
+def test_gradient_sums_that_do_not_fit_fall_back_to_the_scan(monkeypatch):
+    """Without a GPU: where the down kernel with the gradient sums would exceed the block's shared memory but the scan's
+    kernels fit, ``cell_grads`` scans (mode 0, the output P) and hands P to the GEMMs instead of failing."""
+    import contextlib
+
+    from bppsa.backends import cuda
+    from bppsa.backends.cuda import plan, runtime
+
+    H, I = 64, 3
+    up, down = plan.factored_smem("gru", H, I, grads=False)
+    limit = max(up, down) * 8  # fp64: the scan fits, the sums' block (down with grads) does not
+    assert max(plan.factored_smem("gru", H, I, grads=True)) * 8 > limit
+    launched = []
+    monkeypatch.setattr(runtime, "import_cupy", lambda: None)
+    monkeypatch.setattr(runtime, "check_cuda", lambda dtype, *ts: torch.device("cuda", 0))
+    monkeypatch.setattr(runtime, "smem_optin", lambda dev: limit)
+    monkeypatch.setattr(runtime, "OnTorchStream", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(runtime, "launch", lambda *a: launched.append(a))
+    monkeypatch.setattr(runtime, "as_cupy", lambda t: t)
+    be = cuda.CupyFactoredBackend()
+    x, h = torch.zeros(40, 2, I, dtype=torch.float64), torch.zeros(40, 2, H, dtype=torch.float64)
+    chain = be.gru_jacobians_t(x, h, torch.nn.GRU(I, H).double())
+    assert not be.sums_fit(chain, torch.float64, torch.device("cuda", 0))
+    got = be.cell_grads(torch.zeros(2, H, dtype=torch.float64), chain, None, lambda P: {"from_scan": P.shape})
+    assert got == {"from_scan": (40, 2, H)}
+    down = [a[1] for a in launched if a[1].kernel.startswith("bppsa_factored_down")]
+    assert down and all(step.ints[-1] == 0 for step in down)  # mode 0: the scan's output, no sums
 
 
 def test_without_cuda_the_backend_says_why():

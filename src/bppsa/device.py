@@ -89,7 +89,7 @@ def resolve(device: str = "auto") -> torch.device:
     """'auto' -> cuda if usable, cpu if no GPU is visible; an error if one is visible but unusable."""
     if device == "auto":
         if torch.cuda.is_available():
-            return torch.device("cuda")
+            return torch.device("cuda", torch.cuda.current_device())
         reason = cuda_unusable_reason()
         if reason:
             raise RuntimeError(f"device 'auto' would silently measure the CPU: {reason}")
@@ -98,6 +98,8 @@ def resolve(device: str = "auto") -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         reason = cuda_unusable_reason() or "no NVIDIA GPU is visible (nvidia-smi lists none)."
         raise RuntimeError(f"device '{device}' requested but CUDA is not available: {reason}")
+    if dev.type == "cuda" and dev.index is None:  # "cuda": the current device, by its index
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

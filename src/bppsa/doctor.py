@@ -190,7 +190,9 @@ def diagnose(device: str = "auto") -> dict:
     if dev is None:
         rep["backends"] = {name: {"ok": False, "reason": unusable} for name in CHECKED}
     else:
-        rep["backends"] = {name: check_backend(name, dev) for name in CHECKED}
+        # the CPU fast path runs on CPU tensors whatever device the others are checked on
+        rep["backends"] = {name: check_backend(name, torch.device("cpu") if name == "cpu" else dev)
+                           for name in CHECKED}
     rep["fixes"] = fixes(rep)
     rep["ok"] = any(b["ok"] for b in rep["backends"].values())
     return rep
@@ -254,7 +256,7 @@ def render(rep: dict) -> str:
     k = rep["cpu_kernel"]
     lines.append(f"CPU kernel    {'ok' if k['ok'] else 'FAIL'}: {k['reason']}")
     for name, b in rep["backends"].items():
-        lines.append(f"backend {name:<6}{'ok  ' if b['ok'] else 'FAIL'}  {b['reason']}")
+        lines.append(f"backend {name:<14}{'ok  ' if b['ok'] else 'FAIL'}  {b['reason']}")
     lines.append("to fix:" if rep["fixes"] else "nothing to fix")
     lines += [f"  - {f}" for f in rep["fixes"]]
     return "\n".join(lines)

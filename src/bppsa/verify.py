@@ -1,12 +1,10 @@
 """Exactness check: one batch through the autograd baseline and the BPPSA backward, same weights."""
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from .backends import get_backend
-from .models import build, spec
+from .models import build, copy_model, spec
 from .precision import DTYPES, TOLERANCE, ieee_fp32
 
 
@@ -31,7 +29,7 @@ def verify(model: str = "rnn", seq_len: int = 17, batch: int = 5, hidden: int | 
     be = get_backend(backend, dev)
     torch.manual_seed(seed)
     ref = build(model, input_size, hidden, classes).to(device=dev, dtype=DTYPES[dtype])
-    got = copy.deepcopy(ref)
+    got = copy_model(ref)
     g = torch.Generator().manual_seed(seed + 1)
     if model == "rnn":  # bitstream-like inputs with a per-sample Bernoulli rate
         p = torch.rand(1, batch, 1, generator=g) * 0.9 + 0.05

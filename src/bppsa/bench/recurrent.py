@@ -9,7 +9,6 @@ round by round, under the shared protocol (``bench.protocol``).
 """
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -18,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from ..jacobians.recurrent import LAYOUTS
+from ..models import copy_model
 from ..models.recurrent import no_phase
 from .protocol import TOTAL, Measurement, StopRule, interleave
 from .timing import PhaseTimer
@@ -133,7 +133,7 @@ def warm_up(model, batch: tuple[torch.Tensor, torch.Tensor], method: str, *, lr:
     first, they made Fig 13's first baseline epoch 20x its others.  The copy leaves the model's
     weights, and so both methods' starting point, untouched.
     """
-    scratch = copy.deepcopy(model)
+    scratch = copy_model(model)
     opt = torch.optim.Adam(scratch.parameters(), lr=lr)
     x, y = batch
     for _ in range(steps):

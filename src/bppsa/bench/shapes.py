@@ -241,7 +241,7 @@ def _run_recurrent(job: dict, rounds: int, fp64: bool) -> dict:
     from ..backends import get_backend
     from ..bench.recurrent import backward_seconds, train_step
     from ..bench.timing import PhaseTimer
-    from ..models import build
+    from ..models import build, copy_model
     from ..precision import DTYPES
     from ..verify import verify
 
@@ -260,7 +260,7 @@ def _run_recurrent(job: dict, rounds: int, fp64: bool) -> dict:
     dtype = DTYPES[job["dtype"]]
     torch.manual_seed(job["seed"])
     ref = build(job["model"], I, H, C).to(dtype=dtype)
-    models = {"baseline": ref, "bppsa": copy.deepcopy(ref)}
+    models = {"baseline": ref, "bppsa": copy_model(ref)}
     g = torch.Generator().manual_seed(job["seed"] + 2)
     x = (torch.bernoulli(torch.full((T, B, I), 0.5), generator=g) if job["model"] == "rnn"
          else torch.randn(T, B, I, generator=g)).to(dtype)

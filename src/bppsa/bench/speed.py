@@ -20,7 +20,6 @@ its ``noisy`` flag; :func:`summary` turns them into paired ratios with intervals
 """
 from __future__ import annotations
 
-import copy
 import math
 import time
 
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 
 from ..backends import get_backend
 from ..data.sequences import open_dataset
-from ..models import build
+from ..models import build, copy_model
 from ..scan import linear_scan
 from .protocol import StopRule, interleave, ratio_ci
 from .timing import PhaseTimer
@@ -112,7 +111,7 @@ def backward_methods(model, x, y, backends=("cpu",), layouts=("fused",), L_ms=(N
     out = {}
 
     def model_step(fn):
-        m = copy.deepcopy(model)
+        m = copy_model(model)
 
         def step(phase):
             m.zero_grad(set_to_none=True)

@@ -1,6 +1,7 @@
 """Models trainable with the autograd baseline or the BPPSA backward."""
 from __future__ import annotations
 
+import copy
 import importlib
 from dataclasses import dataclass
 
@@ -46,3 +47,15 @@ def build(name: str, input_size: int | None = None, hidden: int | None = None, c
     s = spec(name)
     cls = getattr(importlib.import_module(s.module), s.cls)
     return cls(input_size=input_size or s.input_size, hidden=hidden or s.hidden, classes=classes or s.classes)
+
+
+def copy_model(model):
+    """A deep copy whose recurrent cells hold their weights in one block again: ``copy.deepcopy`` leaves them
+    apart, and cuDNN then compacts them on every call (its "not part of single contiguous chunk" warning)."""
+    from torch import nn
+
+    out = copy.deepcopy(model)
+    for m in out.modules():
+        if isinstance(m, nn.RNNBase):
+            m.flatten_parameters()
+    return out

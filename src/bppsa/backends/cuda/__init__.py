@@ -126,9 +126,20 @@ class CupyFactoredBackend(CupyBackend):
 
     def cell_grads(self, g, J, L_m, from_scan) -> dict[str, torch.Tensor]:
         g = grad_of(g)
-        if not _factored(J) or not J.I:
+        if not _factored(J) or not J.I or not self.sums_fit(J, g.dtype, g.device):
+            # the scan's output, then the parameter gradients as GEMMs: also where the sums' block would not fit
+            # this GPU's shared memory (the GRU at H = 64 in fp64 on an H100/H200: 259 KiB of 227)
             return from_scan(self.scan(g, J, L_m))
         return J.param_grads(self._factored(g, J, L_m, grads=True))
+
+    @staticmethod
+    def sums_fit(chain, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether the down kernel that sums the parameter gradients fits in a block's shared memory here."""
+        n, B, H, _ = chain.shape
+        if n == 0:
+            return True
+        need = max(plan.factored_smem(chain.kind, H, chain.I, True)) * dtype.itemsize
+        return need <= runtime.smem_optin(device)
 
     def _factored(self, g: torch.Tensor, chain, L_m, grads: bool, C: int | None = None) -> torch.Tensor:
         """The scan's output P [n, B, H], or (``grads``) the sums [NA, I + 1 + H] that ``chain.param_grads`` takes."""
