@@ -287,7 +287,6 @@ def test_cupy_factored_is_what_auto_picks_on_a_gpu():
 def test_backend_refuses_what_does_not_fit_in_shared_memory(monkeypatch):
     """Without a GPU: the launcher's CUDA calls replaced, a GPU allowing 48 KiB per block, the GRU at H = 64 in fp64
     (its up block needs 6 pitched 64 x 65 matrices, ~195 KiB) is refused with the numbers, before any launch."""
-    import contextlib
 
     from bppsa.backends import cuda
     from bppsa.backends.cuda import runtime
@@ -296,7 +295,7 @@ def test_backend_refuses_what_does_not_fit_in_shared_memory(monkeypatch):
     monkeypatch.setattr(runtime, "import_cupy", lambda: None)
     monkeypatch.setattr(runtime, "check_cuda", lambda dtype, *ts: torch.device("cuda", 0))
     monkeypatch.setattr(runtime, "smem_optin", lambda dev: 48 * 1024)
-    monkeypatch.setattr(runtime, "OnTorchStream", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(runtime, "stream", lambda dev: None)
     monkeypatch.setattr(runtime, "launch", lambda *a: launched.append(a))
     be = cuda.CupyFactoredBackend()
     x, h = torch.zeros(40, 2, 3, dtype=torch.float64), torch.zeros(40, 2, 64, dtype=torch.float64)
@@ -305,7 +304,7 @@ def test_backend_refuses_what_does_not_fit_in_shared_memory(monkeypatch):
         be.scan(torch.zeros(2, 64, dtype=torch.float64), chain)
     assert not launched
     small = be.gru_jacobians_t(x[:, :, :3], torch.zeros(40, 2, 5, dtype=torch.float64), torch.nn.GRU(3, 5).double())
-    monkeypatch.setattr(runtime, "as_cupy", lambda t: t)
+    monkeypatch.setattr(runtime, "pointer", lambda t: t)
     be.scan(torch.zeros(2, 5, dtype=torch.float64), small)  # fits: up, the middle scan, down
     assert [a[1].kernel for a in launched][0] == "bppsa_factored_up_gru" and launched[-1][0] == "factored.cu"
 
@@ -313,7 +312,6 @@ def test_backend_refuses_what_does_not_fit_in_shared_memory(monkeypatch):
 def test_gradient_sums_that_do_not_fit_fall_back_to_the_scan(monkeypatch):
     """Without a GPU: where the down kernel with the gradient sums would exceed the block's shared memory but the scan's
     kernels fit, ``cell_grads`` scans (mode 0, the output P) and hands P to the GEMMs instead of failing."""
-    import contextlib
 
     from bppsa.backends import cuda
     from bppsa.backends.cuda import plan, runtime
@@ -326,9 +324,9 @@ def test_gradient_sums_that_do_not_fit_fall_back_to_the_scan(monkeypatch):
     monkeypatch.setattr(runtime, "import_cupy", lambda: None)
     monkeypatch.setattr(runtime, "check_cuda", lambda dtype, *ts: torch.device("cuda", 0))
     monkeypatch.setattr(runtime, "smem_optin", lambda dev: limit)
-    monkeypatch.setattr(runtime, "OnTorchStream", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(runtime, "stream", lambda dev: None)
     monkeypatch.setattr(runtime, "launch", lambda *a: launched.append(a))
-    monkeypatch.setattr(runtime, "as_cupy", lambda t: t)
+    monkeypatch.setattr(runtime, "pointer", lambda t: t)
     be = cuda.CupyFactoredBackend()
     x, h = torch.zeros(40, 2, I, dtype=torch.float64), torch.zeros(40, 2, H, dtype=torch.float64)
     chain = be.gru_jacobians_t(x, h, torch.nn.GRU(I, H).double())

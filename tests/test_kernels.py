@@ -344,38 +344,12 @@ def test_probe_without_cuda_says_why():
     assert not ok and "torch sees no CUDA GPU" in why
 
 
-def _torch_stream(handle, index=0):
-    return SimpleNamespace(cuda_stream=handle, device=torch.device("cuda", index))
-
-
-def test_stream_from_external_with_fallback(monkeypatch):
-    made = []
-    monkeypatch.setattr(runtime, "_cupy_per_thread_default_stream", lambda: False)
-    from_external = lambda s: made.append(("from_external", s)) or "S"  # noqa: E731
-    new = SimpleNamespace(cuda=SimpleNamespace(Stream=SimpleNamespace(from_external=from_external)))
-    ts = _torch_stream(0x7F00)
-    assert runtime._cupy_stream(new, ts) == "S" and made == [("from_external", ts)]
-    external = lambda ptr, dev: made.append(("External", ptr, dev)) or "E"  # noqa: E731
-    old = SimpleNamespace(cuda=SimpleNamespace(Stream=SimpleNamespace(),  # CuPy < 14: no from_external
-                                               ExternalStream=external))
-    assert runtime._cupy_stream(old, _torch_stream(0x7F00, 1)) == "E" and made[-1] == ("External", 0x7F00, 1)
-
-
-def test_per_thread_default_stream_is_refused(monkeypatch):
-    cp = SimpleNamespace(cuda=SimpleNamespace(Stream=SimpleNamespace(from_external=lambda s: "S")))
-    monkeypatch.setattr(runtime, "_cupy_per_thread_default_stream", lambda: True)
-    with pytest.raises(RuntimeError, match="per-thread default stream.*CUPY_CUDA_PER_THREAD_DEFAULT_STREAM"):
-        runtime._cupy_stream(cp, _torch_stream(0))
-    assert runtime._cupy_stream(cp, _torch_stream(0x7F00)) == "S"  # a real torch stream is unambiguous
-
-
-def test_per_thread_default_stream_switch_without_cupy(monkeypatch):
-    for mod in ("cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.stream"):
-        monkeypatch.setitem(sys.modules, mod, None)  # as on a machine without CuPy's internals
-    monkeypatch.setenv("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "1")
-    assert runtime._cupy_per_thread_default_stream()
-    monkeypatch.setenv("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "0")
-    assert not runtime._cupy_per_thread_default_stream()
+def test_launches_go_to_torchs_current_stream(monkeypatch):
+    """The handle CuPy's launch reads (``ptr``) is torch's current stream's, the default stream's 0 included."""
+    for handle in (0x7F00, 0):
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None, h=handle: SimpleNamespace(cuda_stream=h))
+        s = runtime.stream(torch.device("cuda", 0))
+        assert isinstance(s, runtime.TorchStream) and s.ptr == handle
 
 
 # ---------------------------------------------------------------------------------------------

@@ -110,12 +110,6 @@ extern "C" __global__ void k(float* o, int i) {
 
 
 # -- what the launchers pass -----------------------------------------------------------------------
-class _Pointer:
-    """Stands for the CuPy array a launcher passes: a 64-bit device pointer."""
-
-    nbytes = 8
-
-
 def _recorded_launches(monkeypatch) -> list[tuple[str, tuple, int]]:
     """Run CupyBackend's scan and fill on CPU tensors with the CUDA calls replaced by a recorder."""
     calls = []
@@ -124,13 +118,16 @@ def _recorded_launches(monkeypatch) -> list[tuple[str, tuple, int]]:
         def __init__(self, name):
             self.name = name
 
-        def __call__(self, grid, block, args, shared_mem=0):
+        def __call__(self, grid, block, args, shared_mem=0, stream=None):
+            assert isinstance(stream, runtime.TorchStream) and stream.ptr == 0x7F00
             calls.append((self.name, args, shared_mem))
 
     monkeypatch.setattr(runtime, "import_cupy", lambda: SimpleNamespace(__version__="recorder"))
-    monkeypatch.setattr(runtime, "kernel", lambda source, name: Fn(name))
-    monkeypatch.setattr(runtime, "OnTorchStream", lambda dev: contextlib.nullcontext())
-    monkeypatch.setattr(runtime, "as_cupy", lambda t: _Pointer())
+    monkeypatch.setattr(runtime, "kernel", lambda source, name, index: Fn(name))
+    monkeypatch.setattr(runtime, "stream", lambda dev: runtime.TorchStream(0x7F00))
+    t = torch.zeros(3)
+    assert isinstance(runtime.pointer(t), np.uint64) and runtime.pointer(t) == t.data_ptr()
+    monkeypatch.setattr(runtime, "pointer", lambda t: np.uint64(0x7F0000001000))  # CPU tensors standing for GPU ones
     monkeypatch.setattr(runtime, "check_cuda", lambda dtype, *ts: torch.device("cuda", 0))
     monkeypatch.setattr(runtime, "smem_optin", lambda dev: 227 * 1024)
     monkeypatch.setattr(runtime, "_opted_in", {})
@@ -153,8 +150,8 @@ def _recorded_launches(monkeypatch) -> list[tuple[str, tuple, int]]:
 
 
 def _width(arg) -> int:
-    if isinstance(arg, _Pointer):
-        return arg.nbytes
+    if isinstance(arg, np.uint64):  # a device pointer (runtime.pointer)
+        return arg.itemsize
     assert isinstance(arg, np.int64), f"launch argument {arg!r} is a {type(arg).__name__}, not an explicit np.int64"
     return arg.itemsize
 

@@ -74,19 +74,8 @@ def _cupy_scan_allocations(monkeypatch, g, J):
     monkeypatch.setattr(runtime, "check_cuda", lambda dtype, *t: torch.device("cpu"))
     monkeypatch.setattr(runtime, "smem_optin", lambda dev: 1 << 30)
     monkeypatch.setattr(runtime, "launch", lambda *a, **k: None)
-    monkeypatch.setattr(runtime, "as_cupy", lambda t: seen.append(t) or t)
-
-    class _Ctx:
-        def __init__(self, dev):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(runtime, "OnTorchStream", _Ctx)
+    monkeypatch.setattr(runtime, "pointer", lambda t: seen.append(t) or t)
+    monkeypatch.setattr(runtime, "stream", lambda dev: None)
     be = cuda.CupyBackend()
     P = be.scan(g, J)
     J_seen, S, P_seen = seen[:3]

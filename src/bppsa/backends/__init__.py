@@ -58,7 +58,7 @@ def _probe_cuda(index: int) -> tuple[bool, str]:
     try:
         with cp.cuda.Device(index):
             for source, kernel in _PROBE_KERNELS:
-                runtime.kernel(source, kernel)
+                runtime.kernel(source, kernel, index)
     except Exception as exc:  # noqa: BLE001 - NVRTC, driver and loader errors all mean "unusable"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return False, (f"CuPy {cp.__version__} could not compile and load the kernels on cuda:{index}: "

@@ -14,8 +14,8 @@ The launch schedule is computed in pure Python by :func:`.plan.scan_plan` from :
 and tests hold it, the torch scan and the FLOP analysis to :func:`bppsa.scan.reference_scan`: one
 definition of the tree, checked (and the kernels emulated) on a machine without a GPU.
 
-:mod:`.runtime` compiles and launches the kernels on torch's current stream, tensors crossing through
-DLPack; CuPy is imported lazily: importing this package never needs it.  :mod:`.nvrtc` compiles the
+:mod:`.runtime` compiles and launches the kernels on torch's current stream, with torch's raw device
+pointers; CuPy is imported lazily: importing this package never needs it.  :mod:`.nvrtc` compiles the
 sources as CuPy would, with no GPU, driver or CuPy (the tests, ``bppsa doctor``).
 
 CuPy compiles every RawModule with ``-ftz=true`` appended after our options
@@ -68,10 +68,9 @@ class CupyBackend(TorchBackend):
         S = g.new_empty((L + 1, B, H))
         S[0].copy_(g)
         P = g.new_empty((n, B, H))
-        with runtime.OnTorchStream(dev):
-            ptrs = (runtime.as_cupy(J), runtime.as_cupy(S), runtime.as_cupy(P))
-            for launch in launches:
-                runtime.launch("blelloch.cu", launch, g.dtype, dev, ptrs)
+        s, ptrs = runtime.stream(dev), (runtime.pointer(J), runtime.pointer(S), runtime.pointer(P))
+        for launch in launches:
+            runtime.launch("blelloch.cu", launch, g.dtype, dev, ptrs, s)
         return P
 
     def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x=None) -> torch.Tensor:
@@ -85,9 +84,8 @@ class CupyBackend(TorchBackend):
         dev = runtime.check_cuda(h.dtype, h, W_hh)
         h = h.detach().contiguous()
         W = W_hh.detach().contiguous()
-        with runtime.OnTorchStream(dev):
-            ptrs = (runtime.as_cupy(h), runtime.as_cupy(W), runtime.as_cupy(out))
-            runtime.launch("rnn_jacobians.cu", launch, h.dtype, dev, ptrs)
+        ptrs = (runtime.pointer(h), runtime.pointer(W), runtime.pointer(out))
+        runtime.launch("rnn_jacobians.cu", launch, h.dtype, dev, ptrs, runtime.stream(dev))
         return out
 
 
@@ -172,20 +170,19 @@ class CupyFactoredBackend(CupyBackend):
             S = g.new_empty((tree_levels(K + 1, L_m) + 1, B, H))  # the spine: g, then one vector per level
             S[0].copy_(g)
         out = None
-        with runtime.OnTorchStream(dev):
-            wt_c, f_c = runtime.as_cupy(Wt), runtime.as_cupy(f)
-            for step in launches:
-                src = plan.factored_source(step)
-                if src is None:
-                    out = accs.sum(0)  # the one reduction over the blocks (torch, on the same stream)
-                elif src == "blelloch.cu":
-                    runtime.launch(src, step, g.dtype, dev, (runtime.as_cupy(agg), runtime.as_cupy(S),
-                                                              runtime.as_cupy(carries)))
-                elif "_up_" in step.kernel:
-                    runtime.launch(src, step, g.dtype, dev, (wt_c, f_c, runtime.as_cupy(agg)))
-                else:
-                    runtime.launch(src, step, g.dtype, dev, (wt_c, f_c, runtime.as_cupy(carries),
-                                                             runtime.as_cupy(P), runtime.as_cupy(accs)))
+        s = runtime.stream(dev)
+        wt_p, f_p, agg_p, carries_p = (runtime.pointer(t) for t in (Wt, f, agg, carries))
+        for step in launches:
+            src = plan.factored_source(step)
+            if src is None:
+                out = accs.sum(0)  # the one reduction over the blocks (torch, on the same stream)
+            elif src == "blelloch.cu":
+                runtime.launch(src, step, g.dtype, dev, (agg_p, runtime.pointer(S), carries_p), s)
+            elif "_up_" in step.kernel:
+                runtime.launch(src, step, g.dtype, dev, (wt_p, f_p, agg_p), s)
+            else:
+                runtime.launch(src, step, g.dtype, dev, (wt_p, f_p, carries_p, runtime.pointer(P),
+                                                         runtime.pointer(accs)), s)
         return out if mode else P
 
 

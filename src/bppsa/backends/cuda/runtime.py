@@ -1,17 +1,19 @@
 """The CuPy runtime glue: compile the ``.cu`` sources beside this file with NVRTC (through
 :class:`cupy.RawModule`, once per process and device), and launch them on torch's current stream.
 
-Tensors cross from torch to CuPy through DLPack (no copies) and every kernel is launched on
-torch's current stream (``cupy.cuda.Stream.from_external``, CuPy >= 14; ``ExternalStream`` before),
-so torch's ordering and CUDA-event timing see the kernels like any other torch op.  CuPy is
-imported lazily (:func:`import_cupy`): importing this module never needs it.
+A launch hands the kernel torch's raw device pointers and the handle of torch's current stream; CuPy
+only compiles, loads and launches.  The first GPU run (docs/measurements.md, H200) found the DLPack
+hand-over of the earlier design costing ~60 µs of host time per tensor, 48 a backward: ~3 ms of a 4 ms
+backward whose kernels ran for 0.2 ms.  A pointer costs nothing, and since every kernel runs on the
+stream torch allocated its operands on, torch's caching allocator orders their reuse as for any torch
+op.  CuPy is imported lazily (:func:`import_cupy`): importing this module never needs it.
 """
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .plan import Launch
@@ -41,35 +43,34 @@ def import_cupy():
 
 
 @functools.cache
-def _module(source: str):
+def _module(source: str, device_index: int):
     cp = import_cupy()
     return cp.RawModule(code=(KERNEL_DIR / source).read_text(), options=NVRTC_OPTIONS)
 
 
 @functools.cache
-def kernel(source: str, name: str):
-    return _module(source).get_function(name)
+def kernel(source: str, name: str, device_index: int):
+    """Kernel ``name`` of ``source``, loaded on device ``device_index`` (which must be current)."""
+    return _module(source, device_index).get_function(name)
 
 
 _opted_in: dict[tuple[str, int], int] = {}
 
 
-def launch(source: str, step: Launch, dtype: torch.dtype, device: torch.device, pointers) -> None:
-    """Launch kernel ``step.kernel`` of ``source`` for ``dtype`` on ``device`` (current) with the CuPy arrays
-    ``pointers`` and the plan's integers."""
-    import numpy as np
-
+def launch(source: str, step: Launch, dtype: torch.dtype, device: torch.device, pointers, stream) -> None:
+    """Launch kernel ``step.kernel`` of ``source`` for ``dtype`` on ``device`` (current) and ``stream``
+    (:func:`stream`) with the device ``pointers`` (:func:`pointer`) and the plan's integers."""
     if step.grid > 2**31 - 1:
         raise ValueError(f"{step.kernel}: {step.grid} blocks exceed the CUDA grid limit (2^31 - 1)")
     name = f"{step.kernel}_{SUFFIX[dtype]}"
-    fn = kernel(source, name)
+    fn = kernel(source, name, device.index)
     smem = step.smem_elems * dtype.itemsize
     key = (name, device.index)
     if smem > STATIC_SMEM_LIMIT and _opted_in.get(key, 0) < smem:
         fn.max_dynamic_shared_size_bytes = smem  # per function and device: set once, grow if needed
         _opted_in[key] = smem
     args = tuple(pointers) + tuple(np.int64(v) for v in step.ints)
-    fn((step.grid,), (step.block,), args, shared_mem=smem)
+    fn((step.grid,), (step.block,), args, shared_mem=smem, stream=stream)
 
 
 def smem_optin(device: torch.device) -> int:
@@ -101,51 +102,22 @@ def check_cuda(dtype: torch.dtype, *tensors: torch.Tensor) -> torch.device:
     return dev
 
 
-_CUDA_STREAM_PER_THREAD = 2  # cudaStreamPerThread
+class TorchStream:
+    """What CuPy's launch reads of a stream: its handle (``ptr``), here torch's."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
 
 
-def _cupy_per_thread_default_stream() -> bool:
-    try:
-        from cupy_backends.cuda import stream as _s  # what CuPy itself resolves "stream 0" to
-
-        return _s.get_default_stream_ptr() == _CUDA_STREAM_PER_THREAD
-    except Exception:  # noqa: BLE001 - older/newer CuPy: the switch it reads at import
-        return os.environ.get("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "0") == "1"
+def stream(device: torch.device) -> TorchStream:
+    """Torch's current stream on ``device``, for :func:`launch`.  Its handle goes to the driver as it is, so the
+    kernels are ordered with torch's work on it (the legacy default stream included: handle 0 means that stream to
+    the driver whatever CuPy's own default is)."""
+    return TorchStream(torch.cuda.current_stream(device).cuda_stream)
 
 
-def _cupy_stream(cp, torch_stream):
-    """A CuPy stream that *is* torch's ``torch_stream``."""
-    if torch_stream.cuda_stream == 0 and _cupy_per_thread_default_stream():
-        raise RuntimeError(
-            "backend 'cupy': CuPy uses the per-thread default stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1), so "
-            "torch's default stream (handle 0) would mean another stream to CuPy and the kernels would not be ordered "
-            "after torch's work; unset CUPY_CUDA_PER_THREAD_DEFAULT_STREAM or run under `with torch.cuda.stream(s)`")
-    from_external = getattr(cp.cuda.Stream, "from_external", None)
-    if from_external is not None:  # CuPy >= 14: the CUDA stream protocol (torch.cuda.Stream.__cuda_stream__)
-        return from_external(torch_stream)
-    return cp.cuda.ExternalStream(torch_stream.cuda_stream, torch_stream.device.index)
-
-
-class OnTorchStream:
-    """Makes CuPy launch on torch's current stream of ``device`` (and on that device)."""
-
-    def __init__(self, device: torch.device):
-        cp = import_cupy()
-        self._dev = cp.cuda.Device(device.index)
-        self._stream = _cupy_stream(cp, torch.cuda.current_stream(device))
-
-    def __enter__(self):
-        self._dev.__enter__()
-        self._stream.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._stream.__exit__(*exc)
-        self._dev.__exit__(*exc)
-        return False
-
-
-def as_cupy(t: torch.Tensor):
-    # Inside OnTorchStream the consumer stream is torch's own, so the DLPack hand-over needs no
-    # cross-stream synchronisation; detach() because tensors that require grad cannot be exported.
-    return import_cupy().from_dlpack(t.detach())
+def pointer(t: torch.Tensor) -> np.uint64:
+    """The device address of ``t``'s first element, as the kernels' 64-bit pointer parameters take it."""
+    return np.uint64(t.data_ptr())
