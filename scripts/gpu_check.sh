@@ -98,13 +98,14 @@ PROTO=(--warmup 3 --min-iters 10 --min-seconds 0.5 --max-iters 200 --max-seconds
        --device "$DEVICE" --profile gpu-check)
 RNN_VARIANTS=(--variants baseline baseline-packed bppsa-paper bppsa-fused)
 mkdir -p "$RES/rnn" "$RES/gru"
+# rnn T B LIMIT [MAX_SECONDS]: T = 30,000 needs more than the default cap for paired intervals (1.7 s a round)
 rnn() { step "bench_rnn_T$1_B$2" "$3" "$PY" -m bppsa bench --model rnn --data "$DATA/T$1.npz" --batch "$2" \
-  "${RNN_VARIANTS[@]}" --lr 1e-5 "${PROTO[@]}" --out "$RES/rnn/bench_T$1_B$2.csv"; }
+  "${RNN_VARIANTS[@]}" --lr 1e-5 "${PROTO[@]}" --max-seconds "${4:-6}" --out "$RES/rnn/bench_T$1_B$2.csv"; }
 gru() { step "bench_gru_$1_B$2" "$3" "$PY" -m bppsa bench --model gru --data "$DATA/mfcc_$1.npz" --batch "$2" \
   --variants baseline baseline-packed bppsa-fused --lr 3e-4 "${PROTO[@]}" --out "$RES/gru/bench_$1_B$2.csv"; }
 rnn 1000 16 60
 gru l 16 60
-rnn 30000 16 90
+rnn 30000 16 90 12
 rnn 1000 256 60
 step speedups_rnn 30 bash -c "\"$PY\" -m bppsa speedups $RES/rnn/bench_*.csv --out $RES/rnn/speedups.csv \
   --latency-out $RES/rnn/latency.csv && cat $RES/rnn/speedups.csv"

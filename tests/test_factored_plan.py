@@ -23,7 +23,7 @@ def test_rnn_plan_counts_by_hand():
     C, launches = plan.factored_plan("rnn", 5, 1, 2, 1, 2)
     assert C == 2
     up, *middle, down, red = launches
-    assert middle == plan.scan_plan(4, 1, 2)[1]  # the Blelloch scan over (g, M_0, M_1, M_2)
+    assert tuple(middle) == plan.scan_plan(4, 1, 2)[1]  # the Blelloch scan over (g, M_0, M_1, M_2)
     assert (up.kernel, up.grid, down.kernel, down.grid, red.kernel) == (
         "bppsa_factored_up_rnn", 3, "bppsa_factored_down_rnn", 3, "torch.sum")
     assert up.ints == down.ints == (5, 1, 2, 1, 2, 3, plan.FACTORED_GROUP, 1)
@@ -43,7 +43,7 @@ def test_gru_plan_counts_by_hand():
     # n = 3, B = 1, H = 1, I = 1, C = 2: chunks of 2 and 1 steps; W^T is 3 matrices of 1
     C, launches = plan.factored_plan("gru", 3, 1, 1, 1, 2)
     up, *middle, down, red = launches
-    assert middle == plan.scan_plan(3, 1, 1)[1]
+    assert tuple(middle) == plan.scan_plan(3, 1, 1)[1]
     # up: W^T 3, c_r c_z c_n z (4) per step, aggregate 1: (3 + 8 + 1) + (3 + 4 + 1)
     assert up.moved == 12 + 8
     # the Jacobian: 3 products and 2 sums per element, + z on the diagonal (6); a 1x1 product (2) after the first

@@ -113,7 +113,7 @@ def test_plan_reproduces_the_tree(L_m):
         ups = [x for x in launches if x.kernel == "bppsa_up_sweep"]
         downs = [x for x in launches if x.kernel == "bppsa_down_sweep"]
         mids = [x for x in launches if x.kernel == "bppsa_middle_scan"]
-        assert launches == ups + mids + downs  # up-sweep, middle, down-sweep, in that order
+        assert list(launches) == ups + mids + downs  # up-sweep, middle, down-sweep, in that order
         assert [x.ints[-1] for x in ups] == list(range(L))
         assert [x.ints[-1] for x in downs] == list(reversed(range(L)))
         for x in ups + downs:

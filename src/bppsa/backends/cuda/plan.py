@@ -6,6 +6,7 @@ through it on a machine without a GPU.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -44,7 +45,8 @@ def block_threads(H: int) -> int:
     return min(MAX_THREADS, max(32, -(-H * H // 32) * 32))
 
 
-def scan_plan(N: int, B: int, H: int, L_m: int | None = None) -> tuple[int, list[Launch]]:
+@functools.lru_cache(maxsize=256)  # a training step asks for the same plan every iteration (~0.1 ms of Python)
+def scan_plan(N: int, B: int, H: int, L_m: int | None = None) -> tuple[int, tuple[Launch, ...]]:
     """The launches of a scan over ``N`` positions: (number of up-sweep levels run, launches).
 
     Scan kernels all take ``(J, S, P, N, B, H, a, b, c, d)``; for the sweeps ``(a, b, c, d) =
@@ -76,7 +78,7 @@ def scan_plan(N: int, B: int, H: int, L_m: int | None = None) -> tuple[int, list
         launches.append(Launch("bppsa_middle_scan", B, threads, HH + 2 * H, (N, B, H, size, K, L, 0),
                                moved=B * (2 * H + (K - 2) * (HH + 2 * H)), flop=B * (K - 2) * mv))
     launches.extend(reversed(downs))
-    return L, launches
+    return L, tuple(launches)
 
 
 def rnn_jacobians_launch(T: int, B: int, H: int, layout: str) -> Launch:
@@ -189,8 +191,9 @@ def factored_smem(kind: str, H: int, I: int, grads: bool) -> tuple[int, int]:
     return up, down
 
 
+@functools.lru_cache(maxsize=256)
 def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int | None = None, *, grads: bool = True,
-                  L_m: int | None = None) -> tuple[int, list[Launch]]:
+                  L_m: int | None = None) -> tuple[int, tuple[Launch, ...]]:
     """The launches of the factored backward over a chain of ``n`` steps (``kind`` "rnn": J_k = W^T diag(d_k);
     "gru": J_k = sum_g W_hg^T diag(c_g,k) + diag(z_k)): (chunk size C, launches in order).
 
@@ -252,7 +255,7 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int | None = Non
     if grads:
         launches.append(Launch("torch.sum", 1, 0, 0, (K * B, NA * NBV),
                                moved=(K * B + 1) * NA * NBV, flop=(K * B - 1) * NA * NBV))
-    return C, launches
+    return C, tuple(launches)
 
 
 def factored_source(launch: Launch) -> str | None:
