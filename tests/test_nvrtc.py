@@ -127,7 +127,10 @@ def _recorded_launches(monkeypatch) -> list[tuple[str, tuple, int]]:
     monkeypatch.setattr(runtime, "stream", lambda dev: runtime.TorchStream(0x7F00))
     t = torch.zeros(3)
     assert isinstance(runtime.pointer(t), np.uint64) and runtime.pointer(t) == t.data_ptr()
-    monkeypatch.setattr(runtime, "pointer", lambda t: np.uint64(0x7F0000001000))  # CPU tensors standing for GPU ones
+    with pytest.raises(ValueError, match="contiguous"):
+        runtime.pointer(torch.zeros(3, 4).t())
+    real = runtime.pointer  # still called: every operand the launchers pass must be contiguous
+    monkeypatch.setattr(runtime, "pointer", lambda t: real(t) and np.uint64(0x7F0000001000))  # CPU stand-ins
     monkeypatch.setattr(runtime, "check_cuda", lambda dtype, *ts: torch.device("cuda", 0))
     monkeypatch.setattr(runtime, "smem_optin", lambda dev: 227 * 1024)
     monkeypatch.setattr(runtime, "_opted_in", {})

@@ -119,5 +119,8 @@ def stream(device: torch.device) -> TorchStream:
 
 
 def pointer(t: torch.Tensor) -> np.uint64:
-    """The device address of ``t``'s first element, as the kernels' 64-bit pointer parameters take it."""
+    """The device address of ``t``'s first element, as the kernels' 64-bit pointer parameters take it (the kernels
+    read every operand densely, so a strided view is refused)."""
+    if not t.is_contiguous():
+        raise ValueError(f"a kernel operand must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
     return np.uint64(t.data_ptr())
