@@ -239,3 +239,31 @@ def test_speedup_rows_name_both_backends(tmp_path):
     assert "BPPSA backend torch vs baseline cudnn" in fig7.measured
     rises = [c for c in rows if "rises with T" in c.claim][0]
     assert "BPPSA backend torch vs baseline cudnn" in rises.measured
+
+
+def test_a_slowdown_is_called_one():
+    v, reason = claims.magnitude_verdict(0.79, 0.78, 0.82, 2.36, "nvidia-h200", "RTX 2070")
+    assert v == "not reproduced" and "BPPSA slower" in reason and "reaches 1" not in reason
+    assert "reaches 1" in claims.magnitude_verdict(0.99, 0.93, 1.1, 16, "nvidia-h200", "RTX 2070")[1]
+
+
+def test_both_models_are_judged_against_the_per_step_baseline_too(tmp_path):
+    """A GPU run times cuDNN's per-step algorithm (the paper's baseline) beside its default: the RNN's backward and
+    the GRU's backward without the Jacobian overhead get a row against it, each from its own reference's rows."""
+    gpu = "nvidia-h200"
+
+    def per_step(model, phase, points):
+        default = _speedups(gpu, model, {k: v / 20 for k, v in points.items()}, phase=phase)
+        packed = _speedups(gpu, model, points, phase=phase).assign(reference="baseline-packed",
+                                                                    reference_backend="cudnn-per-step")
+        return pd.concat([default, packed])
+
+    _write(tmp_path, gpu, "rnn", per_step("rnn", "backward", {(1000, 16): 11.6, (30000, 16): 133.0}))
+    _write(tmp_path, gpu, "gru", per_step("gru", "backward-excl-FO", {(1034, 16): 7.1, (259, 64): 2.6}))
+    by = {c.claim: c for c in claims.collect(tmp_path)}
+    rnn = by["max backward speedup (RNN) against the paper's baseline (cuDNN per-step, packed)"]
+    assert rnn.verdict == "holds" and rnn.measured.startswith("133×") and "cudnn-per-step" in rnn.measured
+    gru = by["max backward speedup, excl. Jacobian overhead (GRU) against the paper's baseline (cuDNN per-step, "
+             "packed)"]
+    assert gru.verdict == "partly" and gru.measured.startswith("7.1×")
+    assert by["max backward speedup (RNN)"].measured.startswith("6.65×")  # the default cuDNN: its own rows

@@ -144,7 +144,7 @@ def fig_speedup(sp: pd.DataFrame, axis: str, out: str | Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     # below the axes: the lines fill the whole plot from 0.1x to 100x, wherever a legend inside would go
     ax.legend(fontsize=6, title="what, variant (BPPSA's backend vs the baseline's) · device", title_fontsize=6,
-              loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1)
+              loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1)
     save(fig, out)
 
 
