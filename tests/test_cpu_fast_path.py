@@ -453,7 +453,7 @@ def test_sequential_rival_equals_autograd(chunking, model, T, B):
 @pytest.mark.parametrize("L_m", [None, 0, 3])
 def test_gradients_equal_autograd_through_the_fast_path(model, layouts, dtype, L_m):
     for layout in layouts:
-        for T, B in ((37, 5), (300, 3), (131, 16)):  # B = 16: slices, the head run beside the up-sweeps
+        for T, B in ((37, 5), (300, 3), (131, 16)):  # B = 16: blocks in fp32, slices in fp64 (the head beside)
             r = verify(model=model, seq_len=T, batch=B, dtype=dtype, backend="cpu", layout=layout, L_m=L_m, seed=T)
             assert r["backend"] == "cpu"
             assert r["ok"], (layout, T, B, r["rel_err"])

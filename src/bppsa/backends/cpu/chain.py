@@ -338,11 +338,13 @@ def _team(chain: FactoredChain, L: int, split: str, grads: bool) -> native.Team 
     threads = min(pool.threads(), native.MAX_THREADS)
     p = threads if split == "slices" else min(threads, max(1, int(n * B * 2 * H ** 3 // min_flop)))
     vl = native.lane_width(chain.kind, dtype)
-    # slices for every thread where each is at least 32 bytes of lanes, or one batch element (whose blocks
-    # then fill the lanes); narrower ones waste the vector units, so the threads split the blocks instead
-    # (measured on a 2-core Zen 4: e.g. B = 16 in two 8-lane slices 1.9 ms against 2.4 split by blocks,
-    # B = 8 split by blocks 1.35 against 1.8 in 4-lane slices, B = 2 one element each 0.53 against 1.5)
-    wide_enough = B <= p or B >= p * (32 // dtype.itemsize)
+    # slices for every thread where each gets a whole vector register of lanes (vl), or one batch element
+    # (whose blocks then fill the lanes); narrower ones waste the vector units, so the threads split the
+    # blocks of full-width slices instead (measured on a 2-core Zen 4, the RNN's training-step backward at
+    # T = 1000: B = 16 as one 16-lane slice split by blocks 1.00-1.05 ms against 1.43-1.44 in two 8-lane
+    # slices; B = 8 split by blocks 1.35 against 1.8 in 4-lane slices; B = 2 one element each 0.53 against 1.5)
+    # (the sequential rival's chains cannot share blocks; it keeps its 32-byte rule, measured for it)
+    wide_enough = B <= p or B >= p * (vl if split == "auto" else 32 // dtype.itemsize)
     by_slice = split == "slices" or (split == "auto" and wide_enough)
     if split == "slices" and not wide_enough:
         p = 1  # narrower slices would cost more than the second thread brings (the same measurements)
