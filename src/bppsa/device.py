@@ -88,12 +88,12 @@ def cuda_unusable_reason() -> str | None:
 def resolve(device: str = "auto") -> torch.device:
     """'auto' -> cuda if usable, cpu if no GPU is visible; an error if one is visible but unusable."""
     if device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        reason = cuda_unusable_reason()
-        if reason:
-            raise RuntimeError(f"device 'auto' would silently measure the CPU: {reason}")
-        return torch.device("cpu")
+        if not torch.cuda.is_available():
+            reason = cuda_unusable_reason()
+            if reason:
+                raise RuntimeError(f"device 'auto' would silently measure the CPU: {reason}")
+            return torch.device("cpu")
+        device = "cuda"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         reason = cuda_unusable_reason() or "no NVIDIA GPU is visible (nvidia-smi lists none)."

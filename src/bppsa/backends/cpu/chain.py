@@ -342,8 +342,8 @@ def _team(chain: FactoredChain, L: int, split: str, grads: bool) -> native.Team 
     # (whose blocks then fill the lanes); narrower ones waste the vector units, so the threads split the
     # blocks of full-width slices instead (measured on a 2-core Zen 4, the RNN's training-step backward at
     # T = 1000: B = 16 as one 16-lane slice split by blocks 1.00-1.05 ms against 1.43-1.44 in two 8-lane
-    # slices; B = 8 split by blocks 1.35 against 1.8 in 4-lane slices; B = 2 one element each 0.53 against 1.5)
-    # (the sequential rival's chains cannot share blocks; it keeps its 32-byte rule, measured for it)
+    # slices; B = 8 split by blocks 1.35 against 1.8 in 4-lane slices; B = 2 one element each 0.53 against 1.5).
+    # The sequential rival's chains cannot share blocks: it keeps the 32-byte rule measured for it.
     wide_enough = B <= p or B >= p * (vl if split == "auto" else 32 // dtype.itemsize)
     by_slice = split == "slices" or (split == "auto" and wide_enough)
     if split == "slices" and not wide_enough:

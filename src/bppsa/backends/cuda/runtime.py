@@ -74,11 +74,17 @@ def launch(source: str, step: Launch, dtype: torch.dtype, device: torch.device, 
 
 
 def smem_optin(device: torch.device) -> int:
-    props = torch.cuda.get_device_properties(device)
+    """The most dynamic shared memory a block may opt in to on ``device`` (bytes; asked every backward, so cached)."""
+    return _smem_optin(device.index)
+
+
+@functools.cache
+def _smem_optin(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
     optin = getattr(props, "shared_memory_per_block_optin", None)  # torch >= 2.2 or so
     if optin is None:
         try:
-            optin = import_cupy().cuda.Device(device.index).attributes["MaxSharedMemoryPerBlockOptin"]
+            optin = import_cupy().cuda.Device(index).attributes["MaxSharedMemoryPerBlockOptin"]
         except Exception:  # noqa: BLE001 - the portable limit is always safe
             optin = STATIC_SMEM_LIMIT
     return int(optin)
