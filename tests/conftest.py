@@ -3,8 +3,12 @@ import os
 
 import pytest
 
-# keep CPU tests deterministic and cheap on small CI machines
+# keep CPU tests deterministic and cheap on small CI machines: two threads, the CPU fast path's plans by rule
+# (measured plans are tested on their own, tests/test_cpu_plan.py)
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("BPPSA_PLAN", "estimate")
+
+import bppsa  # noqa: E402,F401 - before anything imports torch: its OpenMP settings (bppsa.process)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from bppsa import backends, scan
 from bppsa.backends import cpu
 from bppsa.backends.base import Head
-from bppsa.backends.cpu import native, pool
-from bppsa.backends.cpu.chain import FactoredChain, lane_slices, native_chain_scan
+from bppsa.backends.cpu import native, plan, pool
+from bppsa.backends.cpu.chain import FactoredChain, native_chain_scan
+from bppsa.backends.cpu.plan import lane_slices
 from bppsa.backends.twin import TorchBackend
 from bppsa.jacobians.gru import gru_gate_grads, gru_gates, gru_jacobians_t, gru_param_grads
 from bppsa.jacobians.recurrent import rnn_grad_preact, rnn_jacobians_t
@@ -40,13 +41,13 @@ def _rel(a, b):
 def chunking(request, monkeypatch):
     """Run each test single-chunk and with every level split across threads (tiny chunks)."""
     if request.param == "many chunks":
-        monkeypatch.setattr(pool, "MIN_CHUNK_FLOP", 1)
+        monkeypatch.setattr(plan, "MIN_CHUNK_FLOP", 1)
         old = torch.get_num_threads()
         torch.set_num_threads(3)  # more chunks than this machine's cores: the split itself is exercised
         yield
         torch.set_num_threads(old)
     else:
-        monkeypatch.setattr(pool, "MIN_CHUNK_FLOP", float("inf"))
+        monkeypatch.setattr(plan, "MIN_CHUNK_FLOP", float("inf"))
         yield
 
 
@@ -182,12 +183,12 @@ def test_compiled_kernel_both_thread_splits(kind, mode, n, B, H, dtype, monkeypa
     """Threads taking whole lane slices, or splitting each slice's blocks (B = 1: blocks as the lanes):
     the same scan and parameter gradients, at the sizes the benchmarks run (full vector registers of
     lanes, several slices, hidden size 20)."""
-    monkeypatch.setattr(pool, "MIN_CHUNK_FLOP", 1)
+    monkeypatch.setattr(plan, "MIN_CHUNK_FLOP", 1)
     g, chain, dense, ref_grads, _ = _factored(kind, n, B, H, n, dtype, scale=0.3, I=12 if kind == "gru" else 1)
     old = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
-        for L_m in (None, 0, 2, native.fused_levels(dense.shape[0]) + 1):
+        for L_m in (None, 0, 2, plan.fused_levels(dense.shape[0]) + 1):
             L = scan.tree_levels(dense.shape[0] + 1, L_m)
             ref = scan.blelloch_scan(g.double(), dense.double(), L_m)
             tol = 1e-12 if dtype == torch.float64 else 1e-5
@@ -332,10 +333,10 @@ def test_the_kernel_builds_where_a_c_compiler_is():
 
 
 def test_fused_levels_leave_a_tree_of_at_least_eight_blocks():
-    assert [native.fused_levels(n) for n in (1, 2, 127, 128, 255, 256, 511, 512, 1000, 2000, 30000)] == \
+    assert [plan.fused_levels(n) for n in (1, 2, 127, 128, 255, 256, 511, 512, 1000, 2000, 30000)] == \
         [4, 4, 4, 4, 4, 5, 5, 6, 6, 6, 6]
     for n in range(1, 5000):
-        c = native.fused_levels(n)
+        c = plan.fused_levels(n)
         assert 4 <= c <= 6 and (c == 4 or n >> c >= 8), n
 
 
@@ -402,14 +403,27 @@ def test_processes_wanting_the_same_kernel_build_it_once(tmp_path):
     assert len(builds) == 1 and "-DHID=3" in builds[0], builds
 
 
-def test_cli_shortens_the_openmp_spin_unless_set():
-    code = "import os, bppsa.cli; print(os.environ['GOMP_SPINCOUNT'])"
-    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
-    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip() == "10000"
+def test_importing_bppsa_shortens_the_openmp_spin_unless_set():
+    code = ("import os, bppsa, torch; from bppsa import process; torch.ones(4).sum(); r = process.openmp_report(); "
+            "print(os.environ['GOMP_SPINCOUNT'], os.environ['KMP_BLOCKTIME'], r['variable'], r['effective'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    var = out.split()[2]
+    assert out.split()[:2] == ["10000", "0"] and out.split()[3] == "True" and var in ("GOMP_SPINCOUNT", "KMP_BLOCKTIME")
     env["GOMP_SPINCOUNT"] = "77"
-    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip() == "77"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split()[0] == "77"
+    # torch first: too late, and the report says so
+    late = code.replace("import os, bppsa, torch;", "import os, torch, bppsa;")
+    env.pop("GOMP_SPINCOUNT")
+    assert subprocess.run([sys.executable, "-c", late], env=env, capture_output=True, text=True,
+                          check=True).stdout.split()[3] == "False"
+
+
+def test_this_test_process_runs_with_the_short_openmp_spin():
+    from bppsa import process
+
+    assert process.openmp_report()["effective"], process.openmp_report()
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 100, 1000])
@@ -508,11 +522,11 @@ def test_numpy_blas_is_made_single_threaded():
 
 @pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
 def test_more_threads_than_a_team_holds():
-    """A machine with more cores than a team's threads (native.MAX_THREADS): the scan uses that many and is right."""
+    """A machine with more cores than a team's threads (plan.MAX_THREADS): the scan uses that many and is right."""
     g, chain, dense, _, _ = _factored("rnn", 61, 80 * 16, 20, 3, torch.float32)
     L = scan.tree_levels(chain.shape[0] + 1, None)
     old = torch.get_num_threads()
-    torch.set_num_threads(native.MAX_THREADS + 16)
+    torch.set_num_threads(plan.MAX_THREADS + 16)
     try:
         got = native_chain_scan(g, chain, L, scan.Workspace(), "slices")
     finally:

@@ -10,36 +10,11 @@ import importlib
 import os
 import sys
 
-# Before torch loads libgomp: after each parallel region torch's OpenMP workers spin-wait for a new
-# one (300,000 rounds by default), holding a core that the CPU fast path's own worker thread needs.
-# On the 2-core reference machine that added ~3.5 ms to a 6 ms scan and ~1.5 ms to the compiled
-# sequential backward, and changed neither autograd's forward nor its backward; a short spin removes
-# it.  A value set by the user wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+from . import process
 
+process.keep_large_blocks()  # torch's OpenMP settings: on import of bppsa (bppsa.process)
 
-def _keep_large_blocks() -> None:
-    """Let glibc keep freed blocks of up to 32 MiB in the heap instead of returning them to the kernel.
-
-    By default a block above ~128 KiB-32 MiB (a dynamic threshold) is mmap'd and unmapped on free, so a
-    tensor of that size made every iteration is page-faulted and zeroed anew: at T = 1034, B = 64 the
-    GRU's gate recomputation took 31 ms that way against 10 ms with blocks reused (2-core machine,
-    measured).  Every method in a process gets the same allocator, so comparisons stay fair."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
-        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
-        libc.mallopt(M_TOP_PAD, 64 << 20)
-    except (OSError, AttributeError):  # not glibc: its allocator's defaults
-        pass
-
-
-_keep_large_blocks()
-
-from . import commands as _commands  # noqa: E402 - after the environment is set
+from . import commands as _commands  # noqa: E402 - after the allocator is set
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

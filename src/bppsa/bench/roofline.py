@@ -73,7 +73,7 @@ def chain_scan_cost(n: int, B: int, H: int, L_m: int | None = None, itemsize: in
     """FLOP and compulsory bytes of the compiled scan over a factored chain of ``n`` Jacobians of ``kind``
     (``L_m = 0``: the sequential scan), and ``depth``: the dependent multiply-adds on its critical path
     when it is sequential."""
-    from ..backends.cpu.native import fused_levels
+    from ..backends.cpu.plan import fused_levels
 
     mv, mul, first, terms = _chain_ops(kind, H)
     rows = 5 * H if kind == "gru" else H             # factor rows per step the scan reads

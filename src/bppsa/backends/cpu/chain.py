@@ -16,7 +16,7 @@ import torch
 
 from ... import scan as _scan
 from ..base import Head, grad_of
-from . import native, pool
+from . import native, plan, pool
 from .dense import dense_tree_scan
 
 FACTOR_FLOP = 50  # a factor builder's cost per value written (~1 ns, a strided store), in those FLOP
@@ -272,25 +272,6 @@ class GruChain(FactoredChain):
                 ("bias_hh_l0", (3 * H,), [(r, slice(I, I + 1)) for r in rzm])]
 
 
-def lane_slices(B: int, p: int, max_lanes: int) -> list[list[tuple[int, int]]]:
-    """Split the batch into slices ``(b0, lanes)`` of power-of-two widths (at most ``max_lanes``, at
-    most ~B/p so that p threads get work), grouped into at most p lists of about equal lanes."""
-    cap = 1
-    while cap * 2 <= min(max_lanes, -(-B // p)):
-        cap *= 2
-    slices, b0 = [], 0
-    while b0 < B:
-        w = cap
-        while w > B - b0:
-            w //= 2
-        slices.append((b0, w))
-        b0 += w
-    groups: list[list[tuple[int, int]]] = [[] for _ in range(min(p, len(slices)))]
-    for s in sorted(slices, key=lambda s: -s[1]):  # largest first, each to the least loaded thread
-        min(groups, key=lambda gr: sum(w for _, w in gr)).append(s)
-    return groups
-
-
 def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, split: str = "auto",
                       grads: bool = False):
     """The scan over a :class:`FactoredChain` by the compiled kernel (:mod:`.native`); None where it is
@@ -300,16 +281,15 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     built with x).
 
     One call into the kernel (:class:`.native.Team`, built once per shape and kept in ``ws``) runs the whole
-    scan on a team of threads: lane slices as wide as one vector register; where every thread gets a slice of
-    at least 32 bytes of lanes or a single batch element, each thread owns whole slices, otherwise ("blocks")
-    the threads share each slice's blocks in the up phase and, where it carries enough work, the down phase.
-    Either way a thread that is done takes work left in the others' slices, and the factors the chain left for
-    later (the GRU's gate pass, :meth:`FactoredChain.claim_fill`) are written by the team first.  ``split``
-    "slices" (the sequential rival, whose chain cannot be split by blocks) takes whole slices only, on one
-    thread where they would be narrower than that."""
+    scan on a team of threads, shared as :mod:`.plan` chooses for the shape (lane slices owned by threads, or
+    the blocks of each slice shared): either way a thread that is done takes work left in the others' slices,
+    and the factors the chain left for later (the GRU's gate pass, :meth:`FactoredChain.claim_fill`) are
+    written by the team first.  ``split`` "slices" (the sequential rival, whose chain cannot be split by
+    blocks) takes whole slices only."""
     n, B, H, _ = chain.shape
-    team = ws.memo(("cpu", "team", chain.kind, n, B, H, chain.I, chain.dtype, L, split, grads, pool.threads()),
-                   lambda: _team(chain, L, split, grads))
+    threads = pool.threads()
+    team = ws.memo(("cpu", "team", chain.kind, n, B, H, chain.I, chain.dtype, L, split, grads, threads),
+                   lambda: plan.team_for(chain, L, split, grads, threads))
     if team is None:
         return None
     dtype = chain.dtype
@@ -327,35 +307,6 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     sums = team.go(chain._W, chain.states if chain.states is not None else chain._f, team.g if head else g, out,
                    head, fill)
     return sums if grads else out
-
-
-def _team(chain: FactoredChain, L: int, split: str, grads: bool) -> native.Team | None:
-    """The kernel's plan for scans of chains like ``chain`` (:class:`.native.Team`: how the threads share the
-    work, see :func:`native_chain_scan`); None where the kernel is unavailable."""
-    n, B, H, _ = chain.shape
-    dtype = chain.dtype
-    min_flop = pool.KERNEL_SPEEDUP * pool.MIN_CHUNK_FLOP  # the same hand-off, repaid only by more of the kernel's FLOP
-    threads = min(pool.threads(), native.MAX_THREADS)
-    p = threads if split == "slices" else min(threads, max(1, int(n * B * 2 * H ** 3 // min_flop)))
-    vl = native.lane_width(chain.kind, dtype)
-    # slices for every thread where each gets a whole vector register of lanes (vl), or one batch element
-    # (whose blocks then fill the lanes); narrower ones waste the vector units, so the threads split the
-    # blocks of full-width slices instead (measured on a 2-core Zen 4, the RNN's training-step backward at
-    # T = 1000: B = 16 as one 16-lane slice split by blocks 1.00-1.05 ms against 1.43-1.44 in two 8-lane
-    # slices; B = 8 split by blocks 1.35 against 1.8 in 4-lane slices; B = 2 one element each 0.53 against 1.5).
-    # The sequential rival's chains cannot share blocks: it keeps the 32-byte rule measured for it.
-    wide_enough = B <= p or B >= p * (vl if split == "auto" else 32 // dtype.itemsize)
-    by_slice = split == "slices" or (split == "auto" and wide_enough)
-    if split == "slices" and not wide_enough:
-        p = 1  # narrower slices would cost more than the second thread brings (the same measurements)
-    groups = lane_slices(B, p if by_slice else 1, vl)
-    if not native.available() or any(native.library(chain.kind, H, chain.I, w, dtype) is None
-                                     for gr in groups for _, w in gr):
-        return None
-    # the down phase is ~H times lighter than the up phase: split only where it repays a hand-off
-    p_down = 1 if by_slice else min(p, max(1, int(n * B * (2 * H * H + H) // min_flop)))
-    return native.Team(chain.kind, n, B, H, chain.I, dtype, L, groups, by_slice, p, p_down, int(grads),
-                       chain.grad_layout() if grads else None)
 
 
 def rnn_chain_scan(g: torch.Tensor, chain: RnnChain, L: int, ws: _scan.Workspace) -> torch.Tensor:

@@ -36,22 +36,49 @@
  * the lanes of the weight and bias gradients, which the caller adds over lanes and slices.
  */
 #include <math.h>
-#include <sched.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #define H HID
 #define NL LANES
 typedef REAL real;
-/* One vector of the slice's lanes (NL a power of two, at most one 64-byte register; 1: a scalar). */
+
+/* The target's vector registers, from the compiler's own macros for the -march it was given (the Python side
+ * reads the same macros to size LANES: bppsa.backends.cpu.native.target): their width in bytes and how many
+ * there are.  Every vector type below fits one register, and every block of accumulators fits the register
+ * file (ACC of them, the rest left for the operands): a vector or a tile wider than that is built piecewise
+ * through the stack (on AVX2, 64-byte vectors made the scan ~10x slower). */
+#if defined(__AVX512F__)
+#define VREG_BYTES 64
+#define NREG 32
+#elif defined(__AVX__)
+#define VREG_BYTES 32
+#define NREG 16
+#elif defined(__aarch64__) || defined(__ARM_NEON)
+#define VREG_BYTES 16
+#define NREG 32
+#else /* SSE2 (every x86-64) and other 16-byte SIMD */
+#define VREG_BYTES 16
+#define NREG 16
+#endif
+#define ACC (NREG - 4)
+#define RVL (VREG_BYTES / (int)sizeof(real)) /* reals per register */
+
+/* One vector of the slice's lanes (NL a power of two, at most one register; 1: a scalar). */
+_Static_assert(NL >= 1 && (NL & (NL - 1)) == 0 && NL * sizeof(real) <= VREG_BYTES,
+               "LANES must be a power of two whose vector fits one register of the target");
 #if NL == 1
 typedef real vec;
 #else
 typedef real vec __attribute__((vector_size(NL * sizeof(real)), aligned(sizeof(real))));
 #endif
+/* Column tiles of a row of H accumulators: NT tiles of CT (the last one CTL), each within ACC registers. */
+#define NT ((H + ACC - 1) / ACC)
+#define CT ((H + NT - 1) / NT)
+#define CTL (H - (NT - 1) * CT)
 #define LD(p) (*(const vec *)(p))
 #define ST(p) (*(vec *)(p))
 #define UNROLL _Pragma("GCC unroll 64")
@@ -82,19 +109,52 @@ static inline long fstep(long s) {
 #endif
 }
 
-/* -- dense lane kernels (a row's H accumulators stay in registers) ---------------------------------- */
+/* -- dense lane kernels: a row's accumulators in registers, CT columns at a time --------------------- */
+#define AI inline __attribute__((always_inline))
+
+/* c[l0 .. l0+W) = x Y (x a row of H lane vectors, Y [H][H] per lane).  x may be c's row (in place, NT = 1):
+ * every read comes before the stores. */
+static AI void mm_tile(const real *x, const real *restrict Y, real *c, int l0, int W) {
+    vec acc[CT];
+    UNROLL for (int l = 0; l < W; ++l) acc[l] = (vec){0};
+    for (int m = 0; m < H; ++m) {
+        vec xm = LD(x + m * NL);
+        const real *y = Y + (m * H + l0) * NL;
+        UNROLL for (int l = 0; l < W; ++l) acc[l] += xm * LD(y + l * NL);
+    }
+    UNROLL for (int l = 0; l < W; ++l) ST(c + (l0 + l) * NL) = acc[l];
+}
+
+/* The same with Wt (one of the weights, broadcast to every lane) for Y, the columns then scaled by d where
+ * d is given. */
+static AI void wt_tile(const real *x, const real *restrict Wt, const real *restrict d, long ldd, real *c, int l0,
+                       int W) {
+    vec acc[CT];
+    UNROLL for (int l = 0; l < W; ++l) acc[l] = (vec){0};
+    for (int m = 0; m < H; ++m) {
+        vec xm = LD(x + m * NL);
+        UNROLL for (int l = 0; l < W; ++l) acc[l] += xm * Wt[m * H + l0 + l];
+    }
+    if (d) {
+        UNROLL for (int l = 0; l < W; ++l) ST(c + (l0 + l) * NL) = acc[l] * LD(d + (l0 + l) * ldd);
+    } else {
+        UNROLL for (int l = 0; l < W; ++l) ST(c + (l0 + l) * NL) = acc[l];
+    }
+}
+
+/* Row i of an in-place product reads the whole row before its first tile is written: with several tiles, from
+ * a copy. */
+#if NT > 1
+#define ROW_SRC(Mi) real row_[H * NL] __attribute__((aligned(64))); memcpy(row_, (Mi), sizeof row_); const real *x_ = row_
+#else
+#define ROW_SRC(Mi) const real *x_ = (Mi)
+#endif
 
 /* C = X Y, per lane. */
 static void mat_mat(const real *restrict X, const real *restrict Y, real *restrict C) {
     for (int i = 0; i < H; ++i) {
-        vec acc[H];
-        UNROLL for (int l = 0; l < H; ++l) acc[l] = (vec){0};
-        for (int m = 0; m < H; ++m) {
-            vec x = LD(X + (i * H + m) * NL);
-            const real *y = Y + m * H * NL;
-            UNROLL for (int l = 0; l < H; ++l) acc[l] += x * LD(y + l * NL);
-        }
-        UNROLL for (int l = 0; l < H; ++l) ST(C + (i * H + l) * NL) = acc[l];
+        for (int t = 0; t + 1 < NT; ++t) mm_tile(X + i * H * NL, Y, C + i * H * NL, t * CT, CT);
+        mm_tile(X + i * H * NL, Y, C + i * H * NL, (NT - 1) * CT, CTL);
     }
 }
 
@@ -107,32 +167,18 @@ static void mat_vec(const real *restrict A, const real *restrict q, real *restri
     }
 }
 
+#if KIND != 2
 /* M <- M Wt (one of the weights, broadcast to every lane), in place row by row; then scaled by the
  * columns' d where d is given. */
 static void mul_wt(real *restrict M, const real *restrict Wt, const real *restrict d, long ldd) {
     for (int i = 0; i < H; ++i) {
-        vec acc[H];
-        UNROLL for (int l = 0; l < H; ++l) acc[l] = (vec){0};
-        for (int m = 0; m < H; ++m) {
-            vec x = LD(M + (i * H + m) * NL);
-            UNROLL for (int l = 0; l < H; ++l) acc[l] += x * Wt[m * H + l];
-        }
-        if (d) {
-            UNROLL for (int l = 0; l < H; ++l) ST(M + (i * H + l) * NL) = acc[l] * LD(d + l * ldd);
-        } else {
-            UNROLL for (int l = 0; l < H; ++l) ST(M + (i * H + l) * NL) = acc[l];
-        }
+        real *Mi = M + i * H * NL;
+        ROW_SRC(Mi);
+        for (int t = 0; t + 1 < NT; ++t) wt_tile(x_, Wt, d, ldd, Mi, t * CT, CT);
+        wt_tile(x_, Wt, d, ldd, Mi, (NT - 1) * CT, CTL);
     }
 }
-
-/* v = Wt q (one weight, every lane). */
-static void wt_vec(const real *restrict Wt, const real *restrict q, real *restrict v) {
-    for (int i = 0; i < H; ++i) {
-        vec acc = (vec){0};
-        UNROLL for (int m = 0; m < H; ++m) acc += Wt[i * H + m] * LD(q + m * NL);
-        ST(v + i * NL) = acc;
-    }
-}
+#endif
 
 /* -- the chain: J_s from the factors fs of its step (row r of the step's factors at fs + r * ld) ------ */
 
@@ -178,14 +224,10 @@ static void mul_jac(real *restrict M, const real *restrict Wt, long s, const rea
     real J[H * H * NL] __attribute__((aligned(64)));
     jac_set(Wt, s, fs, ld, J);
     for (int i = 0; i < H; ++i) {
-        vec acc[H];
-        UNROLL for (int l = 0; l < H; ++l) acc[l] = (vec){0};
-        for (int m = 0; m < H; ++m) {
-            vec x = LD(M + (i * H + m) * NL);
-            const real *y = J + m * H * NL;
-            UNROLL for (int l = 0; l < H; ++l) acc[l] += x * LD(y + l * NL);
-        }
-        UNROLL for (int l = 0; l < H; ++l) ST(M + (i * H + l) * NL) = acc[l];
+        real *Mi = M + i * H * NL;
+        ROW_SRC(Mi);
+        for (int t = 0; t + 1 < NT; ++t) mm_tile(x_, J, Mi, t * CT, CT);
+        mm_tile(x_, J, Mi, (NT - 1) * CT, CTL);
     }
 #endif
 }
@@ -195,9 +237,10 @@ static void mul_jac(real *restrict M, const real *restrict Wt, long s, const rea
  * vectorise across, so its rows are the vector instead: the weights transposed once per call into columns
  * padded to whole registers (Wc[g*H + m] = column m of Wt_g), each step the sum over m of a column times a
  * scalar, in two independent halves: the critical path is ~H/2 multiply-adds, not H. */
-#define RV (64 / (int)sizeof(real))
+#define RV RVL
 #define RC ((H + RV - 1) / RV)
-typedef real rvec __attribute__((vector_size(64), aligned(sizeof(real))));
+#define RCT (RC < ACC / 2 ? RC : ACC / 2) /* registers of a column tile: two halves of RCT accumulators */
+typedef real rvec __attribute__((vector_size(VREG_BYTES), aligned(sizeof(real))));
 typedef struct { rvec c[NW * H][RC]; } wcols;
 
 static void wt_columns(const real *Wt, wcols *w) {
@@ -207,20 +250,26 @@ static void wt_columns(const real *Wt, wcols *w) {
             for (int m = 0; m < H; ++m) ((real *)w->c[g * H + m])[i] = Wt[(g * H + i) * H + m];
 }
 
-/* v = sum over the NW*H columns of col_j * t[j], plus diag * q where diag is given. */
-static void cols_vec(const wcols *w, const real *t, int nt, const real *diag, const real *q, real *v) {
-    rvec a[RC], b[RC];
-    for (int c = 0; c < RC; ++c) a[c] = b[c] = (rvec){0};
+/* out's registers c0 .. c0 + W - 1 of the sum over the nt columns of col_j * t[j]. */
+static AI void cols_tile(const wcols *w, const real *t, int nt, real *out, int c0, int W) {
+    rvec a[RCT], b[RCT];
+    for (int c = 0; c < W; ++c) a[c] = b[c] = (rvec){0};
     int j = 0;
     for (; j + 1 < nt; j += 2)
-        for (int c = 0; c < RC; ++c) {
-            a[c] += w->c[j][c] * t[j];
-            b[c] += w->c[j + 1][c] * t[j + 1];
+        for (int c = 0; c < W; ++c) {
+            a[c] += w->c[j][c0 + c] * t[j];
+            b[c] += w->c[j + 1][c0 + c] * t[j + 1];
         }
     if (j < nt)
-        for (int c = 0; c < RC; ++c) a[c] += w->c[j][c] * t[j];
+        for (int c = 0; c < W; ++c) a[c] += w->c[j][c0 + c] * t[j];
+    for (int c = 0; c < W; ++c) *(rvec *)(out + (c0 + c) * RV) = a[c] + b[c];
+}
+
+/* v = sum over the NW*H columns of col_j * t[j], plus diag * q where diag is given. */
+static void cols_vec(const wcols *w, const real *t, int nt, const real *diag, const real *q, real *v) {
     real out[RC * RV] __attribute__((aligned(64)));
-    for (int c = 0; c < RC; ++c) *(rvec *)(out + c * RV) = a[c] + b[c];
+    for (int c0 = 0; c0 + RCT <= RC; c0 += RCT) cols_tile(w, t, nt, out, c0, RCT);
+    if (RC % RCT) cols_tile(w, t, nt, out, RC - RC % RCT, RC % RCT);
     for (int i = 0; i < H; ++i) v[i] = diag ? out[i] + diag[i] * q[i] : out[i];
 }
 #define WCOLS(name) wcols name##_store, *name = &name##_store; wt_columns(Wt, name)
@@ -229,14 +278,40 @@ typedef void wcols;
 #define WCOLS(name) const wcols *name = 0
 #endif
 
+#if NL > 1
+/* Rows i0 .. i0 + W - 1 of v = J_s q (the paper layout: an odd position's Wt), per lane: W accumulators, each
+ * summing its terms in the order of the plain loops (m ascending, gate by gate, after the GRU's diagonal). */
+static AI void jv_tile(const real *restrict Wt, const real *restrict fs, long ld, const real *restrict q,
+                       real *restrict v, int i0, int W) {
+    vec acc[CT];
+#if KIND != 2
+    UNROLL for (int i = 0; i < W; ++i) acc[i] = (vec){0};
+    for (int m = 0; m < H; ++m) {
+        vec t = KIND == 0 ? LD(fs + m * ld) * LD(q + m * NL) : LD(q + m * NL);
+        UNROLL for (int i = 0; i < W; ++i) acc[i] += Wt[(i0 + i) * H + m] * t;
+    }
+#else
+    UNROLL for (int i = 0; i < W; ++i) acc[i] = LD(fs + (3 * H + i0 + i) * ld) * LD(q + (i0 + i) * NL);
+    for (int g = 0; g < 3; ++g)
+        for (int m = 0; m < H; ++m) {
+            vec t = LD(fs + (g * H + m) * ld) * LD(q + m * NL);
+            UNROLL for (int i = 0; i < W; ++i) acc[i] += Wt[(g * H + i0 + i) * H + m] * t;
+        }
+#endif
+    UNROLL for (int i = 0; i < W; ++i) ST(v + (i0 + i) * NL) = acc[i];
+}
+#endif
+
 /* v = J_s q (v must not alias q).  With lanes, the H rows of v are H independent accumulators in registers,
  * each summing its terms in the order of the plain loops (m ascending, gate by gate): one dependent chain
  * per row would make the mat-vec latency-bound (the GRU's 3H terms: ~5x slower, measured). */
 static void jac_vec(const real *restrict Wt, const wcols *wc, long s, const real *restrict fs, long ld,
                     const real *restrict q, real *restrict v) {
 #if NL == 1
-    real t[NW * H];
     (void)Wt;
+#if KIND != 1
+    real t[NW * H];
+#endif
 #if KIND == 0
     (void)s;
     for (int m = 0; m < H; ++m) t[m] = fs[m * ld] * q[m];
@@ -256,32 +331,15 @@ static void jac_vec(const real *restrict Wt, const wcols *wc, long s, const real
 #endif
 #else
     (void)wc;
-#if KIND == 0
-    (void)s;
-    vec acc[H];
-    UNROLL for (int i = 0; i < H; ++i) acc[i] = (vec){0};
-    for (int m = 0; m < H; ++m) {
-        vec t = LD(fs + m * ld) * LD(q + m * NL);
-        UNROLL for (int i = 0; i < H; ++i) acc[i] += Wt[i * H + m] * t;
-    }
-    UNROLL for (int i = 0; i < H; ++i) ST(v + i * NL) = acc[i];
-#elif KIND == 1
-    if (s & 1) {
-        wt_vec(Wt, q, v);
-    } else {
+#if KIND == 1
+    if (!(s & 1)) {
         UNROLL for (int m = 0; m < H; ++m) ST(v + m * NL) = LD(fs + m * ld) * LD(q + m * NL);
+        return;
     }
-#else
-    (void)s;
-    vec acc[H];
-    UNROLL for (int i = 0; i < H; ++i) acc[i] = LD(fs + (3 * H + i) * ld) * LD(q + i * NL);
-    for (int g = 0; g < 3; ++g)
-        for (int m = 0; m < H; ++m) {
-            vec t = LD(fs + (g * H + m) * ld) * LD(q + m * NL);
-            UNROLL for (int i = 0; i < H; ++i) acc[i] += Wt[(g * H + i) * H + m] * t;
-        }
-    UNROLL for (int i = 0; i < H; ++i) ST(v + i * NL) = acc[i];
 #endif
+    (void)s;
+    for (int t = 0; t + 1 < NT; ++t) jv_tile(Wt, fs, ld, q, v, t * CT, CT);
+    jv_tile(Wt, fs, ld, q, v, (NT - 1) * CT, CTL);
 #endif
 }
 
@@ -294,15 +352,24 @@ typedef struct {
     real Bv[GRP][NBV * NL] __attribute__((aligned(64)));
 } group;
 
+/* The register tile of the sums: TR rows x TW columns of accumulators, beside TW column values and a row value
+ * (4 x 6 + 7 = 31 of AVX-512's or NEON's 32 registers; 3 x 3 + 4 = 13 of AVX2's 16). */
+#if NREG >= 32
+#define TR 4
+#define TW 6
+#else
+#define TR 3
+#define TW 3
+#endif
+
 /* acc[a .. a+R)[c .. c+W) += sum_p A_p[a] Bv_p[c]: one register tile, R x W accumulators (constants once
  * inlined), each summing the group's positions in order. */
-static inline __attribute__((always_inline)) void acc_tile(real *restrict acc, const group *restrict gp, long a,
-                                                           long c, int R, int W) {
-    vec t[4][6];
+static AI void acc_tile(real *restrict acc, const group *restrict gp, long a, long c, int R, int W) {
+    vec t[TR][TW];
     for (int i = 0; i < R; ++i)
         for (int j = 0; j < W; ++j) t[i][j] = LD(acc + ((a + i) * NBV + c + j) * NL);
     for (int p = 0; p < gp->np; ++p) {
-        vec b[6];
+        vec b[TW];
         for (int j = 0; j < W; ++j) b[j] = LD(gp->Bv[p] + (c + j) * NL);
         for (int i = 0; i < R; ++i) {
             vec x = LD(gp->A[p] + (a + i) * NL);
@@ -313,23 +380,24 @@ static inline __attribute__((always_inline)) void acc_tile(real *restrict acc, c
         for (int j = 0; j < W; ++j) ST(acc + ((a + i) * NBV + c + j) * NL) = t[i][j];
 }
 
-/* One column strip c .. c+W of rows [a0, a1): tiles of 4 rows, then single rows. */
-static inline __attribute__((always_inline)) void acc_strip(real *restrict acc, const group *restrict gp, long a0,
-                                                            long a1, long c, int W) {
-    long a = a0;
-    for (; a + 4 <= a1; a += 4) acc_tile(acc, gp, a, c, 4, W);
-    for (; a < a1; ++a) acc_tile(acc, gp, a, c, 1, W);
+/* One column strip c .. c+W of rows [a0, a1): tiles of TR rows, then single rows. */
+static AI void acc_strip(real *restrict acc, const group *restrict gp, int a0, int a1, int c, int W) {
+    int tiles = (a1 - a0) / TR;
+    for (int k = 0; k < tiles; ++k) acc_tile(acc, gp, a0 + k * TR, c, TR, W);
+    for (int a = a0 + tiles * TR; a < a1; ++a) acc_tile(acc, gp, a, c, 1, W);
 }
 
-/* acc[a][c] += sum_p A_p[a] Bv_p[c] for a in [a0, a1), c in [c0, c1): strips of 6 columns, the last
+/* acc[a][c] += sum_p A_p[a] Bv_p[c] for a in [a0, a1), c in [c0, c1): strips of TW columns, the last
  * narrower (every tile independent chains in registers: no sum waits on the one before). */
-static void acc_range(real *restrict acc, const group *restrict gp, long a0, long a1, long c0, long c1) {
-    long c = c0;
-    for (; c + 6 <= c1; c += 6) acc_strip(acc, gp, a0, a1, c, 6);
+static void acc_range(real *restrict acc, const group *restrict gp, int a0, int a1, int c0, int c1) {
+    int c = c0;
+    for (; c + TW <= c1; c += TW) acc_strip(acc, gp, a0, a1, c, TW);
     switch (c1 - c) {
+#if TW > 5
     case 5: acc_strip(acc, gp, a0, a1, c, 5); break;
     case 4: acc_strip(acc, gp, a0, a1, c, 4); break;
     case 3: acc_strip(acc, gp, a0, a1, c, 3); break;
+#endif
     case 2: acc_strip(acc, gp, a0, a1, c, 2); break;
     case 1: acc_strip(acc, gp, a0, a1, c, 1); break;
     default: break;
@@ -427,13 +495,6 @@ typedef struct {
 /* The square, rounded before the subtraction that follows it (as torch's 1 - h * h): the empty asm takes and
  * gives back the value (a vector of the lanes, or one real) in a register, so no compiler fuses the two into
  * one multiply-add. */
-#if defined(__AVX512F__)
-#define VREG_BYTES 64 /* the widest vector register */
-#elif defined(__AVX__)
-#define VREG_BYTES 32
-#else
-#define VREG_BYTES 16
-#endif
 #if (defined(__x86_64__) || defined(__i386__)) && NL * REALBITS / 8 <= VREG_BYTES
 #define ROUNDED(v) __asm__("" : "+v"(v))
 #elif defined(__aarch64__) && NL * REALBITS / 8 <= VREG_BYTES
@@ -700,6 +761,7 @@ static void gather_f(const chain_src *S, long n, long B, long b0, long j, long l
         long jq = j + q < last ? j + q : last;
         kq[q] = fstep((jq + 1) * (1L << c) - 1 + off), bq[q] = b0;
     }
+    (void)bq;
 #if KIND != 2
     if (S->h) {
         rnn_tile(S, KIND == 1 ? n / 2 : n, B, kq, bq, NR, dst);
@@ -833,16 +895,20 @@ void rnn_factors(const real *h, const real *x, long T, long B, long k0, long k1,
 
 #else
 /* -- the GRU's gates, recomputed (the forward keeps none), with vector exp -------------------------- */
-#define FV (64 / (int)sizeof(real)) /* lanes of the builder's vectors: one 64-byte register */
-typedef real fvec __attribute__((vector_size(64), aligned(sizeof(real))));
+#define FV RVL /* lanes of the builder's vectors: one register */
+typedef real fvec __attribute__((vector_size(VREG_BYTES), aligned(sizeof(real))));
 #if REALBITS == 32
-typedef int ivec __attribute__((vector_size(64)));
+typedef int ivec __attribute__((vector_size(VREG_BYTES)));
+typedef ivec kvec;
 #define EXP_HI 88.0f
 #define EXP_LO (-87.0f)
 #define MANT 23
 #define BIAS 127
 #else
-typedef long long ivec __attribute__((vector_size(64)));
+typedef long long ivec __attribute__((vector_size(VREG_BYTES)));
+/* exp's k = round(x / ln2) (|k| < 1100) in 32-bit lanes: the conversions between double and 64-bit integers
+ * exist only from AVX-512 on, those with 32-bit ones everywhere. */
+typedef int kvec __attribute__((vector_size(VREG_BYTES / 2)));
 #define EXP_HI 709.0
 #define EXP_LO (-708.0)
 #define MANT 52
@@ -858,7 +924,7 @@ static inline fvec vexp(fvec x) {
     x = blend(x > SPLAT(EXP_HI), SPLAT(EXP_HI), x);
     x = blend(x < SPLAT(EXP_LO), SPLAT(EXP_LO), x);
     fvec t = x * SPLAT(1.44269504088896340736);
-    ivec ki = __builtin_convertvector(t + blend(t >= SPLAT(0), SPLAT(0.5), SPLAT(-0.5)), ivec);
+    kvec ki = __builtin_convertvector(t + blend(t >= SPLAT(0), SPLAT(0.5), SPLAT(-0.5)), kvec);
     fvec k = __builtin_convertvector(ki, fvec), p, r;
 #if REALBITS == 32
     r = x - k * SPLAT(0.693359375f) - k * SPLAT(-2.12194440e-4f);
@@ -877,7 +943,7 @@ static inline fvec vexp(fvec x) {
                                       1.0 / 6.0, 0.5, 1.0, 1.0};
     for (int i = 0; i < 13; ++i) p = p * r + SPLAT(inv_fact[i]);
 #endif
-    return p * (fvec)((ki + BIAS) << MANT);
+    return p * (fvec)((__builtin_convertvector(ki, ivec) + BIAS) << MANT);
 }
 
 /* p = sigmoid(x) and q = 1 - p = sigmoid(-x), each to a few ulp (1 - p would cancel as p nears 1). */
@@ -924,12 +990,16 @@ static inline void vtanh(fvec x, fvec *n, fvec *s) {
  * past the caches: the factors (8.7 MB at set L, B = 16) outgrow L2, and an ordinary store would first read
  * every line it overwrites (measured on a Zen 4 core: the pass 1.25x faster, the whole backward 1.02-1.04x). */
 static inline void store_lanes(real *dst, const real *src, int nb) {
-#if defined(__AVX512F__)
-    if (nb == FV && !((uintptr_t)dst % 64)) {
-#if REALBITS == 32
+#if defined(__AVX512F__) || defined(__AVX__)
+    if (nb == FV && !((uintptr_t)dst % VREG_BYTES)) {
+#if VREG_BYTES == 64 && REALBITS == 32
         _mm512_stream_ps(dst, *(const __m512 *)src);
-#else
+#elif VREG_BYTES == 64
         _mm512_stream_pd(dst, *(const __m512d *)src);
+#elif REALBITS == 32
+        _mm256_stream_ps(dst, *(const __m256 *)src);
+#else
+        _mm256_stream_pd(dst, *(const __m256d *)src);
 #endif
         return;
     }
@@ -985,7 +1055,7 @@ void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, c
             for (int i = 0; i < H; ++i) store_lanes(fk + (XROW + NI + i) * B + b0, hs[i], nb);
         }
     }
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX__)
     _mm_sfence(); /* the streaming stores are weakly ordered: visible before the threads that read f are told */
 #endif
 }
@@ -1004,10 +1074,16 @@ void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, c
  * takes its share, waits for every slice, adds the sums into the parameter gradients and returns once no
  * other thread is inside.  The pool's threads are plain pthreads parked on a condition variable, in the
  * caller's floating-point mode (subnormals flushed or not) for each scan. */
+#include <limits.h>
 #include <pthread.h>
+#include <time.h>
 #include <unistd.h>
 #if defined(__SSE__) || defined(__x86_64__)
 #include <xmmintrin.h>
+#endif
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #endif
 
 typedef void (*team_fn)(const void *args, long j0, long j1, long part);
@@ -1130,39 +1206,115 @@ typedef struct {
     real **dst;         /* the parameters' gradients (NULL: none) */
     /* state, reset by team_go */
     int stop, g_ready, closed, inside;
+    int ev, parked;     /* the event word (bumped by every change a thread may wait for), its sleepers */
     int arrived[64];
     unsigned csr;
     long gen;
 } team;
 
-static inline void relax(long spin) {
+/* -- waiting: spin for a bounded time, then park ---------------------------------------------------------
+ * A thread that waits for another (units claimed elsewhere, a slice's middle, the head's gradient, the pool's
+ * threads leaving) spins with the CPU's pause hint for at most SPIN_NS of wall-clock time, then parks on the
+ * team's event word (a futex on Linux; elsewhere short sleeps) until something changes: every change a thread
+ * may wait for bumps the word and wakes the sleepers, if any.  Spinning covers a quiet machine's waits (the
+ * tree between the phases: tens of microseconds); parking gives the core back on a busy one, where a spinning
+ * waiter would take turns with the very thread it waits for.  No sched_yield: it neither sleeps nor lets a
+ * thread of this process run first. */
+#define SPIN_NS 50000L
+#define PARK_NS 2000000L /* a sleeper re-checks at least this often (a wake-up that cannot be lost, bounded) */
+
+static inline uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
 #endif
-    if (!(spin & 1023)) sched_yield();
+}
+
+static void park(int *word, int seen) {
+#ifdef __linux__
+    struct timespec to = {0, PARK_NS};
+    syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, seen, &to, 0, 0);
+#else
+    struct timespec to = {0, 20000};
+    if (__atomic_load_n(word, __ATOMIC_SEQ_CST) == seen) nanosleep(&to, 0);
+#endif
 }
 
 static inline int stopped(team *t) { return __atomic_load_n(&t->stop, __ATOMIC_ACQUIRE); }
 
-/* Claim and run the units of u until none is left. */
-static void run_units(team_units *u) {
-    for (long i; (i = __atomic_fetch_add(&u->next, 1, __ATOMIC_RELAXED)) < u->n;) {
-        long j0 = u->lo + i * u->per, j1 = j0 + u->per < u->hi ? j0 + u->per : u->hi;
-        u->fn(u->args, j0, j1, u->part0 + i);
-        __atomic_add_fetch(&u->done, 1, __ATOMIC_RELEASE);
+/* Something a thread may wait for has happened (after the change itself is stored). */
+static inline void notify(team *t) {
+    __atomic_add_fetch(&t->ev, 1, __ATOMIC_SEQ_CST);
+#ifdef __linux__
+    if (__atomic_load_n(&t->parked, __ATOMIC_SEQ_CST)) syscall(SYS_futex, &t->ev, FUTEX_WAKE_PRIVATE, INT_MAX, 0, 0, 0);
+#endif
+}
+
+/* Wait until ready(t, arg); 1 then, 0 where the team stopped first (unless `always`: then only ready counts).  A
+ * sleeper reads the word before it counts itself parked and checks the condition once more, so a change made
+ * meanwhile either is seen or bumps the word the futex compares (or wakes it: the notifier sees it parked). */
+typedef int (*ready_fn)(team *t, const void *arg);
+static int await(team *t, ready_fn ready, const void *arg, int always) {
+    uint64_t t0 = 0;
+    for (long spin = 0;; ++spin) {
+        if (ready(t, arg)) return 1;
+        if (!always && stopped(t)) return 0;
+        if ((spin & 31) == 31) {
+            uint64_t now = now_ns();
+            if (!t0) t0 = now;
+            if (now - t0 > SPIN_NS) {
+                int seen = __atomic_load_n(&t->ev, __ATOMIC_SEQ_CST);
+                __atomic_add_fetch(&t->parked, 1, __ATOMIC_SEQ_CST);
+                if (!ready(t, arg) && (always || !stopped(t))) park(&t->ev, seen);
+                __atomic_sub_fetch(&t->parked, 1, __ATOMIC_SEQ_CST);
+                continue;
+            }
+        }
+        cpu_relax();
     }
 }
 
-static int units_done(team_units *u) { return __atomic_load_n(&u->done, __ATOMIC_ACQUIRE) >= u->n; }
+/* Claim and run the units of u until none is left. */
+static void run_units(team *t, team_units *u) {
+    for (long i; (i = __atomic_fetch_add(&u->next, 1, __ATOMIC_RELAXED)) < u->n;) {
+        long j0 = u->lo + i * u->per, j1 = j0 + u->per < u->hi ? j0 + u->per : u->hi;
+        u->fn(u->args, j0, j1, u->part0 + i);
+        if (__atomic_add_fetch(&u->done, 1, __ATOMIC_RELEASE) == u->n) notify(t); /* only the last one is awaited */
+    }
+}
+
+static int units_done(team *t, const void *u) {
+    (void)t;
+    return __atomic_load_n(&((team_units *)u)->done, __ATOMIC_ACQUIRE) >= ((const team_units *)u)->n;
+}
 
 /* Wait until every unit of the lists is done (those claimed by other threads, still running). */
 static int wait_units(team *t, team_units *u, int nu) {
     for (int k = 0; k < nu; ++k)
-        for (long spin = 1; !units_done(u + k); ++spin) {
-            if (stopped(t)) return 0;
-            relax(spin);
-        }
+        if (!await(t, units_done, u + k, 0)) return 0;
     return 1;
+}
+
+static int head_done(team *t, const void *arg) {
+    (void)arg;
+    return __atomic_load_n(&t->g_ready, __ATOMIC_ACQUIRE);
+}
+
+static int mid_done(team *t, const void *s) {
+    (void)t;
+    return __atomic_load_n(&((team_slice *)s)->state, __ATOMIC_ACQUIRE) >= 2;
+}
+
+static int nobody_inside(team *t, const void *arg) {
+    (void)arg;
+    return !__atomic_load_n(&t->inside, __ATOMIC_SEQ_CST);
 }
 
 static int run_slices_up(team *t, int me, int own) {
@@ -1171,7 +1323,7 @@ static int run_slices_up(team *t, int me, int own) {
         if ((s->owner == me) != own) continue;
         for (int k = 0; k < TEAM_PHASES; ++k) {
             if (stopped(t)) return 0;
-            run_units(s->up + k);
+            run_units(t, s->up + k);
         }
     }
     return 1;
@@ -1181,34 +1333,27 @@ static int run_slices_up(team *t, int me, int own) {
 static int take_mid(team *t, team_slice *s, int me) {
     if (s->owner != me && __atomic_load_n(t->arrived + s->owner, __ATOMIC_SEQ_CST)) return 1;
     if (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE)) return 1;
-    if (!wait_units(t, s->up, TEAM_PHASES)) return 0;
-    for (long spin = 1; !__atomic_load_n(&t->g_ready, __ATOMIC_ACQUIRE); ++spin) {
-        if (stopped(t)) return 0;
-        relax(spin);
-    }
+    if (!wait_units(t, s->up, TEAM_PHASES) || !await(t, head_done, 0, 0)) return 0;
     long zero = 0;
     if (!__atomic_compare_exchange_n(&s->state, &zero, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) return 1;
     s->mid(s->mid_args, 0, 0, 0);
     __atomic_store_n(&s->state, 2, __ATOMIC_RELEASE);
+    notify(t);
     return 1;
 }
 
 /* Thread me's share: the units before the scan, every up unit it can claim (its slices' first), the middles it
  * may take, then the down units of every slice whose middle is done (its own first). */
 static int team_work(team *t, int me) {
-    run_units(&t->pre);
+    run_units(t, &t->pre);
     if (!wait_units(t, &t->pre, 1)) return 0;
     if (!run_slices_up(t, me, 1) || !run_slices_up(t, me, 0)) return 0;
     for (int own = 1; own >= 0; --own)
         for (long i = 0; i < t->ns; ++i) {
             team_slice *s = t->sl + i;
             if ((s->owner == me) != own) continue;
-            if (!take_mid(t, s, me)) return 0;
-            for (long spin = 1; __atomic_load_n(&s->state, __ATOMIC_ACQUIRE) < 2; ++spin) { /* another's middle */
-                if (stopped(t)) return 0;
-                relax(spin);
-            }
-            for (int k = 0; k < TEAM_PHASES; ++k) run_units(s->down + k);
+            if (!take_mid(t, s, me) || !await(t, mid_done, s, 0)) return 0; /* another's middle */
+            for (int k = 0; k < TEAM_PHASES; ++k) run_units(t, s->down + k);
         }
     return !stopped(t);
 }
@@ -1226,11 +1371,14 @@ static void team_join(team *t, int me, long gen) {
         me < t->nthreads) {
 #if defined(__SSE__) || defined(__x86_64__)
         _mm_setcsr(t->csr);
+#elif defined(__aarch64__)
+        __builtin_aarch64_set_fpcr(t->csr);
 #endif
         __atomic_store_n(t->arrived + me, 1, __ATOMIC_SEQ_CST);
         team_work(t, me);
     }
     __atomic_sub_fetch(&t->inside, 1, __ATOMIC_SEQ_CST);
+    notify(t);
 }
 
 static void *pool_main(void *arg) {
@@ -1238,9 +1386,12 @@ static void *pool_main(void *arg) {
     long seen = 0;
     for (;;) {
         long gen;
-        /* a short spin for a scan that follows at once, then sleep */
-        for (long spin = 0; (gen = __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE)) == seen && spin < 2000; ++spin)
-            relax(1);
+        /* a short spin (SPIN_NS) for a scan that follows at once, then sleep */
+        uint64_t t0 = now_ns();
+        for (long spin = 1; (gen = __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE)) == seen; ++spin) {
+            if (!(spin & 31) && now_ns() - t0 > SPIN_NS) break;
+            cpu_relax();
+        }
         pthread_mutex_lock(&pool_mx);
         while (pool_gen == seen) pthread_cond_wait(&pool_cv, &pool_mx);
         team *t = pool_job; /* the slot is emptied, under this lock, when its scan closes */
@@ -1304,10 +1455,12 @@ int team_go(team *t) {
     long nt = t->nthreads < 64 ? t->nthreads : 64;
     t->stop = 0;
     t->g_ready = t->head.logits == 0;
-    t->inside = 0;
+    t->inside = t->parked = 0;
     for (long i = 0; i < nt; ++i) t->arrived[i] = i == 0;
 #if defined(__SSE__) || defined(__x86_64__)
     t->csr = _mm_getcsr();
+#elif defined(__aarch64__)
+    t->csr = (unsigned)__builtin_aarch64_get_fpcr();
 #endif
     if (nt > 1) {
         pthread_mutex_lock(&pool_mx);
@@ -1328,6 +1481,7 @@ int team_go(team *t) {
         const team_head *h = &t->head;
         rc = xent_head_grads(h->logits, h->y, h->W, h->h, h->B, h->C, h->Hh, h->gW, h->gb, h->gh);
         __atomic_store_n(rc ? &t->stop : &t->g_ready, 1, __ATOMIC_RELEASE);
+        notify(t);
     }
     if (!rc) {
         team_work(t, 0);
@@ -1338,7 +1492,7 @@ int team_go(team *t) {
     __atomic_store_n(&t->closed, 1, __ATOMIC_SEQ_CST);
     if (pool_job == t) pool_job = 0;
     pthread_mutex_unlock(&pool_mx);
-    for (long spin = 1; __atomic_load_n(&t->inside, __ATOMIC_SEQ_CST); ++spin) relax(spin);
+    await(t, nobody_inside, 0, 1);
     if (!rc && t->dst) reduce(t);
     return rc;
 }

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ... import scan as _scan
-from . import pool
+from . import plan, pool
 
 
 @torch.no_grad()
@@ -34,7 +34,7 @@ def dense_tree_scan(g: torch.Tensor, J: torch.Tensor, L_m: int | None = None,
     if L == 0:
         dense_linear_scan(A, gn, on)
         return out
-    p = min(pool.threads(), B, max(1, int(n * B * 2 * H ** 3 // pool.MIN_CHUNK_FLOP)))
+    p = min(pool.threads(), B, max(1, int(n * B * 2 * H ** 3 // plan.MIN_CHUNK_FLOP)))
     if p <= 1:
         _tree(gn, A, on, L, ws, ("all",), pool.parallel, g)
         return out

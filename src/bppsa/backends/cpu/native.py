@@ -1,14 +1,23 @@
 """The compiled kernel of the CPU fast path (``chain_scan.c``): built at first use, loaded with ctypes.
 
-The C source is compiled by the system's C compiler (``$CC``, else ``cc``) with ``-O3 -march=native``
-once per (chain kind, hidden size, input size, lane count, dtype) -- constants let the compiler keep a product's row
-in registers and vectorise across the batch lanes -- into ``$BPPSA_CACHE_DIR`` (default
-``~/.cache/bppsa``), keyed by the source, the flags, the compiler and this CPU's model and flags, so
-nodes of a cluster sharing a home directory each get their own build.  A build is written to a
-temporary name and renamed: concurrent jobs never load half a file.
+The C source is compiled by the system's C compiler (``$CC``, else ``cc``) with ``-O3 -march=<target>`` once per
+(chain kind, hidden size, input size, lane count, dtype) -- constants let the compiler keep a product's rows in
+registers and vectorise across the batch lanes -- into ``$BPPSA_CACHE_DIR`` (default ``~/.cache/bppsa``).
 
-Where no compiler works, :func:`unavailable_reason` says why and the fast path runs on numpy
-(:mod:`bppsa.backends.cpu`); nothing else changes.
+**The target** is ``$BPPSA_CPU_ISA`` (:data:`ISAS`): ``native`` (the default: this CPU), or ``x86-64-v3`` (AVX2)
+or ``x86-64-v4`` (AVX-512) to build and run another x86 level on any CPU that has it.  The vector width and
+register count come from the compiler's own macros for that target (:func:`target`), never from the CPU's
+flags: a slice's lanes fill one vector register (:func:`lane_width`), and the kernel's static assert holds it.
+
+**The cache** is keyed by the source, the flags, the compiler and (for ``native``) this CPU's model and flags, so
+nodes of a cluster sharing a home directory each get their own build.  A build is written to a temporary name
+and renamed (concurrent jobs never load half a file), jobs wanting the same one wait for the first (a lock file
+beside it), and a SHA-256 written beside each build is checked before every load: a kernel cut short or garbled
+in the cache (a full disk, a copy over a shared file system) is rebuilt once, and where that fails too the fast
+path is unavailable and :func:`unavailable_reason` says why (the backend falls back to the torch twin) -- it is
+never loaded.
+
+Where no compiler works, :func:`unavailable_reason` says why; nothing else changes.
 """
 from __future__ import annotations
 
@@ -18,6 +27,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -26,22 +36,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "library", "Team", "GruFill", "head_fits", "fused_levels", "KINDS",
-           "lane_width", "rnn_factors", "head_grads"]
-
-
-def fused_levels(n: int) -> int:
-    """Up-sweep levels the kernel computes per block in cache for a chain of ``n`` Jacobians (blocks of 2^c,
-    see chain_scan.c): from 4 up to 6, the most that leave at least 8 blocks to the tree above them.  Each
-    level fused saves storing and re-reading a level; the tree's products over the blocks cost as much as a
-    block's, so fewer, longer blocks do less work (measured, paired, whole backward at T = 1000: 6 against 4
-    levels 1.07x faster for the RNN at B = 16, 1.11x at B = 64, 1.06x for the GRU at B = 16)."""
-    return max(4, min(6, n.bit_length() - 4))
+__all__ = ["available", "unavailable_reason", "library", "Team", "GruFill", "head_fits", "KINDS", "ISAS",
+           "target", "lane_width", "rnn_factors", "head_grads", "repaired"]
 
 _REAL = {torch.float32: "float", torch.float64: "double"}
 # The chains the kernel runs (chain_scan.c's KIND): the RNN's fused and paper layouts, the GRU.
 KINDS = {"rnn": 0, "paper": 1, "gru": 2}
-_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-pthread"]
+# BPPSA_CPU_ISA: the build targets (-march values) and the CPU flags each needs to run.
+ISAS = {"native": (), "x86-64-v3": ("avx2", "fma", "bmi2"),
+        "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")}
+_FLAGS = ["-O3", "-fPIC", "-shared", "-std=gnu11", "-pthread"]
 _LIBS = ["-lm"]
 
 
@@ -63,6 +67,18 @@ def compiler_name() -> str:
     return os.environ.get("CC", "cc")
 
 
+def isa() -> str:
+    """The build target asked for (``$BPPSA_CPU_ISA``, default ``native``)."""
+    name = os.environ.get("BPPSA_CPU_ISA", "").strip() or "native"
+    if name not in ISAS:
+        raise ValueError(f"BPPSA_CPU_ISA={name!r} is not a build target here; use one of {', '.join(ISAS)}")
+    return name
+
+
+def _march(name: str) -> list[str]:
+    return [f"-march={name}"]
+
+
 @functools.cache
 def _cpu_id() -> str:
     """This CPU's model and instruction-set flags (what -march=native compiles for)."""
@@ -74,6 +90,13 @@ def _cpu_id() -> str:
         return platform.processor() + platform.machine()
 
 
+def _cpu_lacks(name: str) -> list[str]:
+    """The CPU flags a target needs that this CPU does not report (none where /proc/cpuinfo is unreadable)."""
+    flags = set(re.findall(r"[\w.]+", " ".join(ln.split(":", 1)[-1] for ln in _cpu_id().splitlines()
+                                               if ln.startswith(("flags", "Features")))))
+    return [f for f in ISAS[name] if flags and f not in flags]
+
+
 @functools.cache
 def _compiler_id(cc: str) -> str:
     try:
@@ -82,7 +105,43 @@ def _compiler_id(cc: str) -> str:
         return cc
 
 
+@functools.cache
+def _target(cc: str, name: str) -> dict:
+    macros = subprocess.run([cc, *_march(name), "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True,
+                            timeout=60)
+    if macros.returncode:
+        raise OSError(f"{cc} {' '.join(_march(name))} failed: {(macros.stderr or macros.stdout).strip()[-300:]}")
+    defined = set(re.findall(r"#define (\w+)", macros.stdout))
+    # the widest vector register and the register file of the target (chain_scan.c reads the same macros)
+    avx = "AVX2" if "__AVX2__" in defined else "AVX"
+    for macro, simd, vbytes, regs in (("__AVX512F__", "AVX-512", 64, 32), ("__AVX__", avx, 32, 16),
+                                      ("__aarch64__", "NEON", 16, 32), ("", "SSE2/other", 16, 16)):
+        if not macro or macro in defined:
+            return {"isa": name, "flags": _march(name), "simd": simd, "vector_bytes": vbytes, "registers": regs,
+                    "machine": platform.machine(), "compiler": cc}
+    raise AssertionError("unreachable")
+
+
+def target() -> dict | None:
+    """The build target: ``isa``, the compiler ``flags``, its SIMD extension, ``vector_bytes`` (one register) and
+    ``registers`` (the vector register file), as the compiler defines them; None without a working compiler."""
+    cc = _compiler()
+    if cc is None:
+        return None
+    try:
+        return _target(cc, isa())
+    except (OSError, subprocess.SubprocessError) as e:
+        _errors["cc"] = f"{type(e).__name__}: {e}"
+        return None
+
+
 _errors: dict = {}
+_repaired: list[str] = []  # cached kernels found damaged and rebuilt in this process
+
+
+def repaired() -> list[str]:
+    """The cached kernels this process found damaged (cut short, garbled) and rebuilt."""
+    return list(_repaired)
 
 
 @functools.cache
@@ -96,36 +155,71 @@ def library(kind: str, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes
         return None
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _intact(so: Path) -> bool:
+    """Whether the build exists and matches the checksum written beside it after its build."""
+    try:
+        return so.with_suffix(".sha256").read_text().strip() == _digest(so)
+    except OSError:
+        return False
+
+
+def build_key(extra: str = "") -> str | None:
+    """What every build for the current target depends on besides its constants (source, flags, compiler, and
+    this CPU where the target is ``native``), hashed; ``extra`` is mixed in.  None without a target."""
+    tg = target()
+    if tg is None:
+        return None
+    cpu = _cpu_id() if tg["isa"] == "native" else ""
+    return hashlib.sha256(b"\0".join([_source(), " ".join(_FLAGS + tg["flags"] + _LIBS).encode(),
+                                       _compiler_id(tg["compiler"]).encode(), cpu.encode(),
+                                       extra.encode()])).hexdigest()[:20]
+
+
 def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
-    cc = _compiler()
-    if cc is None:
-        _errors["cc"] = f"no C compiler ({compiler_name()!r} not on PATH)"
+    tg = target()
+    if tg is None:
+        _errors.setdefault("cc", f"no C compiler ({compiler_name()!r} not on PATH)")
+        return None
+    lacks = _cpu_lacks(tg["isa"])
+    if lacks:
+        _errors["cc"] = f"BPPSA_CPU_ISA={tg['isa']} needs CPU features this CPU lacks ({', '.join(lacks)})"
         return None
     real = _REAL.get(dtype)
     if real is None:  # e.g. half precision: the numpy path takes it
         return None
     defs = [f"-DKIND={kind}", f"-DHID={H}", f"-DINP={I}", f"-DLANES={lanes}", f"-DREAL={real}",
             f"-DREALBITS={8 * dtype.itemsize}"]
-    src = _source()
-    key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS + defs + _LIBS).encode(), _compiler_id(cc).encode(),
-                                     _cpu_id().encode()])).hexdigest()[:20]
-    out = cache_dir() / f"chain_scan_k{kind}_{real}_H{H}_I{I}_L{lanes}_{key}.so"
-    if not out.exists():
+    cc, flags = tg["compiler"], _FLAGS + tg["flags"]
+    key = build_key(" ".join(defs))
+    out = cache_dir() / f"chain_scan_k{kind}_{real}_H{H}_I{I}_L{lanes}_{tg['isa']}_{key}.so"
+    if not _intact(out):
         out.parent.mkdir(parents=True, exist_ok=True)
         # one build per kernel: processes that want the same one (test workers, cluster jobs starting
         # together on a shared cache) wait for the first instead of compiling it again
         with open(out.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if not out.exists():
+            if not _intact(out):
+                if out.exists():
+                    _repaired.append(out.name)
                 with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
                     c_file, so_file = Path(tmp) / "chain_scan.c", Path(tmp) / out.name
-                    c_file.write_bytes(src)
-                    r = subprocess.run([cc, *_FLAGS, *defs, "-o", str(so_file), str(c_file), *_LIBS],
+                    c_file.write_bytes(_source())
+                    r = subprocess.run([cc, *flags, *defs, "-o", str(so_file), str(c_file), *_LIBS],
                                        capture_output=True, text=True, timeout=300)
                     if r.returncode != 0:
                         _errors["cc"] = f"{cc} failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-500:]}"
                         return None
+                    sum_file = Path(tmp) / "sum"
+                    sum_file.write_text(_digest(so_file) + "\n")
                     os.replace(so_file, out)
+                    os.replace(sum_file, out.with_suffix(".sha256"))
+            if not _intact(out):  # the rebuild itself did not land whole (the disk is still full, say)
+                _errors["cc"] = f"the kernel {out} is damaged in the cache and its rebuild failed the checksum"
+                return None
     lib = ctypes.CDLL(str(out))
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     factors = ({"gru_factors": [p, p, p, p, p, p, l, l, l, l, p]} if kind == KINDS["gru"]
@@ -151,7 +245,7 @@ def unavailable_reason() -> str | None:
     h = torch.rand(n, B, H, generator=gen, dtype=torch.float64)  # states, time order: step k reads h[n - 1 - k]
     g = torch.randn(B, H, generator=gen, dtype=torch.float64)
     out = torch.empty(n, B, H, dtype=torch.float64)
-    team = Team("rnn", n, B, H, 0, torch.float64, L, [[(0, B)]], True, 1, 1, 0)
+    team = Team("rnn", n, B, H, 0, torch.float64, L, [[(0, B)]], True, 1, 1, 0, fused=4)
     team.go(W, (h, h[:, :, :0]), g, out)
     ref = _scan.blelloch_scan(g, W.t() * (1 - h.flip(0) ** 2).unsqueeze(-2))
     err = ((out - ref).abs().max() / ref.abs().max()).item()
@@ -163,10 +257,10 @@ def available() -> bool:
 
 
 def lane_width(kind: str, dtype: torch.dtype) -> int:
-    """Batch lanes per slice: one 64-byte vector register, except for the GRU: 32 bytes, so that a block's
-    product and the Jacobian it is multiplied by (2·H²·lanes values) stay in a 32 KiB L1 cache at H = 20
-    (measured: 1.4x faster per lane than 64 bytes on a Zen 4 core)."""
-    return (32 if kind == "gru" else 64) // dtype.itemsize
+    """Batch lanes in one vector register of the build target (:func:`target`; 16 bytes without a compiler): the
+    widest slice a kernel is built for.  (The GRU's plan may pick narrower ones: :mod:`.plan`.)"""
+    tg = target()
+    return max(1, (tg["vector_bytes"] if tg else 16) // dtype.itemsize)
 
 
 def rnn_factors(h: torch.Tensor, x: torch.Tensor, out: torch.Tensor, k0: int, k1: int) -> None:
@@ -228,14 +322,14 @@ class _Seg(ctypes.Structure):
 class _Team(ctypes.Structure):
     _fields_ = [("call", _Call), ("W", _p), ("pre", _Units), ("sl", _p), ("ns", _l), ("nthreads", _l), ("head", _Head),
                 ("acc", _p), ("nacc", _l), ("seg", _p), ("nseg", _l), ("dst", _p), ("stop", _i), ("g_ready", _i),
-                ("closed", _i), ("inside", _i), ("arrived", _i * 64), ("csr", ctypes.c_uint), ("gen", _l)]
+                ("closed", _i), ("inside", _i), ("ev", _i), ("parked", _i), ("arrived", _i * 64),
+                ("csr", ctypes.c_uint), ("gen", _l)]
 
 
 class _FillArgs(ctypes.Structure):
     _fields_ = [("x", _p), ("h", _p), ("Wi", _p), ("Wh", _p), ("bi", _p), ("bh", _p), ("f", _p), ("T", _l), ("B", _l)]
 
 
-MAX_THREADS = 64  # a team's threads (chain_scan.c's team.arrived)
 
 
 def _ceil(a: int, b: int) -> int:
@@ -284,8 +378,7 @@ class Team:
 
     def __init__(self, kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype, L: int,
                  groups: list[list[tuple[int, int]]], by_slice: bool, threads: int, parts: int, mode: int,
-                 layout=None, fused: int | None = None):
-        fused = fused_levels(n) if fused is None else fused
+                 layout=None, *, fused: int):
         self.t = t = _Team()
         self.call, self.mode, self.dtype = t.call, mode, dtype
         t.closed = 1

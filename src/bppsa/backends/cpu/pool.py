@@ -15,10 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-# A chunk handed to another thread must carry enough work to repay the hand-off (~20-50 us), at the
-# rate of numpy's small GEMMs (~50 GFLOP/s); the compiled kernel runs ~KERNEL_SPEEDUP times faster.
-MIN_CHUNK_FLOP = 2_000_000
-KERNEL_SPEEDUP = 5
+from . import plan
 
 _pool: ThreadPoolExecutor | None = None
 _pool_key: tuple | None = None
@@ -81,7 +78,7 @@ def spread(tasks) -> None:
 def parallel(fn, n: int, flop_per_item: float) -> None:
     """Run ``fn(a, b)`` over [0, n) in contiguous chunks, one per thread (the caller takes the first)."""
     _numpy_blas_single_threaded()
-    p = min(threads(), max(1, int(n * flop_per_item // MIN_CHUNK_FLOP)), n)
+    p = min(threads(), max(1, int(n * flop_per_item // plan.MIN_CHUNK_FLOP)), n)
     if p <= 1:
         if n:
             fn(0, n)
