@@ -906,9 +906,13 @@ typedef ivec kvec;
 #define BIAS 127
 #else
 typedef long long ivec __attribute__((vector_size(VREG_BYTES)));
-/* exp's k = round(x / ln2) (|k| < 1100) in 32-bit lanes: the conversions between double and 64-bit integers
- * exist only from AVX-512 on, those with 32-bit ones everywhere. */
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(__AVX512DQ__)
+/* exp's k = round(x / ln2) (|k| < 1100) in 32-bit lanes: x86 converts between double and 64-bit integers only
+ * from AVX-512 on, between double and 32-bit ones everywhere. */
 typedef int kvec __attribute__((vector_size(VREG_BYTES / 2)));
+#else
+typedef ivec kvec;
+#endif
 #define EXP_HI 709.0
 #define EXP_LO (-708.0)
 #define MANT 52

@@ -31,13 +31,14 @@ import re
 import shutil
 import subprocess
 import tempfile
+import warnings
 from importlib import resources
 from pathlib import Path
 
 import torch
 
 __all__ = ["available", "unavailable_reason", "library", "Team", "GruFill", "head_fits", "KINDS", "ISAS",
-           "target", "lane_width", "rnn_factors", "head_grads", "repaired"]
+           "target", "lane_width", "rnn_factors", "head_grads", "repaired", "reset", "isa", "build_key"]
 
 _REAL = {torch.float32: "float", torch.float64: "double"}
 # The chains the kernel runs (chain_scan.c's KIND): the RNN's fused and paper layouts, the GRU.
@@ -49,6 +50,7 @@ _FLAGS = ["-O3", "-fPIC", "-shared", "-std=gnu11", "-pthread"]
 _LIBS = ["-lm"]
 
 
+@functools.cache
 def _source() -> bytes:
     return resources.files(__package__).joinpath("chain_scan.c").read_bytes()
 
@@ -144,6 +146,13 @@ def repaired() -> list[str]:
     return list(_repaired)
 
 
+def reset() -> None:
+    """Forget this process's target, builds and their errors (after ``BPPSA_CPU_ISA`` or ``CC`` changed)."""
+    for f in (_target, library, unavailable_reason):
+        f.cache_clear()
+    _errors.clear()
+
+
 @functools.cache
 def library(kind: str, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
     """The kernel for a chain ``kind`` (:data:`KINDS`), hidden size H, input size I, ``lanes`` batch lanes
@@ -203,8 +212,10 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
         with open(out.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not _intact(out):
-                if out.exists():
+                if out.exists():  # cut short or garbled since its build: never loaded, rebuilt
                     _repaired.append(out.name)
+                    warnings.warn(f"the cached CPU kernel {out} does not match its checksum (damaged); rebuilding it",
+                                  stacklevel=4)
                 with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
                     c_file, so_file = Path(tmp) / "chain_scan.c", Path(tmp) / out.name
                     c_file.write_bytes(_source())
