@@ -152,12 +152,37 @@ def check_backend(name: str, dev: torch.device) -> dict:
     return {"ok": True, "reason": "; ".join(parts)}
 
 
+# the headline shapes whose CPU plans doctor reports: the RNN at T = 1000 and the GRU on set L, B = 16, fp32
+HEADLINE_PLANS = (("rnn", 1000, 16, 20, 1), ("gru", 1034, 16, 20, 12))
+
+
 def cpu_kernel_info() -> dict:
-    """Whether the CPU fast path's compiled kernel (:mod:`bppsa.backends.cpu.native`) builds and runs here."""
-    from .backends.cpu import native
+    """Whether the CPU fast path's compiled kernel (:mod:`bppsa.backends.cpu.native`) builds and runs here; its
+    build target, and the plans (:mod:`bppsa.backends.cpu.plan`) of the headline shapes' training steps."""
+    from .backends import cpu  # noqa: F401 - the chains the plans are measured on
+    from .backends.cpu import native, plan, pool
 
     reason = native.unavailable_reason()
-    return {"ok": reason is None, "reason": reason or f"built with {native.compiler_name()} into {native.cache_dir()}"}
+    info = {"ok": reason is None, "reason": reason or f"built with {native.compiler_name()} into {native.cache_dir()}"}
+    tg = native.target()
+    if tg:
+        info["target"] = {k: tg[k] for k in ("isa", "simd", "vector_bytes", "registers")}
+        info["lanes"] = {str(dt).removeprefix("torch."): native.lane_width("rnn", dt)
+                         for dt in (torch.float32, torch.float64)}
+    if reason is None:
+        from . import scan as _scan
+
+        threads = pool.threads()
+        info["plans"] = {}
+        for kind, n, B, H, I in HEADLINE_PLANS:
+            L = _scan.tree_levels(n + 1, None)
+            p = plan.choose(kind, n, B, H, I, torch.float32, L, "auto", True, threads)
+            info["plans"][f"{kind} T={n} B={B} fp32"] = p.describe()
+        info["plan_mode"] = plan.mode()
+    from . import process
+
+    info["openmp"] = process.openmp_report()
+    return info
 
 
 def diagnose(device: str = "auto") -> dict:
@@ -255,6 +280,17 @@ def render(rep: dict) -> str:
                  f"{'ok' if n.get('ok') else 'FAIL'}: {n['reason']}")
     k = rep["cpu_kernel"]
     lines.append(f"CPU kernel    {'ok' if k['ok'] else 'FAIL'}: {k['reason']}")
+    if "target" in k:
+        t = k["target"]
+        lanes = ", ".join(f"{n} {d}" for d, n in k["lanes"].items())
+        lines.append(f"CPU target    BPPSA_CPU_ISA={t['isa']}: {t['simd']}, {t['vector_bytes']}-byte vectors, "
+                     f"{t['registers']} registers; lanes per slice: {lanes}")
+    for shape, desc in k.get("plans", {}).items():
+        lines.append(f"CPU plan      {shape}: {desc} [BPPSA_PLAN={k['plan_mode']}]")
+    o = k.get("openmp")
+    if o:
+        lines.append(f"OpenMP        {o['runtime'] or 'none loaded'}: {o['variable']}={o['value']} ({o['set_by']})"
+                     + ("" if o["effective"] or not o["variable"] else f"; NOT in effect: {o['note']}"))
     for name, b in rep["backends"].items():
         lines.append(f"backend {name:<14}{'ok  ' if b['ok'] else 'FAIL'}  {b['reason']}")
     lines.append("to fix:" if rep["fixes"] else "nothing to fix")

@@ -39,6 +39,7 @@ GRU_LANE_BYTES = 32  # the GRU's estimated slice: a block's product and its Jaco
 MODES = ("measure", "estimate")
 MEASURE_SECONDS = 0.4  # time spent measuring one shape's candidates, at most (after three rounds)
 MEASURE_ROUNDS = (3, 15)
+KEEP_ESTIMATE = 1.03  # a measured plan replaces the estimate only where it is faster than this, not by noise
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,8 @@ def candidates(kind: str, n: int, B: int, H: int, L: int, dtype: torch.dtype, sp
     scored = sorted(unique.values(), key=lambda pl: (predict(kind, n, B, H, L, pl), pl != base))
     best = predict(kind, n, B, H, L, scored[0])
     kept = [pl for pl in scored if predict(kind, n, B, H, L, pl) <= keep * best][:most]
-    return kept if base in kept else [base] + kept[:most - 1]
+    kept = [pl for pl in kept if pl != base]
+    return [base] + kept[:most - 1]  # the estimate first (_measure keeps it unless another is clearly faster)
 
 
 # -- the measured plans, kept beside the kernels ------------------------------------------------------------
@@ -251,6 +253,8 @@ def _measure(kind, n, B, H, I, dtype, L, grads, plans: list[Plan]) -> tuple[Plan
             break
     med = [statistics.median(ts) if ts else float("inf") for ts in times]
     best = min(range(len(plans)), key=lambda i: med[i])
+    if med[0] <= KEEP_ESTIMATE * med[best]:  # plans[0] is the estimate: kept unless another is clearly faster
+        best = 0
     return dataclasses.replace(plans[best], source="measured"), {
         "candidates": [{**dataclasses.asdict(pl), "median_ms": round(m * 1e3, 4), "rounds": len(ts)}
                        for pl, m, ts in zip(plans, med, times)]}

@@ -1,0 +1,126 @@
+"""The CPU fast path's plans (bppsa.backends.cpu.plan): the rules, the candidates, measured at first use and kept
+beside the kernels, and every plan exact."""
+import json
+
+import pytest
+import torch
+
+from bppsa import scan
+from bppsa.backends.cpu import native, plan
+from bppsa.backends.cpu.chain import GruChain, RnnChain, native_chain_scan
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
+
+
+@pytest.fixture
+def widest(monkeypatch):
+    """Plans as on a target with vectors of `bytes` bytes (whatever this machine's)."""
+    def set_bytes(nbytes):
+        monkeypatch.setattr(native, "lane_width", lambda kind, dtype: max(1, nbytes // dtype.itemsize))
+    return set_bytes
+
+
+@pytest.mark.parametrize("nbytes,B,expect", [
+    (32, 16, (8, True, 2)),    # AVX2: two 8-lane slices, one per thread (a 16-lane vector does not exist)
+    (64, 16, (16, False, 2)),  # AVX-512: one 16-lane slice whose blocks both threads share
+    (32, 8, (8, False, 2)),    # one slice, shared by blocks
+    (32, 64, (8, True, 2)),    # eight slices, four per thread
+    (32, 1, (8, True, 1)),     # one element: its blocks are the lanes, on one thread (too little to split)
+])
+def test_the_estimate_fills_a_vector_register_per_slice(widest, nbytes, B, expect):
+    widest(nbytes)
+    p = plan.estimate("rnn", 1000, B, 20, torch.float32, "auto", 2)
+    assert (p.lanes, p.by_slice, p.threads) == expect and p.fused == 6
+    assert max(w for gr in p.groups(B) for _, w in gr) <= nbytes // 4
+
+
+def test_the_sequential_rival_takes_slices_only(widest):
+    widest(32)
+    for B in (1, 3, 16, 64):
+        assert all(pl.by_slice for pl in plan.candidates("rnn", 1000, B, 20, 0, torch.float32, "slices", 2))
+
+
+@pytest.mark.parametrize("B", [1, 8, 16, 17, 64])
+def test_candidates_start_with_the_estimate_and_are_pruned_by_the_model(widest, B):
+    widest(32)
+    L = scan.tree_levels(1001, None)
+    cands = plan.candidates("rnn", 1000, B, 20, L, torch.float32, "auto", 2)
+    assert cands[0] == plan.estimate("rnn", 1000, B, 20, torch.float32, "auto", 2)
+    assert 1 <= len(cands) <= 6 and len(set(cands)) == len(cands)
+    best = min(plan.predict("rnn", 1000, B, 20, L, c) for c in cands)
+    assert all(plan.predict("rnn", 1000, B, 20, L, c) <= 1.6 * best for c in cands[1:])
+    # the model sees a thread left idle: two threads sharing the work beat one where B allows it
+    one = plan.Plan(8, True, 1, 1, 6)
+    assert plan.predict("rnn", 1000, 16, 20, L, plan.Plan(8, True, 2, 1, 6)) < plan.predict("rnn", 1000, 16, 20, L, one)
+
+
+def test_bad_plan_mode_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("BPPSA_PLAN", "guess")
+    with pytest.raises(ValueError, match="BPPSA_PLAN='guess'.*measure, estimate"):
+        plan.mode()
+
+
+def test_a_plan_is_measured_once_stored_beside_the_kernels_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("BPPSA_PLAN", "measure")
+    monkeypatch.setattr(native, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(plan, "_chosen", {})
+    calls = []
+    real = plan._measure
+
+    def counted(*a):
+        calls.append(a)
+        return real(*a)
+
+    monkeypatch.setattr(plan, "_measure", counted)
+    shape = ("rnn", 300, 16, 20, 1, torch.float32, 9, "auto", True, 2)
+    p = plan.choose(*shape)
+    assert len(calls) == 1 and p.source == "measured"
+    (store,) = (tmp_path / "plans").glob("*.json")
+    entry = json.loads(store.read_text())["rnn n=300 B=16 H=20 I=1 float32 L=9 auto grads=1 threads=2"]
+    assert entry["plan"]["lanes"] == p.lanes and len(entry["candidates"]) >= 2
+    assert all(c["median_ms"] > 0 and c["rounds"] >= 3 for c in entry["candidates"])
+    assert plan.choose(*shape) == p and len(calls) == 1  # this process: remembered
+    monkeypatch.setattr(plan, "_chosen", {})  # another process: read from the store, not measured again
+    assert plan.choose(*shape) == p and len(calls) == 1
+    monkeypatch.setenv("BPPSA_PLAN", "estimate")  # estimate: never measured
+    assert plan.choose(*shape).source == "estimate" and len(calls) == 1
+
+
+def test_a_damaged_plan_store_is_measured_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("BPPSA_PLAN", "measure")
+    monkeypatch.setattr(native, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(plan, "_chosen", {})
+    (tmp_path / "plans").mkdir()
+    (tmp_path / "plans" / f"{native.build_key()}.json").write_text("{not json")
+    p = plan.choose("rnn", 100, 3, 20, 1, torch.float64, 7, "auto", False, 2)
+    assert p in plan.candidates("rnn", 100, 3, 20, 7, torch.float64, "auto", 2) or p.source == "measured"
+    assert json.loads((tmp_path / "plans" / f"{native.build_key()}.json").read_text())
+
+
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+@pytest.mark.parametrize("B", [1, 16, 17])
+def test_every_candidate_plan_gives_the_reference_scan_and_gradients(kind, B, monkeypatch):
+    """Whichever candidate the measuring picks, the scan is the reference tree's and the parameter gradients
+    agree with the estimate's (to rounding: slices and parts sum in another order)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    n, H, I = 333, 20, (12 if kind == "gru" else 1)
+    g = torch.Generator().manual_seed(B)
+    if kind == "rnn":
+        W = torch.randn(H, H, generator=g, dtype=torch.float64) * 0.3
+        chain = RnnChain.from_states(torch.rand(n, B, H, generator=g, dtype=torch.float64) * 1.8 - 0.9, W,
+                                     torch.rand(n, B, I, generator=g, dtype=torch.float64))
+    else:
+        W = torch.randn(3 * H, H, generator=g, dtype=torch.float64) * 0.3
+        chain = GruChain(W, torch.rand(n, 6 * H + I, B, generator=g, dtype=torch.float64) * 0.5, I)
+    gT = torch.randn(B, H, generator=g, dtype=torch.float64)
+    L = scan.tree_levels(n + 1, None)
+    ref_scan = scan.blelloch_scan(gT, chain.dense())
+    grads_ref = None
+    for p in plan.candidates(kind, n, B, H, L, torch.float64, "auto", 2):
+        monkeypatch.setattr(plan, "choose", lambda *a, _p=p: _p)
+        got = native_chain_scan(gT, chain, L, scan.Workspace())
+        assert ((got - ref_scan).abs().max() / ref_scan.abs().max()).item() <= 1e-12, p
+        grads = native_chain_scan(gT, chain, L, scan.Workspace(), grads=True)
+        grads_ref = grads_ref or grads
+        for name, v in grads.items():
+            assert ((v - grads_ref[name]).abs().max() / grads_ref[name].abs().max()).item() <= 1e-12, (p, name)
