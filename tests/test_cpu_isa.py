@@ -8,7 +8,6 @@ import sys
 from importlib import resources
 
 import pytest
-import torch
 
 from bppsa.backends.cpu import native
 from bppsa.verify import verify
