@@ -25,6 +25,12 @@
  * out[s+1] = J_s out[s] from the block's prefix.  Levels c .. L-1 and the linear middle are the reference
  * tree on the stored level-c array.  L = 0 is the sequential backward: the spine is the whole chain.
  *
+ * Where the loss reads every state, not only h_T (S.e: dl/dh_t for every t), the backward is the affine recurrence
+ * out[s+1] = J_s out[s] + e_{s+1}: each block also carries its offset (its positions replayed from 0 with the
+ * gradients injected: H^2 per step beside the product's H^3), the tree combines the pairs (A2, b2) o (A1, b1) =
+ * (A2 A1, A2 b1 + b2), and the spine and the down phase add each position's gradient as they pass it.  (The
+ * blocks-as-lanes path of one batch element does not take it: bppsa.backends.cpu.native.Team never uses it then.)
+ *
  * Each step's factors also hold what the parameter gradients need beside the step's gradient: x_t (INP rows)
  * and h' = h_{t-1} (H rows), so f is [steps][NR][B] with NR = NF*H + INP + H rows.
  *
@@ -455,26 +461,46 @@ static void take(real *out, int mode, group *gp, real *acc, long B, long b0, lon
 static long tree_work(long n, int L) {
     if (L == 0 || n == 0) return 0;
     long m = n / 2; /* pairs + carry */
-    return m * MAT + VEC + m * VEC + tree_work(m, L - 1);
+    return m * MAT + VEC + 2 * m * VEC + tree_work(m, L - 1);
 }
 
-/* out[k] = A[k-1] ... A[0] spine for k = 0 .. n-1, with L up-sweep levels, then the linear middle. */
-static void tree(const real *spine, const real *A, real *out, long n, int L, real *work) {
+/* v += u, per lane. */
+static void add_vec(real *restrict v, const real *restrict u) {
+    for (int i = 0; i < H; ++i) ST(v + i * NL) = LD(v + i * NL) + LD(u + i * NL);
+}
+
+/* out[k] = A[k-1] out[k-1] (+ Bo[k-1], the affine maps' offsets, where Bo is given) from out[0] = spine, for
+ * k = 0 .. n-1, with L up-sweep levels, then the linear middle.  The pairs combine as (A2, b2) o (A1, b1) =
+ * (A2 A1, A2 b1 + b2): the scan of the affine recurrence out[k+1] = A[k] out[k] + Bo[k]. */
+static void tree(const real *spine, const real *A, const real *Bo, real *out, long n, int L, real *work) {
     if (n == 0) return;
     memcpy(out, spine, sizeof(real) * VEC);
     if (L == 0) {
-        for (long k = 1; k < n; ++k) mat_vec(A + (k - 1) * MAT, out + (k - 1) * VEC, out + k * VEC);
+        for (long k = 1; k < n; ++k) {
+            mat_vec(A + (k - 1) * MAT, out + (k - 1) * VEC, out + k * VEC);
+            if (Bo) add_vec(out + k * VEC, Bo + (k - 1) * VEC);
+        }
         return;
     }
     long pairs = (n - 1) / 2, carry = (n - 1) % 2, m = pairs + carry;
-    real *nxt = work, *sp = nxt + m * MAT, *Q = sp + VEC;
+    real *nxt = work, *sp = nxt + m * MAT, *Q = sp + VEC, *nb = Bo ? Q + m * VEC : 0;
     /* the level's last entry, like A's, is never read: the prefixes out[k] reach A[n - 2] at most */
-    for (long j = 0; j + 1 < m; ++j) mat_mat(A + (2 * j + 2) * MAT, A + (2 * j + 1) * MAT, nxt + j * MAT);
-    if (m) mat_vec(A, spine, sp);
-    tree(sp, nxt, Q, m, L - 1, Q + m * VEC);
+    for (long j = 0; j + 1 < m; ++j) {
+        mat_mat(A + (2 * j + 2) * MAT, A + (2 * j + 1) * MAT, nxt + j * MAT);
+        if (Bo) {
+            mat_vec(A + (2 * j + 2) * MAT, Bo + (2 * j + 1) * VEC, nb + j * VEC);
+            add_vec(nb + j * VEC, Bo + (2 * j + 2) * VEC);
+        }
+    }
+    if (m) {
+        mat_vec(A, spine, sp);
+        if (Bo) add_vec(sp, Bo);
+    }
+    tree(sp, nxt, nb, Q, m, L - 1, Q + 2 * m * VEC);
     for (long j = 0; j < pairs; ++j) {
         memcpy(out + (2 * j + 1) * VEC, Q + j * VEC, sizeof(real) * VEC);
         mat_vec(A + (2 * j + 1) * MAT, Q + j * VEC, out + (2 * j + 2) * VEC);
+        if (Bo) add_vec(out + (2 * j + 2) * VEC, Bo + (2 * j + 1) * VEC);
     }
     if (carry) memcpy(out + (n - 1) * VEC, Q + pairs * VEC, sizeof(real) * VEC);
 }
@@ -489,7 +515,21 @@ static void tree(const real *spine, const real *A, real *out, long n, int L, rea
  * the lanes, [NR][NL], as the step is scanned. */
 typedef struct {
     const real *f, *h, *x;
+    const real *e; /* the loss's direct gradients dl/dh_t [T][B][H] (time order), or NULL: only h_T's, g */
 } chain_src;
+
+/* v += the direct gradient at position k (the paper layout: at its even positions, the states'), every lane. */
+static void add_direct(const chain_src *S, long n, long B, long b0, long k, real *v) {
+#if KIND == 1
+    if (k & 1) return;
+    long t = n / 2 - 1 - (k >> 1);
+#else
+    long t = n - 1 - k;
+#endif
+    const real *e = S->e + (t * B + b0) * H;
+    for (int q = 0; q < NL; ++q)
+        for (int i = 0; i < H; ++i) v[i * NL + q] += e[q * H + i];
+}
 
 #if KIND != 2
 /* The square, rounded before the subtraction that follows it (as torch's 1 - h * h): the empty asm takes and
@@ -665,6 +705,7 @@ void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int L
               real *work) {
     if (c > L) c = L;
     TILE;
+    WCOLS(wc);
     long nc = chain_blocks(n, L, c);
     if (j1 > nc - 1) j1 = nc - 1;
     for (long j = j0; j < j1; ++j) {
@@ -676,6 +717,18 @@ void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int L
         for (long s = hi - 1; s >= lo; --s) {
             fs = ROWS(s, H);
             mul_jac(M, Wt, s, fs, ld);
+        }
+        if (S->e) { /* the block's offset: its positions replayed from 0 with the direct gradients injected */
+            real vu[2][H * NL] __attribute__((aligned(64))), *v = vu[0], *u = vu[1], *t;
+            memset(v, 0, sizeof(real) * VEC);
+            add_direct(S, n, B, b0, lo + 1, v);
+            for (long s = lo + 1; s <= hi; ++s) {
+                fs = ROWS(s, H);
+                jac_vec(Wt, wc, s, fs, ld, v, u);
+                add_direct(S, n, B, b0, s + 1, u);
+                t = v, v = u, u = t;
+            }
+            memcpy(work + nc * MAT + nc * VEC + j * VEC, v, sizeof(real) * VEC);
         }
     }
 }
@@ -698,6 +751,7 @@ void chain_tree(const real *Wt, const chain_src *S, const real *g, real *out, in
         const real *fs = ROWS(s, NR);
         take(out, mode, &gp, acc, B, b0, s, v, fs, ld, NL, ALL);
         jac_vec(Wt, wc, s, fs, ld, v, u);
+        if (S->e) add_direct(S, n, B, b0, s + 1, u);
         t = v, v = u, u = t; /* the next position's prefix: the buffers swap, nothing copied */
     }
     if (nc == 0) {
@@ -706,9 +760,9 @@ void chain_tree(const real *Wt, const chain_src *S, const real *g, real *out, in
     }
     grp_flush(&gp, acc);
     if (nc == 0) return;
-    real *A = work, *Q = A + nc * MAT, *sp = Q + nc * VEC;
+    real *A = work, *Q = A + nc * MAT, *Bo = Q + nc * VEC, *sp = Bo + nc * VEC;
     memcpy(sp, v, sizeof(real) * VEC); /* the prefix at position 2^c - 1, the first block's, taken by chain_down */
-    tree(sp, A, Q, nc, L - c, sp + VEC);
+    tree(sp, A, S->e ? Bo : 0, Q, nc, L - c, sp + VEC);
 }
 
 /* Down: each block j0 .. j1 - 1 from its prefix, by the factored mat-vecs out[s+1] = J_s out[s]. */
@@ -730,6 +784,7 @@ void chain_down(const real *Wt, const chain_src *S, real *out, int mode, long n,
             const real *fs = ROWS(s, NR);
             take(out, mode, &gp, acc, B, b0, s, v, fs, ld, NL, ALL);
             jac_vec(Wt, wc, s, fs, ld, v, u);
+            if (S->e) add_direct(S, n, B, b0, s + 1, u);
             t = v, v = u, u = t;
         }
         const real *fs = ROWS(hi, NR);
@@ -742,7 +797,7 @@ void chain_down(const real *Wt, const chain_src *S, real *out, int mode, long n,
 long chain_scan_work(long n, int L, int c) {
     if (c > L) c = L;
     long nc = chain_blocks(n, L, c);
-    return nc ? nc * MAT + nc * VEC + VEC + tree_work(nc, L - c) : 0;
+    return nc ? nc * MAT + 2 * nc * VEC + VEC + tree_work(nc, L - c) : 0; /* A, Q, Bo, the spine, the tree */
 }
 
 /* -- one batch element, its blocks as the lanes ---------------------------------------------------

@@ -299,7 +299,7 @@ _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
 class _Call(ctypes.Structure):
     """chain_scan.c's team_call: one call's operands."""
-    _fields_ = [("Wt", _p), ("f", _p), ("h", _p), ("x", _p), ("g", _p), ("out", _p)]
+    _fields_ = [("Wt", _p), ("f", _p), ("h", _p), ("x", _p), ("e", _p), ("g", _p), ("out", _p)]
 
 
 class _SliceArgs(ctypes.Structure):
@@ -385,13 +385,14 @@ class Team:
 
     A one-lane slice (B = 1) runs the up and down phases of its full blocks ``VL`` at a time as the lanes of the
     kernel built for ``VL`` lanes (a vector register's worth), where that builds; only a clipped last block
-    takes the one-lane kernel."""
+    takes the one-lane kernel.  ``affine``: the team also takes the loss's direct gradients at every step
+    (:meth:`go`'s ``e``), which that path does not, so it is not used."""
 
     def __init__(self, kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype, L: int,
                  groups: list[list[tuple[int, int]]], by_slice: bool, threads: int, parts: int, mode: int,
-                 layout=None, *, fused: int):
+                 layout=None, *, fused: int, affine: bool = False):
         self.t = t = _Team()
-        self.call, self.mode, self.dtype = t.call, mode, dtype
+        self.call, self.mode, self.dtype, self.affine = t.call, mode, dtype, affine
         t.closed = 1
         vl = lane_width(kind, dtype)
         na, nbv = (4 * H if kind == "gru" else H), I + 1 + H
@@ -401,7 +402,7 @@ class Team:
         for e, (owner, b0, w) in zip(self.sl, owned):
             lib = library(kind, H, I, w, dtype)
             blocks = int(lib.chain_blocks(n, L, fused))
-            wide = library(kind, H, I, vl, dtype) if w == 1 and blocks > 1 else None
+            wide = library(kind, H, I, vl, dtype) if w == 1 and blocks > 1 and not affine else None
             size = 1 << min(fused, L)  # blocks hold `size` Jacobians; the last one may be clipped at J_{n-1}
             full = blocks - (blocks > 0 and n - (blocks * size - 1) < size) if wide is not None else 0
             p = 1 if by_slice else parts
@@ -443,12 +444,17 @@ class Team:
             self.dst = (_p * len(layout))()
 
     def go(self, W: torch.Tensor, src, g: torch.Tensor, out: torch.Tensor | None = None, head=None,
-           fill: GruFill | None = None):
+           fill: GruFill | None = None, e: torch.Tensor | None = None):
         """One scan: the recurrent weights ``W`` [NW·H, H] (transposed here), ``src`` (the factors f, or the RNN's
         states (h, x)), ∇h_T in ``g`` (or ``head``, a :class:`~bppsa.backends.base.Head` the kernel runs: then
         pass :attr:`g`, which receives ∇h_T), ``out`` [n, B, H] (mode 0), ``fill``: the factors' writer left to
-        the team.  Returns the parameter gradients (mode 1: a dict of new tensors)."""
+        the team; ``e``: the loss's direct gradients dl/dh_t [T, B, H] (time order, contiguous; a team built
+        ``affine``), making the scan the affine recurrence.  Returns the parameter gradients (mode 1: a dict of
+        new tensors)."""
         c, t, dtype = self.call, self.t, self.dtype
+        if e is not None and not self.affine:
+            raise ValueError("this team was built without affine=True: it cannot take per-step gradients")
+        c.e = None if e is None else e.data_ptr()
         t.W, c.g = (W if W.is_contiguous() else W.contiguous()).data_ptr(), g.data_ptr()
         if isinstance(src, torch.Tensor):
             c.f, c.h, c.x = src.data_ptr(), None, None

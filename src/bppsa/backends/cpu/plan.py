@@ -293,21 +293,23 @@ def choose(kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype, L: int
     return plan
 
 
-def _team(chain, L: int, plan: Plan, grads: bool):
+def _team(chain, L: int, plan: Plan, grads: bool, affine: bool = False):
     n, B, H, _ = chain.shape
     groups = plan.groups(B)
     if any(native.library(chain.kind, H, chain.I, w, chain.dtype) is None for gr in groups for _, w in gr):
         return None
     return native.Team(chain.kind, n, B, H, chain.I, chain.dtype, L, groups, plan.by_slice, plan.threads,
-                       plan.parts, int(grads), chain.grad_layout() if grads else None, fused=plan.fused)
+                       plan.parts, int(grads), chain.grad_layout() if grads else None, fused=plan.fused,
+                       affine=affine)
 
 
-def team_for(chain, L: int, split: str, grads: bool, threads: int):
+def team_for(chain, L: int, split: str, grads: bool, threads: int, affine: bool = False):
     """The kernel's team (:class:`.native.Team`) for scans of chains like ``chain`` under the plan
-    :func:`choose` picks; None where the kernel is unavailable."""
+    :func:`choose` picks (``affine``: one that takes the loss's per-step gradients, under the same plan); None
+    where the kernel is unavailable."""
     if not native.available():
         return None
     n, B, H, _ = chain.shape
     plan = choose(chain.kind, n, B, H, chain.I, chain.dtype, L, split, grads, threads)
-    return _team(chain, L, plan, grads)
+    return _team(chain, L, plan, grads, affine)
 
