@@ -22,6 +22,12 @@ class TorchBackend:
         check_operands(g, J)
         return _scan.blelloch_scan(g, J, L_m, self.workspace)
 
+    def affine_scan(self, g: torch.Tensor, J: torch.Tensor, c: torch.Tensor, L_m: int | None = None) -> torch.Tensor:
+        """The per-step-gradient scan (:func:`bppsa.scan.affine_blelloch_scan`): the prefixes of
+        ``out[k] = J[k-1] out[k-1] + c[k-1]`` from ``out[0] = g``, over the dense chain ``J``."""
+        check_operands(g, J)
+        return _scan.affine_blelloch_scan(g, J, c, L_m, self.workspace)
+
     def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x=None) -> torch.Tensor:
         # the Jacobians are consumed by the scan of the same step, so their buffer can be reused
         T, B, H = h.shape
