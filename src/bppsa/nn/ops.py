@@ -10,7 +10,7 @@ One implementation serves every device: the backend named by the op's ``backend`
 tensors' device (:func:`bppsa.backends.get_backend`: the CPU kernel, the CuPy kernels, the torch twin).  The CUDA
 registration only makes the tensors' device current; the CuPy backends launch on torch's current stream.
 """
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
@@ -99,8 +99,8 @@ gru, gru_backward = _define("gru")
 OPS = {"rnn": rnn, "gru": gru}
 
 
-def layer(cell: str, x: torch.Tensor, h0: Optional[torch.Tensor], w_ih: torch.Tensor, w_hh: torch.Tensor,
-          b_ih: Optional[torch.Tensor], b_hh: Optional[torch.Tensor], lengths: Optional[torch.Tensor] = None,
-          backend: str = "auto", layout: str = "fused", L_m: Optional[int] = None):
+def layer(cell: str, x: torch.Tensor, h0: torch.Tensor | None, w_ih: torch.Tensor, w_hh: torch.Tensor,
+          b_ih: torch.Tensor | None, b_hh: torch.Tensor | None, lengths: torch.Tensor | None = None,
+          backend: str = "auto", layout: str = "fused", L_m: int | None = None):
     """One layer through its op: ``(h [T, B, H], h_n [B, H])`` from time-major ``x`` [T, B, I]."""
     return OPS[cell](x, h0, w_ih, w_hh, b_ih, b_hh, lengths, backend, layout, L_m)
