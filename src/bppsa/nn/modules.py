@@ -116,6 +116,9 @@ class _Recurrent(nn.Module):
         self._check_dtype(x)
         if lengths is not None:
             lengths = torch.as_tensor(lengths, dtype=torch.int64).cpu()
+        if hx is not None and tuple(hx.shape) != (self.num_layers, x.shape[1], self.hidden_size):
+            raise ValueError(f"bppsa.nn.{type(self).__name__}: hx must be [num_layers, B, hidden_size] = "
+                             f"{[self.num_layers, x.shape[1], self.hidden_size]}, got {list(hx.shape)}")
         out, h_n = self._layers(x, hx, lengths)
         if packed:
             return _repack(out, input), h_n
