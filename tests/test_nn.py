@@ -70,6 +70,7 @@ CASES = [
     (7, 1, True, False, 1, True, True, "hn", True),
     (2, 17, True, True, 2, False, True, "hn", True),
     (9, 1, False, False, 2, True, False, "both", False),
+    (9, 17, True, False, 2, True, False, "hn", True),  # layer 2: the single seed with h0; layer 1: per step
 ]
 # T = 1000 in fp32 only, the harder bound (torch's own CPU GRU backward takes seconds there)
 LONG = [
@@ -219,6 +220,13 @@ def test_gradcheck_fp64(cell, with_lengths):
             return ops.layer(cell, *a, lengths, backend)
 
         assert torch.autograd.gradcheck(f, (x, h0, w_ih, w_hh, b_ih, b_hh))
+
+
+def test_every_op_has_a_cuda_kernel():
+    """The CUDA registration (the tensors' device made current, then the backends resolve on it) exists even
+    where this torch cannot run it."""
+    for name in ("rnn", "gru", "rnn_backward", "gru_backward"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"bppsa::{name}", "CUDA"), name
 
 
 def test_double_backward_raises():
