@@ -44,9 +44,10 @@ def backend_for(name: str, device: torch.device):
 
 def per_step_backend(backend, device: torch.device) -> TorchBackend:
     """THE place that says which backend scans the per-step-gradient (affine) recurrence and the chains with
-    identity steps (variable lengths): a backend with its own ``affine_scan`` over dense Jacobians (the torch
-    twin) itself, every other one (the CPU kernel and the CUDA kernels: no affine scan yet) the torch twin on
-    the same device.  When a compiled kernel gains the affine scan, it is routed here."""
+    identity steps (variable lengths): ``backend.affine_scan(g, J, c, L_m, past)`` over ``backend``'s own chain
+    (:func:`per_step_scan`).  Today only the torch twin has it, over dense Jacobians; the CPU kernel and the
+    CUDA kernels (factored chains, no affine scan yet) send it to the twin on the same device.  When a kernel
+    gains it, return its backend here."""
     if type(backend) is TorchBackend:
         return backend
     return backend_for("torch", device)
@@ -187,22 +188,17 @@ def _dh(cell: str, scan: torch.Tensor, layout: str) -> torch.Tensor:
     return (scan[0::2] if cell == "rnn" and layout == "paper" else scan).flip(0)
 
 
-def per_step_scan(twin: TorchBackend, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, valid, seed, grad_h, L_m):
+def per_step_scan(be, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, valid, seed, grad_h, L_m):
     """∇h_t (time order) where a gradient enters at every step or the sequences end apart: the affine scan of
-    ``twin`` over dense Jacobians, identities at the steps past a sequence's end."""
+    ``be`` (:func:`per_step_backend`) over its fused chain, identities at the steps past a sequence's end."""
     T, B, H = h.shape
-    if cell == "rnn":
-        J = twin.rnn_jacobians_t(h, w_hh, "fused")
-    else:
-        J = twin.gru_jacobians_t(x, h, _gru_cell(w_ih, w_hh, b_ih, b_hh), gates)
-    if valid is not None:
-        past = ~valid.flip(0)  # scan order: J[k] is step T - k
-        J = torch.where(past[..., None, None], torch.eye(H, dtype=J.dtype, device=J.device), J)
-    if grad_h is None:
-        return twin.scan(seed, J, L_m).flip(0)
+    J = _chain(be, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused")
+    past = None if valid is None else ~valid.flip(0)  # scan order: J[k] is step T - k
     # pair k is (J[k], ∂l/∂h_{T-1-k}); the last one's vector would be ∂l/∂h_0, which no output reads
-    c = torch.cat([grad_h[:-1].flip(0), grad_h.new_zeros((1, B, H))])
-    return twin.affine_scan(seed, J, c, L_m).flip(0)
+    c = h.new_zeros((T, B, H))
+    if grad_h is not None:
+        c[:-1] = grad_h[:-1].flip(0)
+    return be.affine_scan(seed, J, c, L_m, past).flip(0)
 
 
 def _grads(cell, x, h0, w_ih, w_hh, h, gates, valid, dh, layout, scan, need_x=False, need_h0=False):

@@ -76,6 +76,9 @@ class _Recurrent(nn.Module):
         for p in self.parameters():
             nn.init.uniform_(p, -bound, bound)
 
+    def flatten_parameters(self) -> None:
+        """Nothing to do (torch.nn's cuDNN weight packing): here so that code written for torch.nn runs."""
+
     def layer_weights(self, k: int):
         b = (getattr(self, f"bias_ih_l{k}"), getattr(self, f"bias_hh_l{k}")) if self.bias else (None, None)
         return getattr(self, f"weight_ih_l{k}"), getattr(self, f"weight_hh_l{k}"), *b
