@@ -412,3 +412,62 @@ def test_readme_example_runs_as_written():
     gru = scope["gru"]
     assert all(p.grad is not None for p in gru.parameters())
     assert scope["out"][3, 1:].abs().max() == 0  # zero past the sequence of length 1
+
+
+# -- the CUDA backends, their kernels emulated on the CPU -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def emulated_cupy_factored(tmp_path_factory):
+    """CupyFactoredBackend (the GPU's 'auto') with its kernels run by tests/cuda_emulator.py: the same launch
+    plans and buffers, on CPU tensors; what the layers get for backend='cupy-factored' here."""
+    from cuda_emulator import build_emulator, emulated_factored, emulated_scan
+
+    from bppsa.backends.cuda import CupyBackend, CupyFactoredBackend, runtime
+
+    lib = build_emulator(str(tmp_path_factory.mktemp("emu")))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(runtime, "import_cupy", lambda: None)
+    mp.setattr(runtime, "check_cuda", lambda dtype, *ts: torch.device("cpu"))
+    mp.setattr(runtime, "smem_optin", lambda dev: 227 * 1024)  # an H100's
+    calls = []
+
+    def factored(self, g, chain, L_m, grads, C=None):
+        calls.append("sums" if grads else "scan")
+        return torch.from_numpy(emulated_factored(lib, chain, g.numpy(), C, grads, L_m)[0])
+
+    def scan(self, g, J, L_m=None):
+        calls.append("dense scan")
+        return torch.from_numpy(emulated_scan(lib, g.numpy(), J.contiguous().numpy(), L_m)[0])
+
+    mp.setattr(CupyFactoredBackend, "_factored", factored)
+    mp.setattr(CupyBackend, "scan", scan)
+    mp.setitem(nn_backward._backends, ("cupy-factored", "cpu"), CupyFactoredBackend())
+    yield calls
+    mp.undo()
+
+
+@pytest.mark.slow  # one g++ build of the emulator (~20 s)
+@pytest.mark.parametrize("cell", ["rnn", "gru"])
+def test_cupy_factored_backend_emulated(cell, emulated_cupy_factored):
+    """The layers on the factored CUDA kernels: the harness's step (the kernels sum the weights' gradients),
+    the single seed with h0 and ∇x (the kernels' scan), per-step gradients (the twin)."""
+    calls = emulated_cupy_factored
+    calls.clear()
+    ours_cls, torch_cls = CLASSES[cell]
+    for case in [(9, 17, True, False, 1, False, False, "hn", False), (7, 3, False, True, 2, True, False, "hn", True),
+                 (7, 3, True, False, 1, True, True, "both", True)]:
+        T, B, bias, batch_first, layers, with_h0, with_lengths, loss_kind, dx = case
+        torch.manual_seed(T + B)
+        ref = torch_cls(I, H, num_layers=layers, bias=bias, batch_first=batch_first, dtype=torch.float64)
+        got = ours_cls.from_torch(ref, backend="cupy-factored")
+        gen = torch.Generator().manual_seed(T)
+        shape = (B, T, I) if batch_first else (T, B, I)
+        x = torch.randn(shape, generator=gen, dtype=torch.float64).requires_grad_(dx)
+        h0 = torch.randn(layers, B, H, generator=gen, dtype=torch.float64) if with_h0 else None
+        lengths = _lengths(T, B, gen) if with_lengths else None
+        w_out, w_hn = torch.randn(shape[:2] + (H,), dtype=torch.float64), torch.randn(layers, B, H, dtype=torch.float64)
+        want = _run(ref, x, h0, lengths, loss_kind, batch_first, w_out, w_hn, ours=False)[0]
+        have = _run(got, x, h0, lengths, loss_kind, batch_first, w_out, w_hn, ours=True)[0]
+        assert max(_rel(have[k], want[k]) for k in want) <= 1e-10, case
+    assert calls == ["sums", "scan"]  # the per-step case went to the twin
