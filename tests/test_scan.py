@@ -92,3 +92,42 @@ def test_workspace_reuse_never_leaks_into_results():
     assert _rel(out2, linear_scan(g2, J2)) <= 1e-12
     g3, J3 = _chain(77, 3, 5, seed=3)  # another shape through the same workspace
     assert _rel(blelloch_scan(g3, J3, 3, workspace=ws), linear_scan(g3, J3)) <= 1e-12
+
+
+# -- the per-step-gradient (affine) scan -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 16, 17, 100])
+def test_affine_scan_is_the_reference_tree_bit_for_bit(n):
+    """The pairs' tree of Algorithm 1 (reference_scan on (A, b) pairs) and the batched twin agree exactly,
+    for every L_m, and both equal the step-by-step recurrence g_t = J g_{t+1} + c_t."""
+    from bppsa.scan import affine_blelloch_scan, affine_linear_scan, affine_pair_ops, reference_scan
+
+    g, J = _chain(n, 3, 4, seed=n)
+    c = torch.randn(n, 3, 4, generator=torch.Generator().manual_seed(n + 1), dtype=torch.float64)
+    ref = affine_linear_scan(g, J, c)
+    mm, mv = affine_pair_ops()
+    for L_m in [None] + list(range(num_levels(n + 1) + 2)):
+        out = affine_blelloch_scan(g, J, c, L_m)
+        assert out.shape == (n, 3, 4)
+        if n:
+            tree, _ = reference_scan(g, [(J[k], c[k]) for k in range(n)], L_m, matmat=mm, matvec=mv)
+            assert torch.equal(out, torch.stack(tree)), L_m
+            assert _rel(out, ref) <= 1e-12, L_m
+
+
+def test_affine_scan_with_zero_injections_is_the_papers_scan():
+    from bppsa.scan import affine_blelloch_scan
+
+    g, J = _chain(37, 2, 3)
+    for L_m in (None, 0, 2):
+        assert torch.equal(affine_blelloch_scan(g, J, torch.zeros(37, 2, 3, dtype=J.dtype), L_m),
+                           blelloch_scan(g, J, L_m))
+
+
+def test_affine_scan_rejects_bad_injections():
+    from bppsa.scan import affine_blelloch_scan
+
+    g, J = _chain(5, 2, 3)
+    with pytest.raises(ValueError, match="expected c"):
+        affine_blelloch_scan(g, J, torch.zeros(4, 2, 3, dtype=J.dtype))

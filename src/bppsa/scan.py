@@ -19,6 +19,12 @@ Tensor layout used throughout the package:
 Lengths need not be powers of two: the right-most block of a level is clipped at N - 1 (an odd
 block out is carried up unchanged); no padding with identities is ever materialised.
 
+**Gradients at every step** (a loss on every h_t, not only on the last): back-propagation is then the
+affine recurrence ``g_t = J_{t+1}ᵀ g_{t+1} + ∂l/∂h_t``, the same scan over *pairs* ``(A, b)`` combined as
+``(A₂, b₂) ∘ (A₁, b₁) = (A₂A₁, A₂b₁ + b₂)`` and applied to a vector as ``A v + b``
+(:func:`affine_blelloch_scan`, the same tree; :func:`affine_pair_ops` run :func:`reference_scan` on pairs).
+The paper's scan is the special case ``b = 0``.
+
 Because position 0 is a vector, the left spine of the tree (blocks that start at position 0)
 carries vectors: its up-sweep products are matrix-vector, and so is every down-sweep product
 (prefixes are vectors or the identity).  Only up-sweep products off the spine are matrix-matrix.
@@ -33,6 +39,9 @@ import torch
 __all__ = [
     "Level",
     "Workspace",
+    "affine_blelloch_scan",
+    "affine_linear_scan",
+    "affine_pair_ops",
     "blelloch_scan",
     "levels",
     "linear_scan",
@@ -260,3 +269,99 @@ def linear_scan(g: torch.Tensor, J: torch.Tensor) -> torch.Tensor:
     for k in range(1, n):
         out[k] = _mv(J[k - 1], out[k - 1])
     return out
+
+
+# -- the per-step-gradient (affine) scan ------------------------------------------------------------------
+
+
+def affine_pair_ops():
+    """``(matmat, matvec)`` for :func:`reference_scan` over pairs ``(A, b)``: the affine scan's tree is that
+    tree, position by position, with ``J[p - 1] = (A, b)`` (b added after A is applied)."""
+    def matmat(right, left):
+        (A2, b2), (A1, b1) = right, left
+        return A2 @ A1, _mv(A2, b1) + b2
+
+    def matvec(pair, v):
+        A, b = pair
+        return _mv(A, v) + b
+
+    return matmat, matvec
+
+
+def _check_affine(g: torch.Tensor, J: torch.Tensor, c: torch.Tensor) -> None:
+    if g.dim() != 2 or J.dim() != 4 or J.shape[1:3] != g.shape or J.shape[2] != J.shape[3]:
+        raise ValueError(f"expected g [B, H] and J [n, B, H, H], got {tuple(g.shape)} and {tuple(J.shape)}")
+    if tuple(c.shape) != (J.shape[0],) + tuple(g.shape):
+        raise ValueError(f"expected c [n, B, H] = {(J.shape[0],) + tuple(g.shape)}, got {tuple(c.shape)}")
+
+
+@torch.no_grad()
+def affine_linear_scan(g: torch.Tensor, J: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """The per-step-gradient recurrence one step at a time (what back-propagation computes):
+    ``out[0] = g``, ``out[k] = J[k-1] out[k-1] + c[k-1]``; ``c[n-1]`` never reaches an output, as ``J[n-1]``."""
+    _check_affine(g, J, c)
+    n = J.shape[0]
+    out = g.new_empty((n,) + tuple(g.shape))
+    if n == 0:
+        return out
+    out[0] = g
+    for k in range(1, n):
+        out[k] = _mv(J[k - 1], out[k - 1]) + c[k - 1]
+    return out
+
+
+@torch.no_grad()
+def affine_blelloch_scan(g: torch.Tensor, J: torch.Tensor, c: torch.Tensor, L_m: int | None = None,
+                         workspace: Workspace | None = None) -> torch.Tensor:
+    """:func:`blelloch_scan` over the pairs ``(J[k], c[k])``: the exclusive prefixes of the affine recurrence
+    of :func:`affine_linear_scan`, in Θ(log n) steps, with the same tree and ``L_m`` semantics.
+
+    Each product of the paper's scan gains its vector part: an up-sweep pair off the spine is
+    ``(A₂A₁, A₂b₁ + b₂)`` (one matrix-vector product more per matrix-matrix one, ~1/H of its work), the spine,
+    the middle and a right child of the down-sweep ``A v + b``.  ``J`` and ``c`` are not modified."""
+    _check_affine(g, J, c)
+    n = J.shape[0]
+    L = tree_levels(n + 1, L_m)
+    ws = workspace if workspace is not None else Workspace()
+    vec = tuple(g.shape)
+
+    spine, A, b, K = g, J, c, n + 1  # block 0 is the spine (a vector); block k >= 1 is the pair (A[k-1], b[k-1])
+    saved = []
+    for d in range(L):
+        pairs = (K - 2) // 2
+        carry = (K - 2) % 2 == 1
+        left = ws.get(("affine-left", d), (pairs,) + tuple(A.shape[1:]), A)
+        left.copy_(A[1:2 * pairs:2])
+        left_b = ws.get(("affine-left-b", d), (pairs,) + vec, b)
+        left_b.copy_(b[1:2 * pairs:2])
+        right = A[2:2 * pairs + 1:2]
+        nxt = ws.get(("affine-up", d), (pairs + carry,) + tuple(A.shape[1:]), A)
+        nxt_b = ws.get(("affine-up-b", d), (pairs + carry,) + vec, b)
+        torch.matmul(right, left, out=nxt[:pairs])
+        torch.add(_mv(right, left_b), b[2:2 * pairs + 1:2], out=nxt_b[:pairs])
+        if carry:
+            nxt[pairs] = A[-1]
+            nxt_b[pairs] = b[-1]
+        saved.append((spine, left, left_b, carry))
+        spine = _mv(A[0], spine) + b[0]
+        A, b, K = nxt, nxt_b, (K + 1) // 2
+
+    Q = g.new_empty((K - 1,) + vec) if L == 0 else ws.get(("affine-prefix", L), (K - 1,) + vec, g)
+    if K > 1:
+        Q[0] = spine
+        for k in range(1, K - 1):
+            Q[k] = _mv(A[k - 1], Q[k - 1]) + b[k - 1]
+
+    for d in reversed(range(L)):
+        spine_d, left, left_b, carry = saved[d]
+        pairs = left.shape[0]
+        shape = (1 + 2 * pairs + carry,) + vec
+        Qn = g.new_empty(shape) if d == 0 else ws.get(("affine-prefix", d), shape, g)
+        Qn[0] = spine_d
+        kids = Qn[1:1 + 2 * pairs].view((pairs, 2) + vec)
+        kids[:, 0] = Q[:pairs]
+        kids[:, 1] = _mv(left, Q[:pairs]) + left_b
+        if carry:
+            Qn[-1] = Q[pairs]
+        Q = Qn
+    return Q

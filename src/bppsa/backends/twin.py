@@ -22,6 +22,17 @@ class TorchBackend:
         check_operands(g, J)
         return _scan.blelloch_scan(g, J, L_m, self.workspace)
 
+    def affine_scan(self, g: torch.Tensor, J: torch.Tensor, c: torch.Tensor, L_m: int | None = None,
+                    past: torch.Tensor | None = None) -> torch.Tensor:
+        """The per-step-gradient scan (:func:`bppsa.scan.affine_blelloch_scan`): the prefixes of
+        ``out[k] = J[k-1] out[k-1] + c[k-1]`` from ``out[0] = g``, over the dense chain ``J``.  ``past``
+        ([n, B] bool, optional): the steps whose Jacobian is the identity instead (past a sequence's end)."""
+        check_operands(g, J)
+        if past is not None:
+            eye = torch.eye(J.shape[-1], dtype=J.dtype, device=J.device)
+            J = torch.where(past[..., None, None], eye, J)
+        return _scan.affine_blelloch_scan(g, J, c, L_m, self.workspace)
+
     def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x=None) -> torch.Tensor:
         # the Jacobians are consumed by the scan of the same step, so their buffer can be reused
         T, B, H = h.shape
