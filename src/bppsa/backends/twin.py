@@ -48,6 +48,11 @@ class TorchBackend:
     def cell_grads(self, g, J: torch.Tensor, L_m: int | None, from_scan) -> dict:
         return from_scan(self.scan(grad_of(g), J, L_m))
 
+    def affine_cell_grads(self, g: torch.Tensor, J, c: torch.Tensor, L_m: int | None, from_scan) -> dict:
+        """The cell's parameter gradients where the loss reads every state (:meth:`affine_scan`'s ``c``), from that
+        scan's output; a backend may accumulate them as it scans instead (the CPU kernel)."""
+        return from_scan(self.affine_scan(g, J, c, L_m))
+
     def head_grads(self, logits: torch.Tensor, y: torch.Tensor, W: torch.Tensor, h: torch.Tensor):
         """A training step's head in closed form: for the mean softmax cross-entropy of ``logits`` = h Wᵀ + b
         [B, C] against labels ``y``, the gradient w.r.t. the logits is d = (softmax - onehot(y)) / B, and

@@ -45,10 +45,12 @@ def backend_for(name: str, device: torch.device):
 def per_step_backend(backend, device: torch.device) -> TorchBackend:
     """THE place that says which backend scans the per-step-gradient (affine) recurrence and the chains with
     identity steps (variable lengths): ``backend.affine_scan(g, J, c, L_m, past)`` over ``backend``'s own chain
-    (:func:`per_step_scan`).  Today only the torch twin has it, over dense Jacobians; the CPU kernel and the
-    CUDA kernels (factored chains, no affine scan yet) send it to the twin on the same device.  When a kernel
-    gains it, return its backend here."""
-    if type(backend) is TorchBackend:
+    (:func:`per_step_scan`).  The torch twin (dense Jacobians) and the CPU fast path (its compiled kernel over
+    the factored chain; identity steps through the twin) have it; the CUDA kernels (no affine scan yet) send it
+    to the twin on the same device.  When a kernel gains it, return its backend here."""
+    from ..backends.cpu import CpuBackend
+
+    if type(backend) is TorchBackend or isinstance(backend, CpuBackend):
         return backend
     return backend_for("torch", device)
 
@@ -163,6 +165,13 @@ def layer_backward(cell: str, x, h0, w_ih, w_hh, b_ih, b_hh, lengths, h, grad_h,
             return None, None, *_weights(grads, b_ih is not None)
         scan = be.scan(seed, _chain(be, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, layout), L_m)
         dh = _dh(cell, scan, layout)
+    elif valid is None and not need_x and not need_h0 and h0 is None:
+        # a loss on every state, full lengths: the backend may accumulate the weights' gradients as it scans
+        ps = per_step_backend(be, dev)
+        J = _chain(ps, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused", with_x=True)
+        grads = ps.affine_cell_grads(seed, J, _direct(grad_h, h), L_m, lambda out: _grads(
+            cell, x, h0, w_ih, w_hh, h, gates, None, _dh(cell, out, "fused"), "fused", out)[2])
+        return None, None, *_weights(grads, b_ih is not None)
     else:
         layout, scan = "fused", None
         dh = per_step_scan(per_step_backend(be, dev), cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, valid, seed,
@@ -191,14 +200,18 @@ def _dh(cell: str, scan: torch.Tensor, layout: str) -> torch.Tensor:
 def per_step_scan(be, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, valid, seed, grad_h, L_m):
     """∇h_t (time order) where a gradient enters at every step or the sequences end apart: the affine scan of
     ``be`` (:func:`per_step_backend`) over its fused chain, identities at the steps past a sequence's end."""
-    T, B, H = h.shape
     J = _chain(be, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused")
     past = None if valid is None else ~valid.flip(0)  # scan order: J[k] is step T - k
-    # pair k is (J[k], ∂l/∂h_{T-1-k}); the last one's vector would be ∂l/∂h_0, which no output reads
-    c = h.new_zeros((T, B, H))
+    return be.affine_scan(seed, J, _direct(grad_h, h), L_m, past).flip(0)
+
+
+def _direct(grad_h, h) -> torch.Tensor:
+    """The affine scan's vectors c [T, B, H] (scan order) from ∂l/∂h_t (time order): pair k is (J[k], ∂l/∂h_{T-1-k});
+    the last one's vector would be ∂l/∂h_0, which no output reads."""
+    c = h.new_zeros(h.shape)
     if grad_h is not None:
         c[:-1] = grad_h[:-1].flip(0)
-    return be.affine_scan(seed, J, c, L_m, past).flip(0)
+    return c
 
 
 def _grads(cell, x, h0, w_ih, w_hh, h, gates, valid, dh, layout, scan, need_x=False, need_h0=False):

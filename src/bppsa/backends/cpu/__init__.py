@@ -58,14 +58,19 @@ def cpu_scan(g: torch.Tensor, J: torch.Tensor | FactoredChain, L_m: int | None =
 
 @torch.no_grad()
 def param_grads(g, chain: FactoredChain, L_m: int | None, ws: _scan.Workspace, from_scan,
-                split: str = "auto") -> dict[str, torch.Tensor]:
+                split: str = "auto", c: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The cell's parameter gradients from the scan over ``chain``: accumulated by the compiled kernel as
     the prefixes come out, or ``from_scan(scan)`` without it (or for a chain built without x).
     ``g``: ∇h_T, or the callable that returns it (:func:`~bppsa.backends.base.grad_of`; the kernel's
-    other threads start their up-sweep meanwhile).  ``L_m = 0`` is the sequential backward over the same chain."""
+    other threads start their up-sweep meanwhile).  ``L_m = 0`` is the sequential backward over the same chain.
+    ``c``: the loss's direct gradients in scan order (the affine scan, :func:`.chain.native_chain_scan`)."""
     L = _scan.tree_levels(chain.shape[0] + 1, L_m)
-    out = native_chain_scan(g, chain, L, ws, split, grads=True) if chain.I else None
-    return out if out is not None else from_scan(cpu_scan(grad_of(g), chain, L_m, ws, split))
+    out = native_chain_scan(g, chain, L, ws, split, grads=True, c=c) if chain.I else None
+    if out is not None:
+        return out
+    if c is None:
+        return from_scan(cpu_scan(grad_of(g), chain, L_m, ws, split))
+    return from_scan(TorchBackend().affine_scan(grad_of(g), chain.dense(), c, L_m))
 
 
 class CpuBackend(TorchBackend):
@@ -105,6 +110,26 @@ class CpuBackend(TorchBackend):
 
     def scan(self, g: torch.Tensor, J, L_m: int | None = None) -> torch.Tensor:
         return cpu_scan(g, J, self._L_m(L_m), self.workspace, self._split)
+
+    @torch.no_grad()
+    def affine_scan(self, g: torch.Tensor, J, c: torch.Tensor, L_m: int | None = None,
+                    past: torch.Tensor | None = None) -> torch.Tensor:
+        """The per-step-gradient scan, ``out[k+1] = J[k] out[k] + c[k]``: over a factored chain by the compiled
+        kernel (one call, the same plan as the single seed's: each block also carries its affine offset); chains
+        with identity steps (``past``: sequences of several lengths) or without the kernel, by the torch twin over
+        the dense chain."""
+        if isinstance(J, FactoredChain) and past is None:
+            check_operands(g, J)
+            L = _scan.tree_levels(J.shape[0] + 1, self._L_m(L_m))
+            out = native_chain_scan(g, J, L, self.workspace, self._split, c=c)
+            if out is not None:
+                return out
+        return super().affine_scan(g, J.dense() if isinstance(J, FactoredChain) else J, c, L_m, past)
+
+    def affine_cell_grads(self, g, J, c, L_m, from_scan) -> dict[str, torch.Tensor]:
+        if isinstance(J, FactoredChain):
+            return param_grads(g, J, self._L_m(L_m), self.workspace, from_scan, self._split, c=c)
+        return from_scan(self.affine_scan(g, J, c, L_m))
 
     def cell_grads(self, g, J, L_m, from_scan) -> dict[str, torch.Tensor]:
         if isinstance(J, FactoredChain):

@@ -273,7 +273,7 @@ class GruChain(FactoredChain):
 
 
 def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, split: str = "auto",
-                      grads: bool = False, e: torch.Tensor | None = None):
+                      grads: bool = False, c: torch.Tensor | None = None):
     """The scan over a :class:`FactoredChain` by the compiled kernel (:mod:`.native`); None where it is
     unavailable.  ``g``: ∇h_T, or the callable that returns it (a :class:`~bppsa.backends.base.Head` the kernel
     runs itself, in the scan's call; another callable first).  ``grads``: instead of the scan, the cell's
@@ -285,12 +285,12 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     the blocks of each slice shared): either way a thread that is done takes work left in the others' slices,
     and the factors the chain left for later (the GRU's gate pass, :meth:`FactoredChain.claim_fill`) are
     written by the team first.  ``split`` "slices" (the sequential rival, whose chain cannot be split by
-    blocks) takes whole slices only.  ``e``: the loss's direct gradients at every step, dl/dh_t [T, B, H] in
-    time order (``g`` then holds h_T's whole gradient): the scan of the affine recurrence
-    g_t = J_{t+1}ᵀ g_{t+1} + dl/dh_t instead of the single seed's."""
+    blocks) takes whole slices only.  ``c``: the loss's direct gradients in scan order [n, B, H], ``c[k]``
+    entering after ``J_k`` (``g`` holding h_T's whole gradient): the scan of the affine recurrence
+    out[k+1] = J_k out[k] + c[k] (g_t = J_{t+1}ᵀ g_{t+1} + ∂l/∂h_t) instead of the single seed's."""
     n, B, H, _ = chain.shape
     threads = pool.threads()
-    affine = e is not None
+    affine = c is not None
     team = ws.memo(("cpu", "team", chain.kind, n, B, H, chain.I, chain.dtype, L, split, grads, threads, affine),
                    lambda: plan.team_for(chain, L, split, grads, threads, affine))
     if team is None:
@@ -308,13 +308,12 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
         fill(0, chain._f.shape[0])  # a writer the kernel cannot run: here, first
         fill = None
     if affine:
-        steps = chain.shape[0] // 2 if chain.kind == "paper" else chain.shape[0]
-        if tuple(e.shape) != (steps, B, H) or e.dtype != dtype or e.device.type != "cpu":
-            raise ValueError(f"per-step gradients: expected [{steps}, {B}, {H}] {dtype} on the CPU, got "
-                             f"{list(e.shape)} {e.dtype} on {e.device}")
-        e = e if e.is_contiguous() else e.contiguous()
+        if tuple(c.shape) != (n, B, H) or c.dtype != dtype or c.device.type != "cpu":
+            raise ValueError(f"per-step gradients: expected [{n}, {B}, {H}] {dtype} on the CPU, got "
+                             f"{list(c.shape)} {c.dtype} on {c.device}")
+        c = c if c.is_contiguous() else c.contiguous()
     sums = team.go(chain._W, chain.states if chain.states is not None else chain._f, team.g if head else g, out,
-                   head, fill, e)
+                   head, fill, c)
     return sums if grads else out
 
 

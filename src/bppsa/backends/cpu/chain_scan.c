@@ -25,8 +25,8 @@
  * out[s+1] = J_s out[s] from the block's prefix.  Levels c .. L-1 and the linear middle are the reference
  * tree on the stored level-c array.  L = 0 is the sequential backward: the spine is the whole chain.
  *
- * Where the loss reads every state, not only h_T (S.e: dl/dh_t for every t), the backward is the affine recurrence
- * out[s+1] = J_s out[s] + e_{s+1}: each block also carries its offset (its positions replayed from 0 with the
+ * Where the loss reads every state, not only h_T (S.c: its direct gradients, in scan order), the backward is the
+ * affine recurrence out[s+1] = J_s out[s] + c_s: each block also carries its offset (its positions replayed from 0 with the
  * gradients injected: H^2 per step beside the product's H^3), the tree combines the pairs (A2, b2) o (A1, b1) =
  * (A2 A1, A2 b1 + b2), and the spine and the down phase add each position's gradient as they pass it.  (The
  * blocks-as-lanes path of one batch element does not take it: bppsa.backends.cpu.native.Team never uses it then.)
@@ -515,20 +515,15 @@ static void tree(const real *spine, const real *A, const real *Bo, real *out, lo
  * the lanes, [NR][NL], as the step is scanned. */
 typedef struct {
     const real *f, *h, *x;
-    const real *e; /* the loss's direct gradients dl/dh_t [T][B][H] (time order), or NULL: only h_T's, g */
+    const real *c; /* the loss's direct gradients in scan order [n][B][H], c[s] entering after J_s (position s+1),
+                    * or NULL: only h_T's, g */
 } chain_src;
 
-/* v += the direct gradient at position k (the paper layout: at its even positions, the states'), every lane. */
-static void add_direct(const chain_src *S, long n, long B, long b0, long k, real *v) {
-#if KIND == 1
-    if (k & 1) return;
-    long t = n / 2 - 1 - (k >> 1);
-#else
-    long t = n - 1 - k;
-#endif
-    const real *e = S->e + (t * B + b0) * H;
+/* v += c[s], every lane. */
+static void add_direct(const chain_src *S, long B, long b0, long s, real *v) {
+    const real *c = S->c + (s * B + b0) * H;
     for (int q = 0; q < NL; ++q)
-        for (int i = 0; i < H; ++i) v[i * NL + q] += e[q * H + i];
+        for (int i = 0; i < H; ++i) v[i * NL + q] += c[q * H + i];
 }
 
 #if KIND != 2
@@ -718,14 +713,14 @@ void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int L
             fs = ROWS(s, H);
             mul_jac(M, Wt, s, fs, ld);
         }
-        if (S->e) { /* the block's offset: its positions replayed from 0 with the direct gradients injected */
+        if (S->c) { /* the block's offset: its positions replayed from 0 with the direct gradients injected */
             real vu[2][H * NL] __attribute__((aligned(64))), *v = vu[0], *u = vu[1], *t;
             memset(v, 0, sizeof(real) * VEC);
-            add_direct(S, n, B, b0, lo + 1, v);
+            add_direct(S, B, b0, lo, v);
             for (long s = lo + 1; s <= hi; ++s) {
                 fs = ROWS(s, H);
                 jac_vec(Wt, wc, s, fs, ld, v, u);
-                add_direct(S, n, B, b0, s + 1, u);
+                add_direct(S, B, b0, s, u);
                 t = v, v = u, u = t;
             }
             memcpy(work + nc * MAT + nc * VEC + j * VEC, v, sizeof(real) * VEC);
@@ -751,7 +746,7 @@ void chain_tree(const real *Wt, const chain_src *S, const real *g, real *out, in
         const real *fs = ROWS(s, NR);
         take(out, mode, &gp, acc, B, b0, s, v, fs, ld, NL, ALL);
         jac_vec(Wt, wc, s, fs, ld, v, u);
-        if (S->e) add_direct(S, n, B, b0, s + 1, u);
+        if (S->c) add_direct(S, B, b0, s, u);
         t = v, v = u, u = t; /* the next position's prefix: the buffers swap, nothing copied */
     }
     if (nc == 0) {
@@ -762,7 +757,7 @@ void chain_tree(const real *Wt, const chain_src *S, const real *g, real *out, in
     if (nc == 0) return;
     real *A = work, *Q = A + nc * MAT, *Bo = Q + nc * VEC, *sp = Bo + nc * VEC;
     memcpy(sp, v, sizeof(real) * VEC); /* the prefix at position 2^c - 1, the first block's, taken by chain_down */
-    tree(sp, A, S->e ? Bo : 0, Q, nc, L - c, sp + VEC);
+    tree(sp, A, S->c ? Bo : 0, Q, nc, L - c, sp + VEC);
 }
 
 /* Down: each block j0 .. j1 - 1 from its prefix, by the factored mat-vecs out[s+1] = J_s out[s]. */
@@ -784,7 +779,7 @@ void chain_down(const real *Wt, const chain_src *S, real *out, int mode, long n,
             const real *fs = ROWS(s, NR);
             take(out, mode, &gp, acc, B, b0, s, v, fs, ld, NL, ALL);
             jac_vec(Wt, wc, s, fs, ld, v, u);
-            if (S->e) add_direct(S, n, B, b0, s + 1, u);
+            if (S->c) add_direct(S, B, b0, s, u);
             t = v, v = u, u = t;
         }
         const real *fs = ROWS(hi, NR);

@@ -299,7 +299,7 @@ _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
 class _Call(ctypes.Structure):
     """chain_scan.c's team_call: one call's operands."""
-    _fields_ = [("Wt", _p), ("f", _p), ("h", _p), ("x", _p), ("e", _p), ("g", _p), ("out", _p)]
+    _fields_ = [("Wt", _p), ("f", _p), ("h", _p), ("x", _p), ("c", _p), ("g", _p), ("out", _p)]
 
 
 class _SliceArgs(ctypes.Structure):
@@ -444,17 +444,17 @@ class Team:
             self.dst = (_p * len(layout))()
 
     def go(self, W: torch.Tensor, src, g: torch.Tensor, out: torch.Tensor | None = None, head=None,
-           fill: GruFill | None = None, e: torch.Tensor | None = None):
+           fill: GruFill | None = None, direct: torch.Tensor | None = None):
         """One scan: the recurrent weights ``W`` [NW·H, H] (transposed here), ``src`` (the factors f, or the RNN's
         states (h, x)), ∇h_T in ``g`` (or ``head``, a :class:`~bppsa.backends.base.Head` the kernel runs: then
         pass :attr:`g`, which receives ∇h_T), ``out`` [n, B, H] (mode 0), ``fill``: the factors' writer left to
-        the team; ``e``: the loss's direct gradients dl/dh_t [T, B, H] (time order, contiguous; a team built
-        ``affine``), making the scan the affine recurrence.  Returns the parameter gradients (mode 1: a dict of
-        new tensors)."""
+        the team; ``direct``: the loss's direct gradients c [n, B, H] in scan order, c[k] entering after J_k
+        (contiguous; a team built ``affine``), making the scan the affine recurrence out[k+1] = J_k out[k] + c[k].
+        Returns the parameter gradients (mode 1: a dict of new tensors)."""
         c, t, dtype = self.call, self.t, self.dtype
-        if e is not None and not self.affine:
+        if direct is not None and not self.affine:
             raise ValueError("this team was built without affine=True: it cannot take per-step gradients")
-        c.e = None if e is None else e.data_ptr()
+        c.c = None if direct is None else direct.data_ptr()
         t.W, c.g = (W if W.is_contiguous() else W.contiguous()).data_ptr(), g.data_ptr()
         if isinstance(src, torch.Tensor):
             c.f, c.h, c.x = src.data_ptr(), None, None
