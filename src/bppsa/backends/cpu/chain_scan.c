@@ -1121,8 +1121,8 @@ void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, c
  * with its own parameter-gradient sums, part u); before them all, the team may have units of the factors to
  * write (the GRU's gate pass).  Units are claimed by whichever thread comes: a thread takes its own slices'
  * units first, then those left in the others', so a thread that starts late (a wake-up) or is held up (a busy
- * host) costs the team a share of its work, not all of it.  A slice's middle runs on its owner, or, where the
- * owner has not arrived once the slice's up units are done, on the first thread free.  Which thread runs a
+ * host) costs the team a share of its work, not all of it.  A slice's middle runs on the first thread free once
+ * the slice's up units are done (its owner, unless that one is held up).  Which thread runs a
  * unit changes no result: a unit writes only its own blocks (or sums), and each runs in the same order on any
  * thread.  The calling thread leads (team_go): it wakes the pool's threads, runs the head's backward,
  * takes its share, waits for every slice, adds the sums into the parameter gradients and returns once no
@@ -1383,9 +1383,9 @@ static int run_slices_up(team *t, int me, int own) {
     return 1;
 }
 
-/* The middle of slice s, where this thread may take it: its owner's, or anyone's once the owner is absent. */
-static int take_mid(team *t, team_slice *s, int me) {
-    if (s->owner != me && __atomic_load_n(t->arrived + s->owner, __ATOMIC_SEQ_CST)) return 1;
+/* The middle of slice s, by whichever thread comes first once its up units are done (the owner, or another that
+ * has run out of work of its own: an owner held up by a busy host costs the team no wait). */
+static int take_mid(team *t, team_slice *s) {
     if (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE)) return 1;
     if (!wait_units(t, s->up, TEAM_PHASES) || !await(t, head_done, 0, 0)) return 0;
     long zero = 0;
@@ -1406,7 +1406,7 @@ static int team_work(team *t, int me) {
         for (long i = 0; i < t->ns; ++i) {
             team_slice *s = t->sl + i;
             if ((s->owner == me) != own) continue;
-            if (!take_mid(t, s, me) || !await(t, mid_done, s, 0)) return 0; /* another's middle */
+            if (!take_mid(t, s) || !await(t, mid_done, s, 0)) return 0; /* or another thread's middle */
             for (int k = 0; k < TEAM_PHASES; ++k) run_units(t, s->down + k);
         }
     return !stopped(t);

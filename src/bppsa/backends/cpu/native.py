@@ -379,8 +379,9 @@ class GruFill:
 class Team:
     """The compiled scan of a factored chain by a team of threads (chain_scan.c's ``team_go``), built once per
     shape and reused from call to call: the lane slices ``groups`` (lists of ``(b0, lanes)``: thread t owns
-    ``groups[t]``; with ``by_slice`` False one list, whose slices every thread shares block by block, the down
-    phase in ``parts`` units), their scratch and sums, and the units of each phase.  ``mode`` 0: the scan, 1:
+    ``groups[t]``; with ``by_slice`` False one list, whose slices every thread shares block by block), the down
+    phase of each slice in ``parts`` units (each with its own sums), their scratch and sums, and the units of
+    each phase.  ``mode`` 0: the scan, 1:
     the parameter gradients (``layout``: the chain's :meth:`~.chain.FactoredChain.grad_layout`).
 
     A one-lane slice (B = 1) runs the up and down phases of its full blocks ``VL`` at a time as the lanes of the
@@ -405,7 +406,7 @@ class Team:
             wide = library(kind, H, I, vl, dtype) if w == 1 and blocks > 1 and not affine else None
             size = 1 << min(fused, L)  # blocks hold `size` Jacobians; the last one may be clipped at J_{n-1}
             full = blocks - (blocks > 0 and n - (blocks * size - 1) < size) if wide is not None else 0
-            p = 1 if by_slice else parts
+            p = parts
             work = torch.empty(int(lib.chain_scan_work(n, L, fused)), dtype=dtype)
             acc = torch.zeros((p, na, nbv, w), dtype=dtype) if mode else None
             wacc = torch.zeros((p, na, nbv, vl), dtype=dtype) if mode and wide is not None else None

@@ -36,6 +36,9 @@ MIN_CHUNK_FLOP = 2_000_000
 KERNEL_SPEEDUP = 5
 MAX_THREADS = 64  # a team's threads (chain_scan.c's team.arrived)
 GRU_LANE_BYTES = 32  # the GRU's estimated slice: a block's product and its Jacobian (2 H^2 lanes) stay in L1
+# A slice's down phase in this many units, each with its own gradient sums: where the slice's owner is held up
+# (a busy host), another thread takes a share of it instead of waiting.
+SLICE_PARTS = 4
 MODES = ("measure", "estimate")
 MEASURE_SECONDS = 0.4  # time spent measuring one shape's candidates, at most (after three rounds)
 MEASURE_ROUNDS = (3, 15)
@@ -45,7 +48,7 @@ KEEP_ESTIMATE = 1.03  # a measured plan replaces the estimate only where it is f
 @dataclass(frozen=True)
 class Plan:
     """``lanes``: the widest slice; ``by_slice``: each thread owns whole slices (else the threads share every
-    slice's blocks); ``threads`` of the team; ``parts``: the down phase's units where blocks are shared;
+    slice's blocks); ``threads`` of the team; ``parts``: the units of each slice's down phase;
     ``fused``: up-sweep levels fused per block; ``source``: ``estimate`` or ``measured``."""
 
     lanes: int
@@ -123,7 +126,7 @@ def estimate(kind: str, n: int, B: int, H: int, dtype: torch.dtype, split: str, 
     if split == "slices" and not wide_enough:
         p = 1  # narrower slices would cost more than the second thread brings (the same measurements)
     # the down phase is ~H times lighter than the up phase: split only where it repays a hand-off
-    parts = 1 if by_slice else min(p, max(1, int(n * B * (2 * H * H + H) // min_flop)))
+    parts = SLICE_PARTS if by_slice else min(p, max(1, int(n * B * (2 * H * H + H) // min_flop)))
     return Plan(vl, by_slice, p, parts, fused_levels(n))
 
 
@@ -163,7 +166,7 @@ def candidates(kind: str, n: int, B: int, H: int, L: int, dtype: torch.dtype, sp
         for by_slice in splits:
             for p in sorted({threads, 1}, reverse=True):
                 for c in fused:
-                    parts = 1 if by_slice else p
+                    parts = SLICE_PARTS if by_slice else p
                     plans.add(Plan(w, by_slice, p, parts, c))
     # plans that run the same slices on the same threads are one plan
     unique: dict = {}
