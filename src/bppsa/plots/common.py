@@ -155,6 +155,7 @@ SHORT_NAME = {"baseline": "baseline", "baseline-packed": "baseline, per-step", "
 VARIANT_COLOR = {"baseline": "#555555", "baseline-packed": "#555555", "bppsa-fused": "#1f77b4",
                  "bppsa-paper": "#d62728"}
 MAX_COLUMNS = 3
+MIN_WIDTH_IN = 8.0  # a two-line figure title fits; a single panel is drawn this wide
 
 
 def device_order(labels) -> list[str]:
@@ -189,8 +190,8 @@ def panel_grid(n: int, rows_per_panel: int = 1, width: float = 4.4, height: floa
     Returns (fig, [[axes of panel 0 top to bottom], ...]); unused cells are removed."""
     cols = min(n, MAX_COLUMNS) or 1
     blocks = -(-n // cols) or 1
-    fig, axes = plt.subplots(blocks * rows_per_panel, cols, figsize=(width * cols, height * blocks * rows_per_panel),
-                             squeeze=False)
+    size = (max(width * cols, MIN_WIDTH_IN), height * blocks * rows_per_panel)
+    fig, axes = plt.subplots(blocks * rows_per_panel, cols, figsize=size, squeeze=False)
     out = []
     for i in range(blocks * cols):
         block, col = divmod(i, cols)

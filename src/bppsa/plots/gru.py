@@ -110,7 +110,7 @@ def _fit_labels(ax, anchors) -> None:
 
 PER_CONFIG_IN = 0.95  # inches of panel per configuration: its speedup label is about that wide
 PER_PANEL_IN = 1.1    # the y axis' labels
-MAX_ROW_IN = 15.0
+MAX_ROW_IN = 18.0
 
 
 def _fig9_grid(sizes: list[int]):
@@ -174,7 +174,9 @@ def fig_9(lat: pd.DataFrame, sp: pd.DataFrame, out: str | Path) -> pd.DataFrame:
         fitted.append((ax, _fig9_panel(ax, g)))
         be, ref_be = backends_of(g), backends_of(g, column="reference_backend")
         ax.set_title(f"{dev}\nBPPSA{f' ({be})' if be else ''} vs {baseline_name(ref_be, ref)}", fontsize=9)
-    axes[0].set_ylabel("time per iteration / baseline (FP + BP)")
+    for ax in axes:
+        if ax.get_subplotspec().is_first_col():
+            ax.set_ylabel("time per iteration / baseline (FP + BP)")
     handles = [Patch(facecolor=c, edgecolor="k", label=n) for n, c in SEGMENTS.items()]
     handles += [Patch(facecolor="white", edgecolor="k", hatch="//", label="left: baseline"),
                 Patch(facecolor="white", edgecolor="k", label="right: BPPSA")]

@@ -46,7 +46,10 @@ def _variants(df: pd.DataFrame) -> list[str]:
 
 
 def _n_text(df: pd.DataFrame) -> str:
-    return f"n = {int(df['n'].min())}–{int(df['n'].max())} rounds" if len(df) else "n = 0"
+    if not len(df):
+        return "n = 0"
+    lo, hi = int(df["n"].min()), int(df["n"].max())
+    return f"n = {lo} rounds" if lo == hi else f"n = {lo}–{hi} rounds"
 
 
 def _sweep(s: pd.DataFrame, axis: str, fixed: dict) -> pd.DataFrame:
@@ -109,7 +112,7 @@ def fig_latency(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
     fixed = _fixed_values(lat, axis)
     d = _sweep(lat, axis, fixed)
     keys = panels(d, "variant")
-    fig, cells = panel_grid(len(keys), height=3.8)
+    fig, cells = panel_grid(len(keys), height=4.4)
     for (dev, base), (ax,) in zip(keys, cells):
         dd = d[d["device_label"] == dev]
         for var in [base] + _bppsa_variants(dd):
@@ -193,7 +196,7 @@ def fig_breakdown(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
     fixed = _fixed_values(lat, axis)
     d = _sweep(lat, axis, fixed)
     keys = panels(d, "variant")
-    fig, cells = panel_grid(len(keys), width=4.8, height=4.0)
+    fig, cells = panel_grid(len(keys), width=4.8, height=4.4)
     for (dev, base), (ax,) in zip(keys, cells):
         dd = d[d["device_label"] == dev]
         g = dd.set_index(["variant", axis, "phase"]).sort_index()
