@@ -1,5 +1,6 @@
-"""Shared figure conventions: one colour per device, one line style per method, provenance in the title,
-the backend that measured each line in its legend entry, and log axes labelled in plain numbers."""
+"""Shared figure conventions: one panel per device and baseline, one colour per variant, a title of at most two
+lines with the profile and device in a footer, the backend that measured each line in its legend entry, and log
+axes labelled in plain numbers."""
 from __future__ import annotations
 
 import math
@@ -127,17 +128,6 @@ def device_colors(labels) -> dict[str, str]:
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     ordered = sorted(set(labels), key=lambda s: ("reference" in s, s))  # committed reference folders last
     return {lab: cycle[i % len(cycle)] for i, lab in enumerate(ordered)}
-
-
-def provenance(df, repeats: str) -> str:
-    profiles = ", ".join(sorted(set(map(str, df["profile"])))) if "profile" in df else "?"
-    devices = ", ".join(sorted(set(df["device_label"])))
-    extra = ""
-    if "data" in df:
-        standin = sorted({s for s in map(str, df["data"]) if "stand-in" in s})
-        if standin:
-            extra = " · data: " + ", ".join(standin)
-    return f"profile: {profiles} · device: {devices} · {repeats}{extra}"
 
 
 def save(fig, path: str | Path) -> None:

@@ -22,7 +22,6 @@ from .common import (
     errorbar,
     finish,
     footer_text,
-    provenance,
     save,
     variant,
     variant_label,
@@ -221,8 +220,8 @@ def fig_13(curves: pd.DataFrame, out: str | Path) -> None:
     lr = ",".join(f"{v:g}" for v in sorted(set(curves["lr"])))
     epochs = int(curves["epoch"].max())
     samples = ",".join(map(str, sorted(set(curves["samples"])))) if "samples" in curves else "?"
-    fig.suptitle(f"GRU training curves (Fig 13): B={B}, {epochs} epochs, Adam lr={lr}, {samples} clips\n"
-                 + provenance(curves, "one point per epoch"), fontsize=8)
+    finish(fig, f"Fig 13: GRU training curves, B={B}, {epochs} epochs, Adam lr={lr}, {samples} clips",
+           footer_text(curves, "one point per epoch"))
     save(fig, out)
 
 

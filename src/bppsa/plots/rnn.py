@@ -24,7 +24,6 @@ from .common import (
     panel_grid,
     panels,
     plain_log_axis,
-    provenance,
     save,
     short_label,
     variant,
@@ -291,9 +290,9 @@ def fig_7(curves: pd.DataFrame, out: str | Path) -> None:
     epochs = int(curves["epoch"].max())
     others = sorted(set(curves["dtype"]) - {main})
     twin = f" · right: also trained in {', '.join(others)} (thin, hollow)" if others else ""
-    fig.suptitle(f"RNN training curves (Fig 7), T={','.join(map(str, T))}, B={','.join(map(str, B))}, {epochs} "
-                 f"epochs, lr={','.join(f'{v:g}' for v in sorted(set(curves['lr'])))}, {main}{twin}\n"
-                 + provenance(curves, "one point per epoch"), fontsize=8)
+    finish(fig, f"Fig 7: RNN training curves, T={','.join(map(str, T))}, B={','.join(map(str, B))}, {epochs} "
+           f"epochs, lr={','.join(f'{v:g}' for v in sorted(set(curves['lr'])))}, {main}{twin}",
+           footer_text(curves, "one point per epoch"))
     save(fig, out)
 
 
