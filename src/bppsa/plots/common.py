@@ -204,6 +204,14 @@ def legend_below(ax, handles=None, below_pt: float = 30, **kw):
                      **kw)
 
 
+def n_text(df) -> str:
+    """How many timed rounds stand behind the points: 'n = 8 rounds', 'n = 7–200 rounds'."""
+    if not len(df):
+        return "n = 0"
+    lo, hi = int(df["n"].min()), int(df["n"].max())
+    return f"n = {lo} rounds" if lo == hi else f"n = {lo}–{hi} rounds"
+
+
 def footer_text(df, note: str = "") -> str:
     """Where the numbers come from, per device: its profile and, where stand-in data was used, which."""
     parts = []

@@ -22,6 +22,7 @@ from .common import (
     errorbar,
     finish,
     footer_text,
+    n_text,
     save,
     variant,
     variant_label,
@@ -188,7 +189,7 @@ def fig_9(lat: pd.DataFrame, sp: pd.DataFrame, out: str | Path) -> pd.DataFrame:
                             f"BPPSA include the optimizer step) · sets {sets}{cpu_note}\n"
                             f"bwd = BP / BPPSA as the paper's {paper.GRU_MAX_BACKWARD.value:g}×; speedups: medians of "
                             f"paired per-round ratios; bars: medians of each phase; black: {PROTOCOL_NOTE}; "
-                            f"n = {int(d['n'].min())}–{int(d['n'].max())} rounds"), handles=handles)
+                            + n_text(d)), handles=handles)
     for ax, labels in fitted:  # the final layout first: the labels' room depends on the axes' height
         _fit_labels(ax, labels)
     save(fig, out)

@@ -21,6 +21,7 @@ from .common import (
     finish,
     footer_text,
     legend_below,
+    n_text,
     panel_grid,
     panels,
     plain_log_axis,
@@ -42,13 +43,6 @@ PHASE_LABEL = {"forward": "forward", "jacobian": "Jacobian generation", "backwar
 
 def _variants(df: pd.DataFrame) -> list[str]:
     return sorted(df["variant"].unique(), key=lambda v: (v.startswith("bppsa"), v))
-
-
-def _n_text(df: pd.DataFrame) -> str:
-    if not len(df):
-        return "n = 0"
-    lo, hi = int(df["n"].min()), int(df["n"].max())
-    return f"n = {lo} rounds" if lo == hi else f"n = {lo}–{hi} rounds"
 
 
 def _sweep(s: pd.DataFrame, axis: str, fixed: dict) -> pd.DataFrame:
@@ -130,7 +124,7 @@ def fig_latency(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
     vs = "T" if axis == "seq_len" else "1/B"
     finish(fig, f"Fig 8{'a' if axis == 'seq_len' else 'd'}: backward latency per iteration against {vs} "
            "(BPPSA's includes its Jacobian generation)",
-           footer_text(d, f"{PROTOCOL_NOTE}; {_n_text(d)}"))
+           footer_text(d, f"{PROTOCOL_NOTE}; {n_text(d)}"))
     save(fig, out)
 
 
@@ -183,7 +177,7 @@ def fig_speedup(sp: pd.DataFrame, axis: str, out: str | Path) -> None:
     vs = "T" if axis == "seq_len" else "1/B"
     finish(fig, f"Fig 8{'b' if axis == 'seq_len' else 'e'}: speedup of BPPSA over the baseline against {vs}\n"
            "above: backward (solid: phase timers, dotted: the paper's nobp subtraction); below: whole iteration",
-           footer_text(d, f"median of paired per-round ratios, 95 % CI error bars; hollow = noisy; {_n_text(d)}"
+           footer_text(d, f"median of paired per-round ratios, 95 % CI error bars; hollow = noisy; {n_text(d)}"
                           + note))
     save(fig, out)
 
@@ -232,7 +226,7 @@ def fig_breakdown(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
     finish(fig, f"Fig 8{'c' if axis == 'seq_len' else 'f'}: runtime breakdown per iteration against {vs}, "
            "normalised by the baseline's median iteration",
            footer_text(d, "bars: median of each phase; black: the whole iteration's median and 95 % CI "
-                          f"(hollow = noisy); {_n_text(d)}"), handles=phases)
+                          f"(hollow = noisy); {n_text(d)}"), handles=phases)
     save(fig, out)
 
 
