@@ -312,3 +312,21 @@ def test_every_figure_reads_at_a_glance(drawn, name):
     assert not outside, outside
     clashes = [(n, m) for i, (n, a) in enumerate(boxes) for m, b in boxes[i + 1:] if a.overlaps(b)]
     assert not clashes, clashes
+
+
+def test_fig_9_labels_a_configuration_timed_too_few_rounds_for_an_interval(monkeypatch):
+    """Two rounds give a median but no interval (the .test profile's GRU): the label still stands above the bars."""
+    base = {"forward": 0.3e-3, "backward": 1.0e-3, "optimizer": 0.05e-3}
+    bp = {"forward": 0.3e-3, "jacobian": 1e-5, "backward": 0.2e-3, "optimizer": 0.05e-3}
+    bench = pd.DataFrame(_bench("gru", 259, 4, {"baseline": base, "bppsa-fused": bp}, BACKENDS, iters=2))
+    lat, sp = speedups.latency(bench).assign(device_label="cpu"), speedups.speedups(bench).assign(device_label="cpu")
+    figs = _capture(monkeypatch, gru)
+    gru.fig_9(lat, sp, "x.png")
+    (fig,) = figs
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    (label,) = ax.texts
+    assert "[no interval]" in label.get_text() and np.isfinite(label.xy[1]) and label.xy[1] >= 1.0
+    box, frame = label.get_window_extent(), ax.get_window_extent()
+    assert frame.y0 <= box.y0 and box.y1 <= frame.y1 + 0.5
+    common.plt.close(fig)

@@ -86,7 +86,9 @@ def _speedup_label(r) -> str:
     """The text above a configuration's bars: both speedups with their intervals, a '*' where noisy."""
     def one(name, key):
         star = "*" if r[f"{key}_noisy"] else ""
-        return (f"{name} {r[key]:.3g}×{star}\n[{r[f'{key}_low']:.3g}, {r[f'{key}_high']:.3g}]")
+        lo, hi = r[f"{key}_low"], r[f"{key}_high"]
+        ci = f"[{lo:.3g}, {hi:.3g}]" if np.isfinite(lo) and np.isfinite(hi) else "[no interval]"  # too few rounds
+        return f"{name} {r[key]:.3g}×{star}\n{ci}"
 
     return one("bwd", "bp_speedup") + "\n" + one("all", "overall_speedup")
 
@@ -143,7 +145,8 @@ def _fig9_panel(ax, g: pd.DataFrame) -> list:
         # the whole iteration's median and 95 % CI (the phases' medians need not add up to it exactly)
         errorbar(ax, pos, g[f"{who}_iter"] / norm, g[f"{who}_iter_low"] / norm, g[f"{who}_iter_high"] / norm,
                  g[f"{who}_noisy"], color="k", ls="none", marker="_")
-        tops = np.maximum(tops, np.maximum(bottom, g[f"{who}_iter_high"].to_numpy() / norm))
+        # fmax: an interval too few rounds could give (NaN) must not hide the label
+        tops = np.fmax(tops, np.fmax(bottom, g[f"{who}_iter_high"].to_numpy() / norm))
     # one label per configuration, centred above the taller of its two bars: never on a bar, and a
     # configuration's width apart from the next
     labels = [(ax.annotate(_speedup_label(r), (xi, top), xytext=(0, 3), textcoords="offset points", ha="center",
@@ -152,7 +155,8 @@ def _fig9_panel(ax, g: pd.DataFrame) -> list:
     ax.axhline(1.0, color="k", lw=0.6, ls=":")
     ax.set_xticks(x)
     ax.set_xticklabels([f"{s}\nB={b}" for s, b in zip(g["set"], g["batch"])], fontsize=8)
-    ax.set_xlim(-0.6, max(len(g), 2) - 0.4)
+    pad = max(0, 2 - len(g)) / 2  # a panel is at least two configurations wide, its bars in the middle
+    ax.set_xlim(-0.6 - pad, len(g) - 0.4 + pad)
     ax.set_xlabel("MFCC set and batch size B", fontsize=8)
     ax.set_ylim(0, max(1.1, float(tops.max()) * 1.05))
     ax.grid(True, axis="y", alpha=0.3)
