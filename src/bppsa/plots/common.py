@@ -242,7 +242,6 @@ def finish(fig, title: str, footer: str, handles=None, title_size: float = 10, f
     fig.suptitle(title, fontsize=title_size, y=0.995, va="top")
     foot = fig.text(0.01, 0.004, _wrap(footer, width - 0.2, footer_size), fontsize=footer_size, ha="left",
                     va="bottom", color="#333333")
-    fig.canvas.draw()
     r = fig.canvas.get_renderer()
     fig_h = fig.bbox.height
     pad = 6 / fig_h
