@@ -330,3 +330,16 @@ def test_fig_9_labels_a_configuration_timed_too_few_rounds_for_an_interval(monke
     box, frame = label.get_window_extent(), ax.get_window_extent()
     assert frame.y0 <= box.y0 and box.y1 <= frame.y1 + 0.5
     common.plt.close(fig)
+
+
+def test_fig_8c_draws_a_baseline_timed_at_fewer_points_over_those_alone(monkeypatch):
+    """cuDNN's per-step baseline left out at T = 30000 (too slow to time there): its panel draws T = 100 and 1000."""
+    lat = pd.read_csv(H200 / "rnn" / "latency.csv").assign(device_label="nvidia-h200 (reference)")
+    lat = lat[~((lat["variant"] == "baseline-packed") & (lat["seq_len"] == 30000))]
+    figs = _capture(monkeypatch, rnn)
+    rnn.fig_breakdown(lat, "seq_len", "x.png")
+    (fig,) = figs
+    cudnn, per_step = fig.axes
+    assert [t.get_text() for t in cudnn.get_xticklabels()] == ["100", "1000", "30000"]
+    assert [t.get_text() for t in per_step.get_xticklabels()] == ["100", "1000"]
+    common.plt.close(fig)

@@ -194,6 +194,7 @@ def fig_breakdown(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
         dd = d[d["device_label"] == dev]
         g = dd.set_index(["variant", axis, "phase"]).sort_index()
         xs = sorted(dd[axis].unique(), reverse=(axis == "batch"))
+        xs = [v for v in xs if (base, v, "iteration") in g.index]  # where this panel's baseline was timed
         norm = {v: g.loc[(base, v, "iteration"), "median"] for v in xs}
         variants = [base] + _bppsa_variants(dd)
         backends = variant_backends(dd)
@@ -207,12 +208,13 @@ def fig_breakdown(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
                 ax.bar(pos, vals, width, bottom=bottom, color=PHASE_COLOR[phase], edgecolor="k", linewidth=0.4,
                        hatch=HATCH.get(var, ".."))
                 bottom += vals
-            it = [g.loc[(var, v, "iteration")] for v in xs]
-            med = np.array([r["median"] / norm[v] for r, v in zip(it, xs)])
-            lo = np.array([r["ci_low"] / norm[v] for r, v in zip(it, xs)])
-            hi = np.array([r["ci_high"] / norm[v] for r, v in zip(it, xs)])
             # the whole iteration's median and CI (the phases' medians need not add up to it exactly)
-            errorbar(ax, pos, med, lo, hi, [r["noisy"] for r in it], color="k", ls="none", marker="_")
+            at = [(x, g.loc[(var, v, "iteration")], norm[v]) for x, v in zip(pos, xs)
+                  if (var, v, "iteration") in g.index]
+            if at:
+                med, lo, hi = ([r[c] / n for _, r, n in at] for c in ("median", "ci_low", "ci_high"))
+                errorbar(ax, [x for x, _, _ in at], med, lo, hi, [r["noisy"] for _, r, _ in at], color="k", ls="none",
+                         marker="_")
         ax.set_xticks(np.arange(len(xs)))
         ax.set_xticklabels([str(v) if axis == "seq_len" else f"1/{v}" for v in xs])
         ax.set_xlabel(XLABEL[axis])
