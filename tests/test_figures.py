@@ -84,15 +84,14 @@ def test_rnn_figures_plain_speedup_ticks_and_the_backends_in_the_legends(monkeyp
     labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
     assert labels and all(PLAIN.match(t) for t in labels), labels
     assert "1×" in labels and not [t for t in ax.yaxis.get_ticklabels(minor=True) if t.get_text()]
-    assert "vs my-autograd" in ax.get_title()
-    legend = " / ".join(t.get_text() for t in f_sp.axes[1].get_legend().get_texts())  # under the iteration panel
-    assert "BPPSA fused (my-fast-path)" in legend
+    assert ax.get_title().endswith("BPPSA (my-fast-path) vs my-autograd · B = 16")  # the backends: in the title
+    (legend,) = f_sp.legends  # the variants and line styles: one legend under the panels
+    assert [t.get_text() for t in legend.get_texts()][:1] == ["BPPSA fused"]
     lat_ax = f_lat.axes[0]
     assert all(PLAIN.match(t.get_text()) for t in lat_ax.get_yticklabels() if t.get_text())
-    lat_legend = [t.get_text() for t in lat_ax.get_legend().get_texts()]
-    assert "baseline (my-autograd)" in lat_legend and "BPPSA fused (my-fast-path)" in lat_legend
-    bd_legend = " / ".join(t.get_text() for t in f_bd.axes[0].get_legend().get_texts())
-    assert "my-autograd" in bd_legend and "my-fast-path" in bd_legend
+    assert "BPPSA (my-fast-path) vs my-autograd" in lat_ax.get_title()
+    assert [t.get_text() for t in f_lat.legends[0].get_texts()] == ["baseline", "BPPSA fused"]
+    assert "BPPSA (my-fast-path) vs my-autograd" in f_bd.axes[0].get_title()
     for fig in figs:
         common.plt.close(fig)
 

@@ -7,11 +7,13 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from ..analysis.results import load_all
 from .common import (
     PROTOCOL_NOTE,
+    SHORT_NAME,
     VARIANT_COLOR,
     VARIANT_STYLE,
     backends_of,
@@ -86,8 +88,22 @@ def _xaxis(ax, d: pd.DataFrame, axis: str) -> None:
     ax.set_xlabel(XLABEL[axis])
 
 
-def _panel_title(dev: str, base_backend: str, base: str, fixed_txt: str) -> str:
-    return f"{dev}\nvs {baseline_name(base_backend, base)} · {fixed_txt}"
+def _panel_title(dev: str, backend: str, base_backend: str, base: str, fixed_txt: str) -> str:
+    """'nvidia-h200 (reference)' over 'BPPSA (cupy-factored) vs cuDNN per-step · B = 16': the device, the
+    backends of both sides (the legend, shared by every panel, names only the variants) and the fixed value."""
+    who = f"BPPSA ({backend})" if backend else "BPPSA"
+    return f"{dev}\n{who} vs {baseline_name(base_backend, base)} · {fixed_txt}"
+
+
+def _shared_legend(fig, extra=()) -> list:
+    """One handle per label over all panels, the baselines first: the figure's legend under the panels."""
+    seen = {}
+    for ax in fig.axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    order = list(SHORT_NAME.values())
+    labels = sorted(seen, key=lambda lab: (order.index(lab) if lab in order else len(order), lab))
+    return [seen[lab] for lab in labels] + list(extra)
 
 
 def _fixed_txt(axis: str, value) -> str:
@@ -105,26 +121,25 @@ def fig_latency(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
     fixed = _fixed_values(lat, axis)
     d = _sweep(lat, axis, fixed)
     keys = panels(d, "variant")
-    fig, cells = panel_grid(len(keys), height=4.4)
+    fig, cells = panel_grid(len(keys), height=3.8)
     for (dev, base), (ax,) in zip(keys, cells):
         dd = d[d["device_label"] == dev]
         for var in [base] + _bppsa_variants(dd):
             g = dd[dd["variant"] == var].sort_values(axis)
             errorbar(ax, _x(g, axis), g["median"], g["ci_low"], g["ci_high"], g["noisy"],
-                     color=VARIANT_COLOR.get(var, "k"), label=short_label(var, backends_of(g)), scale=1e3,
-                     **VARIANT_STYLE.get(var, {}))
+                     color=VARIANT_COLOR.get(var, "k"), label=short_label(var), scale=1e3, **VARIANT_STYLE.get(var, {}))
         _xaxis(ax, dd, axis)
         ax.set_yscale("log")
         plain_log_axis(ax, "y", unit="")
         ax.set_ylabel("backward per iteration (ms)")
-        ax.set_title(_panel_title(dev, backends_of(dd[dd["variant"] == base]), base, _fixed_txt(axis, fixed[dev])),
-                     fontsize=9)
+        bppsa = dd[dd["variant"].astype(str).str.startswith("bppsa")]
+        ax.set_title(_panel_title(dev, backends_of(bppsa), backends_of(dd[dd["variant"] == base]), base,
+                                  _fixed_txt(axis, fixed[dev])), fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
-        legend_below(ax)
     vs = "T" if axis == "seq_len" else "1/B"
     finish(fig, f"Fig 8{'a' if axis == 'seq_len' else 'd'}: backward latency per iteration against {vs} "
            "(BPPSA's includes its Jacobian generation)",
-           footer_text(d, f"{PROTOCOL_NOTE}; {n_text(d)}"))
+           footer_text(d, f"{PROTOCOL_NOTE}; {n_text(d)}"), handles=_shared_legend(fig))
     save(fig, out)
 
 
@@ -141,7 +156,7 @@ def _speedup_lines(ax, g: pd.DataFrame, axis: str, phases: dict) -> None:
             errorbar(ax, _x(h, axis), h["speedup"], h["ci_low"], h["ci_high"], h["noisy"],
                      color=VARIANT_COLOR.get(var, "k"), ls=style["ls"], alpha=style["alpha"],
                      marker=VARIANT_STYLE.get(var, {}).get("marker", "o"),
-                     label=short_label(var, backends_of(h)) if style.get("label") else None)
+                     label=short_label(var) if style.get("label") else None)
 
 
 def fig_speedup(sp: pd.DataFrame, axis: str, out: str | Path) -> None:
@@ -152,13 +167,13 @@ def fig_speedup(sp: pd.DataFrame, axis: str, out: str | Path) -> None:
     fixed = _fixed_values(sp, axis)
     d = _sweep(sp, axis, fixed)
     keys = panels(d, "reference")
-    fig, cells = panel_grid(len(keys), rows_per_panel=2, height=3.0)
+    fig, cells = panel_grid(len(keys), rows_per_panel=2, height=2.8)
     for (dev, base), (top, bottom) in zip(keys, cells):
         g = d[(d["device_label"] == dev) & (d["reference"] == base)]
         _speedup_lines(top, g, axis, BACKWARD_LINES)
         _speedup_lines(bottom, g, axis, {"iteration": dict(ls="-", alpha=1.0, label=True)})
-        top.set_title(_panel_title(dev, backends_of(g, column="reference_backend"), base, _fixed_txt(axis, fixed[dev])),
-                      fontsize=9)
+        top.set_title(_panel_title(dev, backends_of(g), backends_of(g, column="reference_backend"), base,
+                                   _fixed_txt(axis, fixed[dev])), fontsize=9)
         for ax, what in ((top, "backward"), (bottom, "whole iteration")):
             ax.axhline(1.0, color="k", lw=0.8)
             _xaxis(ax, g, axis)
@@ -167,7 +182,6 @@ def fig_speedup(sp: pd.DataFrame, axis: str, out: str | Path) -> None:
             ax.set_ylabel(f"{what} speedup (×)")
             ax.grid(True, which="both", alpha=0.3)
         top.set_xlabel("")
-        legend_below(bottom)  # one entry per layout: the line styles are the same in every panel (the title)
     unresolved = d[~d["resolved"]]
     note = ""
     if len(unresolved):
@@ -175,10 +189,12 @@ def fig_speedup(sp: pd.DataFrame, axis: str, out: str | Path) -> None:
                       for dev, v in zip(unresolved["device_label"], unresolved[axis])})
         note = "; nobp subtraction not resolved (difference within the noise) at " + ", ".join(pts)
     vs = "T" if axis == "seq_len" else "1/B"
+    styles = [Line2D([], [], color="k", ls="-", label="backward, phase timers"),
+              Line2D([], [], color="k", ls=":", alpha=0.55, label="backward, the paper's nobp subtraction")]
     finish(fig, f"Fig 8{'b' if axis == 'seq_len' else 'e'}: speedup of BPPSA over the baseline against {vs}\n"
-           "above: backward (solid: phase timers, dotted: the paper's nobp subtraction); below: whole iteration",
+           "above: the backward pass; below: the whole iteration",
            footer_text(d, f"median of paired per-round ratios, 95 % CI error bars; hollow = noisy; {n_text(d)}"
-                          + note))
+                          + note), handles=_shared_legend(fig, styles))
     save(fig, out)
 
 
@@ -219,9 +235,10 @@ def fig_breakdown(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
         ax.set_xticklabels([str(v) if axis == "seq_len" else f"1/{v}" for v in xs])
         ax.set_xlabel(XLABEL[axis])
         ax.set_ylabel("runtime / baseline runtime")
-        ax.set_title(_panel_title(dev, backends.get(base, ""), base, _fixed_txt(axis, fixed[dev])), fontsize=9)
-        legend_below(ax, [Patch(facecolor="white", edgecolor="k", hatch=HATCH.get(v, ".."),
-                                label=short_label(v, backends.get(v, ""))) for v in variants])
+        bppsa = "/".join(sorted({backends[v] for v in variants[1:] if backends.get(v)}))
+        ax.set_title(_panel_title(dev, bppsa, backends.get(base, ""), base, _fixed_txt(axis, fixed[dev])), fontsize=9)
+        legend_below(ax, [Patch(facecolor="white", edgecolor="k", hatch=HATCH.get(v, ".."), label=short_label(v))
+                          for v in variants])
         ax.grid(True, axis="y", alpha=0.3)
     phases = [Patch(facecolor=PHASE_COLOR[p], edgecolor="k", linewidth=0.4, label=PHASE_LABEL[p]) for p in BREAKDOWN]
     vs = "T" if axis == "seq_len" else "1/B"
