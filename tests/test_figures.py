@@ -1,6 +1,7 @@
 """What a reader sees: log axes labelled in plain numbers, Fig 9's labels clear of the bars and of each other,
 and every legend naming the backend the CSVs say measured each line."""
 import re
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -79,19 +80,18 @@ def test_rnn_figures_plain_speedup_ticks_and_the_backends_in_the_legends(monkeyp
     (f_sp, f_lat, f_bd) = figs
     for fig in figs:
         fig.canvas.draw()
-    ax = f_sp.axes[0]
+    ax = f_sp.axes[0]  # the first panel's backward
     labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
     assert labels and all(PLAIN.match(t) for t in labels), labels
     assert "1×" in labels and not [t for t in ax.yaxis.get_ticklabels(minor=True) if t.get_text()]
-    legend = " / ".join(t.get_text() for t in ax.get_legend().get_texts())
-    assert "my-fast-path vs my-autograd" in legend
+    assert ax.get_title().endswith("BPPSA (my-fast-path) vs my-autograd · B = 16")  # the backends: in the title
+    (legend,) = f_sp.legends  # the variants and line styles: one legend under the panels
+    assert [t.get_text() for t in legend.get_texts()][:1] == ["BPPSA fused"]
     lat_ax = f_lat.axes[0]
     assert all(PLAIN.match(t.get_text()) for t in lat_ax.get_yticklabels() if t.get_text())
-    lat_legend = [t.get_text() for t in lat_ax.get_legend().get_texts()]
-    assert any("my-autograd" in t and t.startswith("baseline") for t in lat_legend)
-    assert any("backend my-fast-path" in t and t.startswith("BPPSA") for t in lat_legend)
-    bd_legend = " / ".join(t.get_text() for t in f_bd.axes[0].get_legend().get_texts())
-    assert "my-autograd" in bd_legend and "my-fast-path" in bd_legend
+    assert "BPPSA (my-fast-path) vs my-autograd" in lat_ax.get_title()
+    assert [t.get_text() for t in f_lat.legends[0].get_texts()] == ["baseline", "BPPSA fused"]
+    assert "BPPSA (my-fast-path) vs my-autograd" in f_bd.axes[0].get_title()
     for fig in figs:
         common.plt.close(fig)
 
@@ -125,7 +125,7 @@ def test_fig_9_labels_clear_the_bars_each_other_and_the_frame(monkeypatch):
     figs = _capture(monkeypatch, gru)
     gru.fig_9(lat, sp, "x.png")
     (fig,) = figs
-    fig.tight_layout()  # what save() does before writing
+    fig.tight_layout(rect=fig._bppsa_rect)  # what save() does before writing
     fig.canvas.draw()
     ax = fig.axes[0]
     labels, bars = _boxes(fig, ax)
@@ -135,8 +135,7 @@ def test_fig_9_labels_clear_the_bars_each_other_and_the_frame(monkeypatch):
         assert frame.y0 <= a.y0 and a.y1 <= frame.y1 + 0.5, "a label leaves the axes"
         assert not any(a.overlaps(b) for b in bars), "a label covers a bar"
         assert not any(a.overlaps(b) for b in labels[i + 1:]), "two labels overlap"
-    legend = " / ".join(t.get_text() for t in ax.get_legend().get_texts())
-    assert "my-autograd" in legend and "my-fast-path" in legend
+    assert ax.get_title().endswith("BPPSA (my-fast-path) vs my-autograd")
     common.plt.close(fig)
 
 
@@ -186,4 +185,160 @@ def test_the_scaling_figure_names_the_csv_backend_and_reads_in_plain_numbers(mon
     assert top.get_legend() is None and "overtakes" in top.get_title()
     labels = [t.get_text() for t in top.get_yticklabels() if t.get_text()]
     assert labels and all(PLAIN.match(t) for t in labels), labels
+    common.plt.close(fig)
+
+
+# -- every figure at a glance, with the committed H200 reference beside this machine's results ---------------------
+ROOT = Path(__file__).resolve().parents[1]
+H200 = ROOT / "results" / "reference" / "nvidia-h200"
+CPU_BACKENDS = {"baseline": "autograd", "bppsa-fused": "cpu", "bppsa-paper": "cpu"}
+
+
+def _cpu_results(results):
+    """results/cpu/{rnn,gru}/ as the default profile writes them on a CPU: the T sweep at B = 16, the B sweep at
+    T = 1000, the three MFCC sets at three batch sizes, and the training curves of Fig 7 and Fig 13."""
+    rnn_rows = []
+    for T, B in [(T, 16) for T in (10, 30, 100, 300, 1000)] + [(1000, B) for B in (2, 4, 8, 32, 64)]:
+        s = (T / 100) ** 0.5 * (16 / B) ** 0.3
+        base = {"forward": 2e-6 * T, "backward": 5e-6 * T, "optimizer": 1e-5}
+        bp = {"forward": 2e-6 * T, "jacobian": 1e-5, "backward": 5e-6 * T / s, "optimizer": 1e-5}
+        paper = {**bp, "jacobian": 1e-6 * T, "backward": 8e-6 * T / s}
+        rnn_rows += _bench("rnn", T, B, {"baseline": base, "bppsa-fused": bp, "bppsa-paper": paper}, CPU_BACKENDS)
+    gru_rows = []
+    for T in (259, 517, 1034):
+        for B in (16, 32, 64):
+            base = {"forward": 0.3e-3 * T / 259, "backward": 1.0e-3 * T / 259, "optimizer": 0.05e-3}
+            s = 1.5 * (T / 259) ** 0.5
+            bp = {"forward": base["forward"], "jacobian": 1e-5, "backward": base["backward"] / s, "optimizer": 0.05e-3}
+            gru_rows += _bench("gru", T, B, {"baseline": base, "bppsa-fused": bp}, CPU_BACKENDS,
+                               data="synthetic IRMAS stand-in")
+    for model, rows in (("rnn", rnn_rows), ("gru", gru_rows)):
+        folder = results / "cpu" / model
+        folder.mkdir(parents=True)
+        bench = pd.DataFrame(rows)
+        speedups.latency(bench).to_csv(folder / "latency.csv", index=False)
+        speedups.speedups(bench).to_csv(folder / "speedups.csv", index=False)
+    base = np.array([2.3, 2.1, 2.0, 1.9, 1.85, 1.8, 1.78, 1.75])
+    for method, dtype in (("baseline", "float32"), ("bppsa", "float32"), ("baseline", "float64"), ("bppsa", "float64")):
+        c = _curve(method, dtype, base, CPU_BACKENDS["baseline" if method == "baseline" else "bppsa-fused"])
+        name = ("baseline" if method == "baseline" else "bppsa-fused") + ("_float64" if dtype == "float64" else "")
+        c.to_csv(results / "cpu" / "rnn" / f"curve_{name}.csv", index=False)
+    for method, backend in (("baseline", "autograd"), ("bppsa", "cpu")):
+        c = pd.concat(_curve(method, "float32", base[:3], backend).assign(seq_len=T, batch=16, model="gru")
+                      for T in (259, 517, 1034))
+        c.to_csv(results / "cpu" / "gru" / f"curve_{method}.csv", index=False)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["with-h200-reference", "cpu-alone"])
+def drawn(request, tmp_path_factory):
+    """Every figure of plot-rnn and plot-gru, drawn and saved as the workflow does, kept open to be measured."""
+    results = tmp_path_factory.mktemp("figs") / "results"
+    _cpu_results(results)
+    if request.param:
+        (results / "reference").mkdir()
+        (results / "reference" / "nvidia-h200").symlink_to(H200)
+    kept = []
+    mp = pytest.MonkeyPatch()
+    mp.setattr(common.plt, "close", kept.append)
+    mp.setattr(common.plt.Figure, "savefig", lambda fig, path, **kw: Path(path).write_bytes(b""))  # laid out, unsaved
+    try:
+        outs = rnn.plot_all(results, results.parent) + gru.plot_all(results, results.parent)
+    finally:
+        mp.undo()
+    pngs = [p.name for p in outs if p.suffix == ".png"]
+    assert len(kept) == len(pngs)
+    yield request.param, dict(zip(pngs, kept))
+    for fig in kept:
+        common.plt.close(fig)
+
+
+def _shown(axis):
+    """The tick labels an axis draws: inside its view, with text."""
+    lo, hi = sorted(axis.get_view_interval())
+    slack = (hi - lo) * 1e-9
+    ticks = axis.get_major_ticks() + axis.get_minor_ticks()
+    return [t.label1 for t in ticks if lo - slack <= t.get_loc() <= hi + slack
+            and t.label1.get_visible() and t.label1.get_text()]
+
+
+def _text_boxes(fig):
+    """(name, bounding box in pixels) of every text a reader sees; a legend counts as one box."""
+    r = fig.canvas.get_renderer()
+    items = []
+    if fig._suptitle is not None and fig._suptitle.get_text():
+        items.append(("suptitle", fig._suptitle))
+    items += [(f"figure text {t.get_text()[:30]!r}", t) for t in fig.texts if t.get_text() and t is not fig._suptitle]
+    items += [(f"figure legend {i}", leg) for i, leg in enumerate(fig.legends)]
+    for i, ax in enumerate(fig.axes):
+        for what, t in (("title", ax.title), ("left title", ax._left_title), ("right title", ax._right_title),
+                        ("xlabel", ax.xaxis.label), ("ylabel", ax.yaxis.label)):
+            if t.get_visible() and t.get_text():
+                items.append((f"axes {i} {what} {t.get_text()[:30]!r}", t))
+        items += [(f"axes {i} text {t.get_text()[:20]!r}", t) for t in ax.texts if t.get_text()]
+        items += [(f"axes {i} tick {t.get_text()!r}", t) for t in _shown(ax.xaxis) + _shown(ax.yaxis)]
+        if ax.get_legend() is not None:
+            items.append((f"axes {i} legend", ax.get_legend()))
+    return [(name, a.get_window_extent(r)) for name, a in items]
+
+
+FIGURES = {  # name: (panels on a CPU alone, panels with the H200 reference: CPU vs autograd, H200 vs cuDNN and vs
+    # cuDNN per-step); Fig 8b/e have two rows per panel
+    **{f"fig_8_{p}.png": (1, 3) for p in "acdf"}, "fig_8_b.png": (2, 6), "fig_8_e.png": (2, 6),
+    "fig_9.png": (1, 3), "fig_7.png": (3, 3), "fig_13.png": (3, 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_every_figure_reads_at_a_glance(drawn, name):
+    """Per figure: the axes the data call for, at most 6 legend entries per legend, titles of at most two lines,
+    the profile and device in a footer, and no text over another or outside the figure."""
+    with_reference, figs = drawn
+    fig = figs[name]
+    fig.canvas.draw()
+    assert len(fig.axes) == FIGURES[name][with_reference], name
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + fig.legends
+    assert legends and all(len(leg.get_texts()) <= 6 for leg in legends), [len(x.get_texts()) for x in legends]
+    assert fig._suptitle.get_text().count("\n") <= 1
+    assert all(ax.get_title().count("\n") <= 1 for ax in fig.axes)
+    everything = " ".join(t.get_text() for t in fig.texts) + fig._suptitle.get_text()
+    assert "profile" in everything and "cpu" in everything
+    if with_reference and name.startswith(("fig_8", "fig_9")):
+        titles = " / ".join(ax.get_title() for ax in fig.axes)
+        assert "nvidia-h200 (reference)" in titles and "cuDNN per-step" in titles and "autograd" in titles
+    boxes = _text_boxes(fig)
+    page = fig.bbox.padded(1)
+    outside = [n for n, b in boxes if not (page.x0 <= b.x0 and b.x1 <= page.x1 and page.y0 <= b.y0 and b.y1 <= page.y1)]
+    assert not outside, outside
+    clashes = [(n, m) for i, (n, a) in enumerate(boxes) for m, b in boxes[i + 1:] if a.overlaps(b)]
+    assert not clashes, clashes
+
+
+def test_fig_9_labels_a_configuration_timed_too_few_rounds_for_an_interval(monkeypatch):
+    """Two rounds give a median but no interval (the .test profile's GRU): the label still stands above the bars."""
+    base = {"forward": 0.3e-3, "backward": 1.0e-3, "optimizer": 0.05e-3}
+    bp = {"forward": 0.3e-3, "jacobian": 1e-5, "backward": 0.2e-3, "optimizer": 0.05e-3}
+    bench = pd.DataFrame(_bench("gru", 259, 4, {"baseline": base, "bppsa-fused": bp}, BACKENDS, iters=2))
+    lat, sp = speedups.latency(bench).assign(device_label="cpu"), speedups.speedups(bench).assign(device_label="cpu")
+    figs = _capture(monkeypatch, gru)
+    gru.fig_9(lat, sp, "x.png")
+    (fig,) = figs
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    (label,) = ax.texts
+    assert "[no interval]" in label.get_text() and np.isfinite(label.xy[1]) and label.xy[1] >= 1.0
+    box, frame = label.get_window_extent(), ax.get_window_extent()
+    assert frame.y0 <= box.y0 and box.y1 <= frame.y1 + 0.5
+    common.plt.close(fig)
+
+
+def test_fig_8c_draws_a_baseline_timed_at_fewer_points_over_those_alone(monkeypatch):
+    """cuDNN's per-step baseline left out at T = 30000 (too slow to time there): its panel draws T = 100 and 1000."""
+    lat = pd.read_csv(H200 / "rnn" / "latency.csv").assign(device_label="nvidia-h200 (reference)")
+    lat = lat[~((lat["variant"] == "baseline-packed") & (lat["seq_len"] == 30000))]
+    figs = _capture(monkeypatch, rnn)
+    rnn.fig_breakdown(lat, "seq_len", "x.png")
+    (fig,) = figs
+    cudnn, per_step = fig.axes
+    assert [t.get_text() for t in cudnn.get_xticklabels()] == ["100", "1000", "30000"]
+    assert [t.get_text() for t in per_step.get_xticklabels()] == ["100", "1000"]
     common.plt.close(fig)

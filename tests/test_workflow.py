@@ -217,3 +217,54 @@ def test_another_devices_folder_redraws_the_figures_that_overlay_it(test_run, tm
     (run / "results" / "h100" / "vgg11").mkdir(parents=True)
     shutil.copy(run / "results" / "cpu" / "vgg11" / "flops.csv", run / "results" / "h100" / "vgg11")
     assert dry_run() == {"vgg11_plot", "report_render", "all"}
+
+
+def _readme_resume_command():
+    """The README's one line on resuming a killed run, as the argument list it names."""
+    import shlex
+
+    (line,) = [ln for ln in (ROOT / "README.md").read_text().splitlines() if "killed" in ln and "resumes" in ln]
+    return shlex.split(re.findall(r"`([^`]+)`", line)[-1])
+
+
+def _files(run):
+    """Every file a run leaves, but Snakemake's own records and other tests' scratch (tmp/)."""
+    return sorted(str(p.relative_to(run)) for p in run.rglob("*")
+                  if p.is_file() and p.relative_to(run).parts[0] not in (".snakemake", "tmp"))
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_job_resumes_with_the_readmes_line(test_run, tmp_path):
+    """SIGKILL to the whole run (what a lost node or a walltime does) while a job runs leaves a lock and
+    half-done jobs; the README's line, run as written, finishes it with the files of an uninterrupted run."""
+    import os
+    import signal
+    import time
+
+    run = tmp_path / "killed"
+    run.mkdir()
+    cmd = _readme_resume_command()
+    assert cmd[0] == "snakemake"
+    extra = ["--configfile", str(TEST_CONFIG), "--directory", str(run)]
+    p = subprocess.Popen([sys.executable, "-m", *cmd] + extra, cwd=ROOT, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    incomplete = run / ".snakemake" / "incomplete"
+    deadline = time.time() + 600
+    try:  # mid-job: some jobs done (bench CSVs written), one running (its outputs marked incomplete)
+        while time.time() < deadline and p.poll() is None:
+            done = list((run / "results").rglob("bench_*.csv")) if (run / "results").is_dir() else []
+            if done and incomplete.is_dir() and any(incomplete.iterdir()):
+                break
+            time.sleep(0.1)
+        assert p.poll() is None, "the run ended before it could be killed mid-job"
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    assert list((run / ".snakemake" / "locks").glob("*.lock")), "a killed run leaves its lock"
+    assert not (run / "results" / "report.md").exists()
+
+    r = subprocess.run([sys.executable, "-m", *cmd] + extra, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "which is no longer running" in out  # the killed run's lock was removed, not --unlock'ed
+    assert _files(run) == _files(test_run)

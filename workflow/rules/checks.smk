@@ -1,12 +1,19 @@
 # Included first: the checks that stop a run before any job. The configuration against
 # workflow/schemas/, the container settings, and (onstart) the device slug of runs that submit jobs.
+# Also first: a lock left by a killed run (SIGKILL, a lost node, a walltime) is removed, and only
+# when its owner is known to be gone (bppsa.runlock), so the same command resumes the run.
 from pathlib import Path
 
+from bppsa.runlock import clear_stale_lock, record_owner
 from snakemake.exceptions import WorkflowError
+from snakemake.logging import logger
 from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import min_version, validate
 
 min_version("8.0")
+
+if workflow.is_main_process and (_cleared := clear_stale_lock()):
+    logger.warning(_cleared)
 
 # Every section is checked before any job runs; misspelt keys and bad values are named.
 for _schema in sorted(
@@ -42,6 +49,9 @@ if config.get("container"):
 
 
 onstart:
+    # Snakemake holds its lock now (onstart runs in real runs only): record who, for clear_stale_lock
+    if workflow.execution_settings.lock:
+        record_owner()
     # the executor is only known once the DAG is built, so this check runs here, still before any job
     if not workflow.local_exec and not config["device_slug"]:
         raise WorkflowError(

@@ -1,5 +1,6 @@
-"""Shared figure conventions: one colour per device, one line style per method, provenance in the title,
-the backend that measured each line in its legend entry, and log axes labelled in plain numbers."""
+"""Shared figure conventions: one panel per device and baseline, one colour per variant, a title of at most two
+lines with the profile and device in a footer, the backend that measured each line in its legend entry, and log
+axes labelled in plain numbers."""
 from __future__ import annotations
 
 import math
@@ -129,19 +130,129 @@ def device_colors(labels) -> dict[str, str]:
     return {lab: cycle[i % len(cycle)] for i, lab in enumerate(ordered)}
 
 
-def provenance(df, repeats: str) -> str:
-    profiles = ", ".join(sorted(set(map(str, df["profile"])))) if "profile" in df else "?"
-    devices = ", ".join(sorted(set(df["device_label"])))
-    extra = ""
-    if "data" in df:
-        standin = sorted({s for s in map(str, df["data"]) if "stand-in" in s})
-        if standin:
-            extra = " · data: " + ", ".join(standin)
-    return f"profile: {profiles} · device: {devices} · {repeats}{extra}"
-
-
 def save(fig, path: str | Path) -> None:
-    fig.tight_layout()
+    fig.tight_layout(rect=getattr(fig, "_bppsa_rect", (0, 0, 1, 1)))  # finish() leaves room for title and footer
     with atomic_path(path, suffix=".png") as tmp:
         fig.savefig(tmp, dpi=130)
     plt.close(fig)
+
+
+# -- one panel per device and baseline; a short title, provenance in a footer ----------------------------------------
+BASELINE_NAME = {"autograd": "autograd", "cudnn": "cuDNN", "cudnn-per-step": "cuDNN per-step",
+                 "autograd-packed": "autograd, packed"}
+SHORT_NAME = {"baseline": "baseline", "baseline-packed": "baseline, per-step", "bppsa-fused": "BPPSA fused",
+              "bppsa-paper": "BPPSA paper's layout"}
+VARIANT_COLOR = {"baseline": "#555555", "baseline-packed": "#555555", "bppsa-fused": "#1f77b4",
+                 "bppsa-paper": "#d62728"}
+MAX_COLUMNS = 3
+MIN_WIDTH_IN = 8.0  # a two-line figure title fits; a single panel is drawn this wide
+
+
+def device_order(labels) -> list[str]:
+    """This machine's folders first, committed reference folders after them."""
+    return sorted(set(labels), key=lambda s: ("reference" in s, s))
+
+
+def short_label(var: str, backend: str = "") -> str:
+    """'BPPSA fused (cupy-factored)': a legend entry short enough for a panel a third of a page wide."""
+    name = SHORT_NAME.get(var, var)
+    return f"{name} ({backend})" if backend else name
+
+
+def baseline_name(backend: str, var: str = "baseline") -> str:
+    """How a panel names its baseline: 'cuDNN per-step' for the backend cudnn-per-step, the backend itself
+    where it has no nicer name, the variant where the CSV names no backend."""
+    if not backend:
+        return SHORT_NAME.get(var, var)
+    return "/".join(BASELINE_NAME.get(b, b) for b in backend.split("/"))
+
+
+def panels(df, reference_col: str) -> list[tuple[str, str]]:
+    """(device, baseline variant) of every panel: one per device and baseline it was measured against,
+    in device order, the default baseline before the per-step one."""
+    keys = {(str(d), str(r)) for d, r in zip(df["device_label"], df[reference_col]) if str(r).startswith("baseline")}
+    order = {d: i for i, d in enumerate(device_order(k[0] for k in keys))}
+    return sorted(keys, key=lambda k: (order[k[0]], k[1] != "baseline", k[1]))
+
+
+def panel_grid(n: int, rows_per_panel: int = 1, width: float = 4.4, height: float = 3.4):
+    """A figure with ``n`` panels, at most MAX_COLUMNS a row; each panel ``rows_per_panel`` axes tall.
+    Returns (fig, [[axes of panel 0 top to bottom], ...]); unused cells are removed."""
+    cols = min(n, MAX_COLUMNS) or 1
+    blocks = -(-n // cols) or 1
+    size = (max(width * cols, MIN_WIDTH_IN), height * blocks * rows_per_panel)
+    fig, axes = plt.subplots(blocks * rows_per_panel, cols, figsize=size, squeeze=False)
+    out = []
+    for i in range(blocks * cols):
+        block, col = divmod(i, cols)
+        cells = [axes[block * rows_per_panel + r, col] for r in range(rows_per_panel)]
+        if i < n:
+            out.append(cells)
+        else:
+            for ax in cells:
+                ax.remove()
+    return fig, out
+
+
+def legend_below(ax, handles=None, below_pt: float = 30, **kw):
+    """A panel's legend under its x-axis label, where it hides no line or bar (tight_layout makes room for it)."""
+    from matplotlib.transforms import offset_copy
+
+    anchor = offset_copy(ax.transAxes, fig=ax.figure, y=-below_pt, units="points")
+    extra = {"handles": handles} if handles is not None else {}
+    return ax.legend(**extra, loc="upper center", bbox_to_anchor=(0.5, 0.0), bbox_transform=anchor, fontsize=7,
+                     **kw)
+
+
+def n_text(df) -> str:
+    """How many timed rounds stand behind the points: 'n = 8 rounds', 'n = 7–200 rounds'."""
+    if not len(df):
+        return "n = 0"
+    lo, hi = int(df["n"].min()), int(df["n"].max())
+    return f"n = {lo} rounds" if lo == hi else f"n = {lo}–{hi} rounds"
+
+
+def footer_text(df, note: str = "") -> str:
+    """Where the numbers come from, per device: its profile and, where stand-in data was used, which."""
+    parts = []
+    for dev in device_order(df["device_label"]):
+        d = df[df["device_label"] == dev]
+        profiles = ", ".join(sorted(set(map(str, d["profile"])))) if "profile" in d else "?"
+        extra = ""
+        if "data" in d:
+            standin = sorted({s for s in map(str, d["data"]) if "stand-in" in s})
+            extra = f", data: {', '.join(standin)}" if standin else ""
+        parts.append(f"{dev}: profile {profiles}{extra}")
+    return " · ".join(parts) + (f"\n{note}" if note else "")
+
+
+def _wrap(text: str, width_in: float, fontsize: float) -> str:
+    import textwrap
+
+    chars = max(40, int(width_in * 72 / (0.52 * fontsize)))  # an average character is about half an em wide
+    return "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
+
+
+def finish(fig, title: str, footer: str, handles=None, title_size: float = 10, footer_size: float = 7) -> None:
+    """Lay out a figure: the title on top (at most two lines), the footer below everything (profile, device,
+    protocol), a figure legend for what every panel shares above the footer, the panels in between."""
+    if title.count("\n") > 1:
+        raise ValueError(f"a figure title has at most two lines: {title!r}")
+    width = fig.get_figwidth()
+    fig.suptitle(title, fontsize=title_size, y=0.995, va="top")
+    foot = fig.text(0.01, 0.004, _wrap(footer, width - 0.2, footer_size), fontsize=footer_size, ha="left",
+                    va="bottom", color="#333333")
+    r = fig.canvas.get_renderer()
+    fig_h = fig.bbox.height
+    pad = 6 / fig_h
+    bottom = foot.get_window_extent(r).height / fig_h + pad
+    if handles:
+        leg = fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, bottom), ncol=len(handles),
+                         fontsize=8, frameon=False)
+        if leg.get_window_extent(r).width > fig.bbox.width * 0.98:
+            leg.remove()
+            leg = fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, bottom),
+                             ncol=-(-len(handles) // 2), fontsize=8, frameon=False)
+        bottom += leg.get_window_extent(r).height / fig_h
+    fig._bppsa_rect = (0, bottom, 1, 1)  # tight_layout leaves room for the suptitle itself
+    fig.tight_layout(rect=fig._bppsa_rect)

@@ -7,18 +7,28 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from ..analysis.results import load_all
 from .common import (
     PROTOCOL_NOTE,
+    SHORT_NAME,
+    VARIANT_COLOR,
     VARIANT_STYLE,
     backends_of,
+    baseline_name,
     device_colors,
     errorbar,
+    finish,
+    footer_text,
+    legend_below,
+    n_text,
+    panel_grid,
+    panels,
     plain_log_axis,
-    provenance,
     save,
+    short_label,
     variant,
     variant_backends,
     variant_label,
@@ -35,10 +45,6 @@ PHASE_LABEL = {"forward": "forward", "jacobian": "Jacobian generation", "backwar
 
 def _variants(df: pd.DataFrame) -> list[str]:
     return sorted(df["variant"].unique(), key=lambda v: (v.startswith("bppsa"), v))
-
-
-def _n_text(df: pd.DataFrame) -> str:
-    return f"n = {int(df['n'].min())}–{int(df['n'].max())} rounds" if len(df) else "n = 0"
 
 
 def _sweep(s: pd.DataFrame, axis: str, fixed: dict) -> pd.DataFrame:
@@ -82,85 +88,132 @@ def _xaxis(ax, d: pd.DataFrame, axis: str) -> None:
     ax.set_xlabel(XLABEL[axis])
 
 
+def _panel_title(dev: str, backend: str, base_backend: str, base: str, fixed_txt: str) -> str:
+    """'nvidia-h200 (reference)' over 'BPPSA (cupy-factored) vs cuDNN per-step · B = 16': the device, the
+    backends of both sides (the legend, shared by every panel, names only the variants) and the fixed value."""
+    who = f"BPPSA ({backend})" if backend else "BPPSA"
+    return f"{dev}\n{who} vs {baseline_name(base_backend, base)} · {fixed_txt}"
+
+
+def _shared_legend(fig, extra=()) -> list:
+    """One handle per label over all panels, the baselines first: the figure's legend under the panels."""
+    seen = {}
+    for ax in fig.axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    order = list(SHORT_NAME.values())
+    labels = sorted(seen, key=lambda lab: (order.index(lab) if lab in order else len(order), lab))
+    return [seen[lab] for lab in labels] + list(extra)
+
+
+def _fixed_txt(axis: str, value) -> str:
+    return f"B = {value}" if axis == "seq_len" else f"T = {value}"
+
+
+def _bppsa_variants(d: pd.DataFrame) -> list[str]:
+    return sorted(v for v in d["variant"].unique() if str(v).startswith("bppsa"))
+
+
 def fig_latency(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
-    """Fig 8a/d: the backward latency per iteration (BPPSA's includes its Jacobian generation)."""
+    """Fig 8a/d: the backward latency per iteration (BPPSA's includes its Jacobian generation), one panel per
+    device and baseline: the baseline and each BPPSA layout, one line each."""
     lat = lat[(lat["mode"] == "full") & (lat["phase"] == "backward")]
     fixed = _fixed_values(lat, axis)
     d = _sweep(lat, axis, fixed)
-    colors = device_colors(lat["device_label"])
-    fig, ax = plt.subplots(figsize=(6.4, 4.6))
-    for (dev, var), g in d.groupby(["device_label", "variant"]):
-        g = g.sort_values(axis)
-        errorbar(ax, _x(g, axis), g["median"], g["ci_low"], g["ci_high"], g["noisy"], color=colors[dev],
-                 label=f"{variant_label(var, backends_of(g))} · {dev}", scale=1e3, **VARIANT_STYLE.get(var, {}))
-    _xaxis(ax, d, axis)
-    ax.set_yscale("log")
-    plain_log_axis(ax, "y", unit="")
-    ax.set_ylabel("backward latency per iteration (ms)")
-    other = "B" if axis == "seq_len" else "T"
-    fixed_txt = ", ".join(f"{other}={v}" for v in sorted(set(fixed.values())))
-    ax.set_title(f"Backward latency per iteration vs {'T' if axis == 'seq_len' else '1/B'} ({fixed_txt})\n"
-                 + provenance(d, f"{PROTOCOL_NOTE}, {_n_text(d)}"), fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    keys = panels(d, "variant")
+    fig, cells = panel_grid(len(keys), height=3.8)
+    for (dev, base), (ax,) in zip(keys, cells):
+        dd = d[d["device_label"] == dev]
+        for var in [base] + _bppsa_variants(dd):
+            g = dd[dd["variant"] == var].sort_values(axis)
+            errorbar(ax, _x(g, axis), g["median"], g["ci_low"], g["ci_high"], g["noisy"],
+                     color=VARIANT_COLOR.get(var, "k"), label=short_label(var), scale=1e3, **VARIANT_STYLE.get(var, {}))
+        _xaxis(ax, dd, axis)
+        ax.set_yscale("log")
+        plain_log_axis(ax, "y", unit="")
+        ax.set_ylabel("backward per iteration (ms)")
+        bppsa = dd[dd["variant"].astype(str).str.startswith("bppsa")]
+        ax.set_title(_panel_title(dev, backends_of(bppsa), backends_of(dd[dd["variant"] == base]), base,
+                                  _fixed_txt(axis, fixed[dev])), fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+    vs = "T" if axis == "seq_len" else "1/B"
+    finish(fig, f"Fig 8{'a' if axis == 'seq_len' else 'd'}: backward latency per iteration against {vs} "
+           "(BPPSA's includes its Jacobian generation)",
+           footer_text(d, f"{PROTOCOL_NOTE}; {n_text(d)}"), handles=_shared_legend(fig))
     save(fig, out)
 
 
-SPEEDUP_LINES = {"backward": ("-", "backward (phase timers)"),
-                 "backward-nobp": (":", "backward (paper's nobp subtraction)"),
-                 "iteration": ("--", "whole iteration")}
+# the top row of Fig 8b/e: the backward speedup, by the phase timers and by the paper's nobp subtraction
+BACKWARD_LINES = {"backward": dict(ls="-", alpha=1.0), "backward-nobp": dict(ls=":", alpha=0.55)}
+
+
+def _speedup_lines(ax, g: pd.DataFrame, axis: str, phases: dict) -> None:
+    for var in _bppsa_variants(g):
+        for phase, style in phases.items():
+            h = g[(g["variant"] == var) & (g["phase"] == phase) & g["resolved"]].sort_values(axis)
+            if h.empty:
+                continue
+            errorbar(ax, _x(h, axis), h["speedup"], h["ci_low"], h["ci_high"], h["noisy"],
+                     color=VARIANT_COLOR.get(var, "k"), ls=style["ls"], alpha=style["alpha"],
+                     marker=VARIANT_STYLE.get(var, {}).get("marker", "o"),
+                     label=short_label(var) if style.get("label") else None)
 
 
 def fig_speedup(sp: pd.DataFrame, axis: str, out: str | Path) -> None:
-    """Fig 8b/e: medians of paired per-round ratios with their CIs; unresolved nobp points left out."""
-    sp = sp[sp["phase"].isin(list(SPEEDUP_LINES))]
+    """Fig 8b/e: medians of paired per-round ratios with their CIs, one column of panels per device and baseline:
+    above, the backward (the phase timers solid, the paper's nobp subtraction dotted, left out where it is not
+    resolved); below, the whole iteration."""
+    sp = sp[sp["phase"].isin(["backward", "backward-nobp", "iteration"])]
     fixed = _fixed_values(sp, axis)
     d = _sweep(sp, axis, fixed)
-    colors = device_colors(sp["device_label"])
-    fig, ax = plt.subplots(figsize=(8.0, 6.4))
-    for (dev, var, ref, phase), g in d.groupby(["device_label", "variant", "reference", "phase"]):
-        g = g[g["resolved"]].sort_values(axis)
-        if g.empty:
-            continue
-        ls, what = SPEEDUP_LINES[phase]
-        vs = "" if ref == "baseline" else f" vs {ref}"
-        be, ref_be = backends_of(g), backends_of(g, column="reference_backend")
-        who = f" ({be or '?'} vs {ref_be or '?'})" if be or ref_be else ""
-        errorbar(ax, _x(g, axis), g["speedup"], g["ci_low"], g["ci_high"], g["noisy"], color=colors[dev], ls=ls,
-                 marker=VARIANT_STYLE.get(var, {}).get("marker", "o"), alpha=1.0 if phase == "backward" else 0.6,
-                 label=f"{what}, {var}{vs}{who} · {dev}")
-    ax.axhline(1.0, color="k", lw=0.8)
-    _xaxis(ax, d, axis)
-    ax.set_yscale("log")
-    plain_log_axis(ax, "y", unit="×")
-    ax.set_ylabel("speedup of BPPSA over the baseline (×)")
+    keys = panels(d, "reference")
+    fig, cells = panel_grid(len(keys), rows_per_panel=2, height=2.8)
+    for (dev, base), (top, bottom) in zip(keys, cells):
+        g = d[(d["device_label"] == dev) & (d["reference"] == base)]
+        _speedup_lines(top, g, axis, BACKWARD_LINES)
+        _speedup_lines(bottom, g, axis, {"iteration": dict(ls="-", alpha=1.0, label=True)})
+        top.set_title(_panel_title(dev, backends_of(g), backends_of(g, column="reference_backend"), base,
+                                   _fixed_txt(axis, fixed[dev])), fontsize=9)
+        for ax, what in ((top, "backward"), (bottom, "whole iteration")):
+            ax.axhline(1.0, color="k", lw=0.8)
+            _xaxis(ax, g, axis)
+            ax.set_yscale("log")
+            plain_log_axis(ax, "y", unit="×")
+            ax.set_ylabel(f"{what} speedup (×)")
+            ax.grid(True, which="both", alpha=0.3)
+        top.set_xlabel("")
     unresolved = d[~d["resolved"]]
     note = ""
     if len(unresolved):
-        pts = sorted({f"{'T' if axis == 'seq_len' else 'B'}={r[axis]}" for _, r in unresolved.iterrows()})
-        note = "\nnobp subtraction not resolved (difference within the noise) at " + ", ".join(pts)
-    ax.set_title("BPPSA speedup over the baseline: median of paired per-round ratios\n"
-                 + provenance(d, f"{PROTOCOL_NOTE}, {_n_text(d)}") + note, fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    # below the axes: the lines fill the whole plot from 0.1x to 100x, wherever a legend inside would go
-    ax.legend(fontsize=6, title="what, variant (BPPSA's backend vs the baseline's) · device", title_fontsize=6,
-              loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1)
+        pts = sorted({f"{dev} {'T' if axis == 'seq_len' else 'B'}={v}"
+                      for dev, v in zip(unresolved["device_label"], unresolved[axis])})
+        note = "; nobp subtraction not resolved (difference within the noise) at " + ", ".join(pts)
+    vs = "T" if axis == "seq_len" else "1/B"
+    styles = [Line2D([], [], color="k", ls="-", label="backward, phase timers"),
+              Line2D([], [], color="k", ls=":", alpha=0.55, label="backward, the paper's nobp subtraction")]
+    finish(fig, f"Fig 8{'b' if axis == 'seq_len' else 'e'}: speedup of BPPSA over the baseline against {vs}\n"
+           "above: the backward pass; below: the whole iteration",
+           footer_text(d, f"median of paired per-round ratios, 95 % CI error bars; hollow = noisy; {n_text(d)}"
+                          + note), handles=_shared_legend(fig, styles))
     save(fig, out)
 
 
 def fig_breakdown(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
-    """Fig 8c/f: median time of each phase, normalised by the baseline's median iteration."""
+    """Fig 8c/f: median time of each phase, normalised by the baseline's median iteration, one panel per device
+    and baseline; the phases' colours in one legend below the panels, the variants' hatching in each panel."""
     lat = lat[lat["mode"] == "full"]
     fixed = _fixed_values(lat, axis)
     d = _sweep(lat, axis, fixed)
-    devices = sorted(d["device_label"].unique(), key=lambda v: ("reference" in v, v))
-    fig, axes = plt.subplots(len(devices), 1, figsize=(10, 3.4 * len(devices)), squeeze=False)
-    for ax, dev in zip(axes[:, 0], devices):
-        g = d[d["device_label"] == dev].set_index(["variant", axis, "phase"]).sort_index()
-        xs = sorted(d[d["device_label"] == dev][axis].unique(), reverse=(axis == "batch"))
-        norm = {v: g.loc[("baseline", v, "iteration"), "median"] for v in xs}
-        variants = _variants(d[d["device_label"] == dev])
-        backends = variant_backends(d[d["device_label"] == dev])
+    keys = panels(d, "variant")
+    fig, cells = panel_grid(len(keys), width=4.8, height=4.4)
+    for (dev, base), (ax,) in zip(keys, cells):
+        dd = d[d["device_label"] == dev]
+        g = dd.set_index(["variant", axis, "phase"]).sort_index()
+        xs = sorted(dd[axis].unique(), reverse=(axis == "batch"))
+        xs = [v for v in xs if (base, v, "iteration") in g.index]  # where this panel's baseline was timed
+        norm = {v: g.loc[(base, v, "iteration"), "median"] for v in xs}
+        variants = [base] + _bppsa_variants(dd)
+        backends = variant_backends(dd)
         width = 0.8 / len(variants)
         for j, var in enumerate(variants):
             pos = np.arange(len(xs)) + (j - (len(variants) - 1) / 2) * width
@@ -171,26 +224,28 @@ def fig_breakdown(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
                 ax.bar(pos, vals, width, bottom=bottom, color=PHASE_COLOR[phase], edgecolor="k", linewidth=0.4,
                        hatch=HATCH.get(var, ".."))
                 bottom += vals
-            it = [g.loc[(var, v, "iteration")] for v in xs]
-            med = np.array([r["median"] / norm[v] for r, v in zip(it, xs)])
-            lo = np.array([r["ci_low"] / norm[v] for r, v in zip(it, xs)])
-            hi = np.array([r["ci_high"] / norm[v] for r, v in zip(it, xs)])
             # the whole iteration's median and CI (the phases' medians need not add up to it exactly)
-            errorbar(ax, pos, med, lo, hi, [r["noisy"] for r in it], color="k", ls="none", marker="_")
+            at = [(x, g.loc[(var, v, "iteration")], norm[v]) for x, v in zip(pos, xs)
+                  if (var, v, "iteration") in g.index]
+            if at:
+                med, lo, hi = ([r[c] / n for _, r, n in at] for c in ("median", "ci_low", "ci_high"))
+                errorbar(ax, [x for x, _, _ in at], med, lo, hi, [r["noisy"] for _, r, _ in at], color="k", ls="none",
+                         marker="_")
         ax.set_xticks(np.arange(len(xs)))
         ax.set_xticklabels([str(v) if axis == "seq_len" else f"1/{v}" for v in xs])
         ax.set_xlabel(XLABEL[axis])
         ax.set_ylabel("runtime / baseline runtime")
-        ax.set_title(dev, fontsize=9)
-        handles = [Patch(facecolor=PHASE_COLOR[p], edgecolor="k", linewidth=0.4, label=PHASE_LABEL[p])
-                   for p in BREAKDOWN]
-        handles += [Patch(facecolor="white", edgecolor="k", hatch=HATCH.get(v, ".."),
-                          label=variant_label(v, backends.get(v, ""))) for v in variants]
-        ax.legend(handles=handles, fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        bppsa = "/".join(sorted({backends[v] for v in variants[1:] if backends.get(v)}))
+        ax.set_title(_panel_title(dev, bppsa, backends.get(base, ""), base, _fixed_txt(axis, fixed[dev])), fontsize=9)
+        legend_below(ax, [Patch(facecolor="white", edgecolor="k", hatch=HATCH.get(v, ".."), label=short_label(v))
+                          for v in variants])
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle("Runtime breakdown per iteration (median of each phase), normalised by the baseline's median "
-                 "iteration\nblack: the whole iteration's median and 95 % CI (hollow = noisy) · "
-                 + provenance(d, _n_text(d)), fontsize=8)
+    phases = [Patch(facecolor=PHASE_COLOR[p], edgecolor="k", linewidth=0.4, label=PHASE_LABEL[p]) for p in BREAKDOWN]
+    vs = "T" if axis == "seq_len" else "1/B"
+    finish(fig, f"Fig 8{'c' if axis == 'seq_len' else 'f'}: runtime breakdown per iteration against {vs}, "
+           "normalised by the baseline's median iteration",
+           footer_text(d, "bars: median of each phase; black: the whole iteration's median and 95 % CI "
+                          f"(hollow = noisy); {n_text(d)}"), handles=phases)
     save(fig, out)
 
 
@@ -248,9 +303,9 @@ def fig_7(curves: pd.DataFrame, out: str | Path) -> None:
     epochs = int(curves["epoch"].max())
     others = sorted(set(curves["dtype"]) - {main})
     twin = f" · right: also trained in {', '.join(others)} (thin, hollow)" if others else ""
-    fig.suptitle(f"RNN training curves (Fig 7), T={','.join(map(str, T))}, B={','.join(map(str, B))}, {epochs} "
-                 f"epochs, lr={','.join(f'{v:g}' for v in sorted(set(curves['lr'])))}, {main}{twin}\n"
-                 + provenance(curves, "one point per epoch"), fontsize=8)
+    finish(fig, f"Fig 7: RNN training curves, T={','.join(map(str, T))}, B={','.join(map(str, B))}, {epochs} "
+           f"epochs, lr={','.join(f'{v:g}' for v in sorted(set(curves['lr'])))}, {main}{twin}",
+           footer_text(curves, "one point per epoch"))
     save(fig, out)
 
 
