@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import time
 
+# isort: off
+import bppsa.nn  # before torch: its OpenMP settings (bppsa.process)
 import pandas as pd
 import torch
+# isort: on
 
-import bppsa.nn  # noqa: F401 - before torch: its OpenMP settings (bppsa.process)
 from bppsa.bench.protocol import StopRule, interleave, median_ci, ratio_ci
 
 
