@@ -7,7 +7,7 @@ import torch
 
 from bppsa import scan
 from bppsa.backends.cpu import native, plan
-from bppsa.backends.cpu.chain import GruChain, RnnChain, native_chain_scan
+from bppsa.backends.cpu.chain import GruChain, RnnChain, native_chain_scan, synthetic
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
 
@@ -72,7 +72,8 @@ def test_a_plan_is_measured_once_stored_beside_the_kernels_and_reused(monkeypatc
         return real(*a)
 
     monkeypatch.setattr(plan, "_measure", counted)
-    shape = ("rnn", 300, 16, 20, 1, torch.float32, 9, "auto", True, 2)
+    shape = ("rnn", 300, 16, 20, 1, torch.float32, 9, "auto", True, 2, lambda: synthetic("rnn", 300, 16, 20, 1,
+                                                                                       torch.float32))
     p = plan.choose(*shape)
     assert len(calls) == 1 and p.source == "measured"
     (store,) = (tmp_path / "plans").glob("*.json")
@@ -84,6 +85,8 @@ def test_a_plan_is_measured_once_stored_beside_the_kernels_and_reused(monkeypatc
     assert plan.choose(*shape) == p and len(calls) == 1
     monkeypatch.setenv("BPPSA_PLAN", "estimate")  # estimate: never measured
     assert plan.choose(*shape).source == "estimate" and len(calls) == 1
+    monkeypatch.setenv("BPPSA_PLAN", "measure")  # nothing to measure on: the estimate
+    assert plan.choose(*shape[:-1]) == plan.estimate("rnn", 300, 16, 20, torch.float32, "auto", 2)
 
 
 def test_a_damaged_plan_store_is_measured_again(monkeypatch, tmp_path):
@@ -92,7 +95,8 @@ def test_a_damaged_plan_store_is_measured_again(monkeypatch, tmp_path):
     monkeypatch.setattr(plan, "_chosen", {})
     (tmp_path / "plans").mkdir()
     (tmp_path / "plans" / f"{native.build_key()}.json").write_text("{not json")
-    p = plan.choose("rnn", 100, 3, 20, 1, torch.float64, 7, "auto", False, 2)
+    p = plan.choose("rnn", 100, 3, 20, 1, torch.float64, 7, "auto", False, 2,
+                    lambda: synthetic("rnn", 100, 3, 20, 1, torch.float64))
     assert p in plan.candidates("rnn", 100, 3, 20, 7, torch.float64, "auto", 2) or p.source == "measured"
     assert json.loads((tmp_path / "plans" / f"{native.build_key()}.json").read_text())
 

@@ -159,8 +159,7 @@ HEADLINE_PLANS = (("rnn", 1000, 16, 20, 1), ("gru", 1034, 16, 20, 12))
 def cpu_kernel_info() -> dict:
     """Whether the CPU fast path's compiled kernel (:mod:`bppsa.backends.cpu.native`) builds and runs here; its
     build target, and the plans (:mod:`bppsa.backends.cpu.plan`) of the headline shapes' training steps."""
-    from .backends import cpu  # noqa: F401 - the chains the plans are measured on
-    from .backends.cpu import native, plan, pool
+    from .backends.cpu import chain, native, plan, pool
 
     reason = native.unavailable_reason()
     info = {"ok": reason is None, "reason": reason or f"built with {native.compiler_name()} into {native.cache_dir()}"}
@@ -176,7 +175,8 @@ def cpu_kernel_info() -> dict:
         info["plans"] = {}
         for kind, n, B, H, I in HEADLINE_PLANS:
             L = _scan.tree_levels(n + 1, None)
-            p = plan.choose(kind, n, B, H, I, torch.float32, L, "auto", True, threads)
+            p = plan.choose(kind, n, B, H, I, torch.float32, L, "auto", True, threads,
+                            lambda k=kind, n=n, B=B, H=H, I=I: chain.synthetic(k, n, B, H, I, torch.float32))
             info["plans"][f"{kind} T={n} B={B} fp32"] = p.describe()
         info["plan_mode"] = plan.mode()
     from . import process

@@ -90,6 +90,12 @@ class FactoredChain:
     def dim(self) -> int:
         return 4
 
+    def synthetic_like(self):
+        """A chain of this kind and shape with well-scaled random values (no subnormals in its products), built
+        with x, and a ∇h_T: what a plan is measured on (:mod:`.plan`)."""
+        n, B, H, _ = self.shape
+        return synthetic(self.kind, n, B, H, self.I, self.dtype)
+
     def lanes(self, i: int) -> torch.Tensor:
         """Factor i ([steps, H, B]) of every step."""
         H = self.shape[2]
@@ -270,6 +276,20 @@ class GruChain(FactoredChain):
                 ("bias_ih_l0", (3 * H,), [(slice(0, 3 * H), slice(I, I + 1))]),
                 ("weight_hh_l0", (3 * H, H), [(r, slice(I + 1, I + 1 + H)) for r in rzm]),
                 ("bias_hh_l0", (3 * H,), [(r, slice(I, I + 1)) for r in rzm])]
+
+
+def synthetic(kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype):
+    """A chain of ``kind`` (n Jacobians, batch B, hidden H, input I) with well-scaled random values, and ∇h_T."""
+    g = torch.Generator().manual_seed(0)
+    W = (torch.randn(3 * H if kind == "gru" else H, H, generator=g) * (0.9 / H ** 0.5)).to(dtype)
+    T = n // 2 if kind == "paper" else n
+    if kind == "gru":
+        chain = GruChain(W, (torch.rand(T, 6 * H + I, B, generator=g) * 0.5).to(dtype), I)
+    else:
+        h = (torch.rand(T, B, H, generator=g) * 1.8 - 0.9).to(dtype)
+        x = torch.rand(T, B, I, generator=g).to(dtype)
+        chain = (RnnChain if kind == "rnn" else PaperChain).from_states(h, W, x)
+    return chain, torch.randn(B, H, generator=g).to(dtype)
 
 
 def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, split: str = "auto",

@@ -217,26 +217,12 @@ def _save(path: str, key: str, entry: dict) -> None:
         os.replace(tmp, path)
 
 
-def _synthetic(kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype):
-    """A chain of the shape with well-scaled random values (no subnormals in its products), and ∇h_T."""
-    from .chain import GruChain, PaperChain, RnnChain
-
-    g = torch.Generator().manual_seed(0)
-    W = (torch.randn(3 * H if kind == "gru" else H, H, generator=g) * (0.9 / H ** 0.5)).to(dtype)
-    T = n // 2 if kind == "paper" else n
-    if kind == "gru":
-        f = (torch.rand(T, 6 * H + I, B, generator=g) * 0.5).to(dtype)
-        chain = GruChain(W, f, I)
-    else:
-        h = (torch.rand(T, B, H, generator=g) * 1.8 - 0.9).to(dtype)
-        x = torch.rand(T, B, I, generator=g).to(dtype)
-        chain = (RnnChain if kind == "rnn" else PaperChain).from_states(h, W, x)
-    return chain, torch.randn(B, H, generator=g).to(dtype)
-
-
-def _measure(kind, n, B, H, I, dtype, L, grads, plans: list[Plan]) -> tuple[Plan, dict]:
-    """Time each plan's team on a synthetic chain, in interleaved rounds; the fastest median wins."""
-    chain, g = _synthetic(kind, n, B, H, I, dtype)
+def _measure(make, L, grads, plans: list[Plan]) -> tuple[Plan, dict]:
+    """Time each plan's team on the synthetic chain ``make()`` returns (with its ∇h_T), in interleaved rounds;
+    the fastest median wins."""
+    chain, g = make()
+    n, B, H, _ = chain.shape
+    dtype = chain.dtype
     teams = [_team(chain, L, pl, grads) for pl in plans]
     src = chain.states if chain.states is not None else chain._f
     out = None if grads else torch.empty((n, B, H), dtype=dtype)
@@ -263,11 +249,13 @@ def _measure(kind, n, B, H, I, dtype, L, grads, plans: list[Plan]) -> tuple[Plan
 
 
 def choose(kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype, L: int, split: str, grads: bool,
-           threads: int) -> Plan:
+           threads: int, make=None) -> Plan:
     """The plan for scans of this shape: measured once per build key and shape (``BPPSA_PLAN=measure``, the
-    default) and reused, within this process and from the store beside the kernels; or :func:`estimate`."""
+    default) and reused, within this process and from the store beside the kernels; or :func:`estimate`.
+    ``make()``: a synthetic chain of the shape and its ∇h_T, to measure on (a chain's
+    :meth:`~.chain.FactoredChain.synthetic_like`; None: nothing to measure on, the estimate)."""
     threads = min(threads, MAX_THREADS)
-    if mode() == "estimate":
+    if mode() == "estimate" or make is None:
         return estimate(kind, n, B, H, dtype, split, threads)
     key = _shape_key(kind, n, B, H, I, dtype, L, split, grads, threads)
     path = _store_path()
@@ -285,7 +273,7 @@ def choose(kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype, L: int
         if len(plans) == 1:
             plan = plans[0]
         else:
-            plan, record = _measure(kind, n, B, H, I, dtype, L, grads, plans)
+            plan, record = _measure(make, L, grads, plans)
             if path:
                 try:
                     _save(path, key, {"plan": dataclasses.asdict(plan), **record})
@@ -312,6 +300,6 @@ def team_for(chain, L: int, split: str, grads: bool, threads: int, affine: bool 
     if not native.available():
         return None
     n, B, H, _ = chain.shape
-    plan = choose(chain.kind, n, B, H, chain.I, chain.dtype, L, split, grads, threads)
+    plan = choose(chain.kind, n, B, H, chain.I, chain.dtype, L, split, grads, threads, chain.synthetic_like)
     return _team(chain, L, plan, grads, affine)
 
