@@ -543,8 +543,9 @@ def _affine_reference(g, J, c):
 
 
 @pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
-@pytest.mark.parametrize("mode", ["slices", "blocks"])
-@pytest.mark.parametrize("n,B", [(1000, 16), (257, 17), (333, 1), (2, 3), (37, 33)])
+# each shape under one thread split (both splits run at B = 17 and B = 33; every other path is split-blind)
+@pytest.mark.parametrize("n,B,mode", [(1000, 16, "slices"), (257, 17, "blocks"), (333, 1, "slices"),
+                                      (2, 3, "slices"), (37, 33, "blocks"), (99, 17, "slices")])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kind", ["rnn", "paper", "gru"])
 def test_the_kernel_scans_the_affine_recurrence_of_per_step_gradients(kind, dtype, n, B, mode, monkeypatch):
