@@ -185,9 +185,10 @@ def fig_speedup(sp: pd.DataFrame, axis: str, out: str | Path) -> None:
     unresolved = d[~d["resolved"]]
     note = ""
     if len(unresolved):
-        pts = sorted({f"{dev} {'T' if axis == 'seq_len' else 'B'}={v}"
-                      for dev, v in zip(unresolved["device_label"], unresolved[axis])})
-        note = "; nobp subtraction not resolved (difference within the noise) at " + ", ".join(pts)
+        pts = sorted(set(zip(unresolved["device_label"], unresolved[axis])))
+        name = "T" if axis == "seq_len" else "B"
+        note = "; nobp subtraction not resolved (difference within the noise) at " + ", ".join(
+            f"{dev} {name}={v}" for dev, v in pts)
     vs = "T" if axis == "seq_len" else "1/B"
     styles = [Line2D([], [], color="k", ls="-", label="backward, phase timers"),
               Line2D([], [], color="k", ls=":", alpha=0.55, label="backward, the paper's nobp subtraction")]
