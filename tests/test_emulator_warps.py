@@ -88,11 +88,13 @@ extern "C" __global__ void mask_without_caller(float* out) {
   out[threadIdx.x] = __shfl_sync(0xfffffffeu, (float)threadIdx.x, 0);
 }
 
+// Lanes 0 and 1 each wait for the other, under different masks (whichever arrives first, neither round can
+// complete without the other lane); the rest of the warp returns.
 extern "C" __global__ void mismatched_masks(float* out) {
-  float v = (float)threadIdx.x;
-  if (threadIdx.x % 32 == 0) __syncwarp(0x1u);
-  else v = __shfl_sync(0xffffffffu, v, 1);
-  out[threadIdx.x] = v;
+  const unsigned lane = threadIdx.x % 32;
+  if (lane == 0) __syncwarp(0x3u);
+  else if (lane == 1) __syncwarp(0xffffffffu);
+  out[threadIdx.x] = (float)lane;
 }
 """
 NAMES = ("shfl_i32", "shfl_i64", "shfl_f32", "shfl_f64", "warp_sum", "syncwarp_neighbours", "half_warp",
@@ -145,9 +147,9 @@ def test_shuffles_match_the_programming_guide(lib, op, width, dtype):
            ctypes.c_longlong(width), ctypes.c_longlong(n))
     out = out.reshape(32, n)
     for t in range(n):
-        warp_start = t - t % 32 if t % block < 32 else t - (t % block - 32)
-        lanes_here = min(32, block - (t % block - t % block % 32))
-        lane = t - warp_start
+        lane = t % block % 32
+        warp_start = t - lane
+        lanes_here = min(32, block - (t % block - lane))
         for b in range(32):
             src = source_lane(op, lane, b, width)
             want = x[warp_start + src] if src < lanes_here else _poison(dtype)
