@@ -9,7 +9,8 @@
 #   4. quiet benchmarks, one at a time, most important first: RNN T = 1000 / B = 16, the GRU on set L / B = 16,
 #      RNN T = 30,000 / B = 16, RNN T = 1000 / B = 256, RNN T = 100 / B = 16, the GRU on set S / B = 64
 #      (cuDNN default and packed, BPPSA paper and fused layouts, backend auto), then their speedups, the
-#      cost model's prediction beside them (bppsa gpu-measured) and the scan against the copy bandwidth
+#      cost model's prediction beside them (bppsa gpu-measured), JAX's jax.grad of the same RNN where JAX is
+#      installed (scripts/jax_rival.py) and the scan against the copy bandwidth
 # Usage: scripts/gpu_check.sh [RESULTS_DIR]   (default results/<device slug>)
 # env: PYTHON, DATA (a folder with T{10,100,1000,10000,30000}.npz bitstreams and mfcc_{l,s}.npz; made here
 #      when absent, which needs librosa), DEADLINE (seconds from the start; default 540), SANITIZER=path|skip,
@@ -118,6 +119,9 @@ if [ -n "$GPU_MODEL" ]; then
 else
   printf 'gpu_measured\tno cost-model entry for %s\t0\n' "$GPU_NAME" >> "$LOG/steps.tsv"
 fi
+# JAX's compiled BPTT backward of the same RNN, the rival a user would pick (where JAX is installed; else a note)
+step jax_rival 75 "$PY" scripts/jax_rival.py --out "$RES/rnn/jax_rival.csv" --seq-len 1000 30000 --batch 16 \
+  --data-dir "$DATA" --min-iters 3 --max-seconds 5
 rnn 100 16 40
 gru s 64 40
 step speedups 30 bash -c "\"$PY\" -m bppsa speedups $RES/rnn/bench_*.csv --out $RES/rnn/speedups.csv \

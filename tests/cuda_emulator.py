@@ -5,6 +5,15 @@ the other, the threads of a block as real threads meeting at a ``std::barrier`` 
 (one set of threads per launch, reused block after block), dynamic shared memory NaN-poisoned (0xFF
 bytes) with a guard band checked after every block (:data:`DRIVER`).  Global buffers (:class:`Buf`)
 carry guard bands of :data:`SENTINEL` on both sides.
+
+Warps: lanes are ``threadIdx.x % 32`` of a 1-D block.  ``__syncwarp`` and the ``__shfl*_sync`` family meet at a
+per-warp rendezvous (:data:`WARP_SHIM`) with PTX's ``shfl.sync`` semantics: each lane in ``mask`` deposits its
+value, and once every lane of ``mask`` that still runs has arrived, each reads its source lane (its own value
+where the source falls outside its ``width`` segment).  Reading a lane that is outside ``mask``, exited or absent
+(a block of 50 threads has no lanes 18-31 in its second warp) gives poison (0xFF bytes: NaN, or -1), as shared
+memory does.  A lane calling with a mask that leaves itself out, lanes of one warp at rendezvous with different
+masks, and a lane of ``mask`` that never arrives (divergence or deadlock on a GPU) are errors: the launch
+returns non-zero and :func:`emulated_launch` / :func:`launch` fail naming the error instead of hanging.
 :func:`emulated_scan` is ``CupyBackend.scan`` with the kernels run here: the same plan, the same buffers;
 :func:`emulated_factored` is ``CupyFactoredBackend``'s factored path.
 """
@@ -12,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import shutil
 import subprocess
 from pathlib import Path
@@ -49,6 +59,132 @@ static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline double __dsub_rn(double a, double b) { return a - b; }
+""" + r"""
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <mutex>
+#include <type_traits>
+static const int warpSize = 32;
+// A failure that must not hang the launch: recorded once, reported by emu_run's return code.
+static std::atomic<int> emu_failed{0};
+static char emu_message[512];
+static void emu_fail(const char* what, unsigned warp, unsigned lane, unsigned mask, unsigned other) {
+  int expected = 0;
+  if (emu_failed.compare_exchange_strong(expected, 1))
+    std::snprintf(emu_message, sizeof emu_message, "%s (block %u, warp %u, lane %u, mask 0x%08x, other 0x%08x)",
+                  what, blockIdx.x, warp, lane, mask, other);
+}
+// One warp's rendezvous: lanes of `mask` deposit 8 bytes each; the round completes when every lane of the
+// mask that still runs (`live`) has arrived; they read the deposits, and the last to leave resets the round.
+struct EmuWarp {
+  std::mutex m;
+  std::condition_variable cv;
+  unsigned live = 0;      // lanes that exist in this block and have not returned
+  unsigned mask = 0;      // the current round's mask
+  unsigned arrived = 0;   // lanes that deposited in the current round
+  unsigned leaving = 0;   // lanes that have read the current round's deposits
+  bool reading = false;   // the round is complete: its lanes are reading
+  unsigned char val[32][8];
+};
+static EmuWarp* emu_warps;
+static std::chrono::milliseconds EMU_WARP_TIMEOUT{20000};
+extern "C" void emu_set_warp_timeout_ms(long long ms) { EMU_WARP_TIMEOUT = std::chrono::milliseconds(ms); }
+// Deposit `bytes` (size <= 8) for this lane; returns the round's deposits in `out` and the lanes that deposited.
+static unsigned emu_rendezvous(unsigned mask, const void* bytes, unsigned size, unsigned char (*out)[8]) {
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, me = 1u << lane;
+  EmuWarp& w = emu_warps[warp];
+  std::unique_lock<std::mutex> lk(w.m);
+  if (!(mask & me)) emu_fail("a lane called a warp primitive with a mask that leaves itself out", warp, lane, mask, 0);
+  mask |= me;
+  // a lane may run ahead into the next round only after the previous one has been read by all its lanes
+  if (!w.cv.wait_for(lk, EMU_WARP_TIMEOUT, [&] { return !w.reading; })) {
+    emu_fail("warp rendezvous: the previous round never drained", warp, lane, mask, w.mask);
+    w.reading = false;
+  }
+  if (w.arrived == 0) {
+    w.mask = mask;
+  } else if (w.mask != mask) {
+    emu_fail("lanes of one warp met at a warp primitive with different masks", warp, lane, mask, w.mask);
+    w.mask |= mask;
+  }
+  std::memset(w.val[lane], 0xFF, 8);
+  if (size) std::memcpy(w.val[lane], bytes, size);
+  w.arrived |= me;
+  auto complete = [&] { return (w.mask & w.live & ~w.arrived) == 0; };
+  if (complete()) {
+    w.reading = true;
+    w.cv.notify_all();
+  } else if (!w.cv.wait_for(lk, EMU_WARP_TIMEOUT, [&] { return w.reading; })) {
+    emu_fail("lanes of the mask never reached the warp primitive (divergence or deadlock on a GPU)", warp, lane,
+             w.mask, w.mask & w.live & ~w.arrived);
+    w.reading = true;
+    w.cv.notify_all();
+  }
+  const unsigned present = w.arrived;
+  for (unsigned l = 0; l < 32; ++l) {
+    if (present >> l & 1) std::memcpy(out[l], w.val[l], 8);
+    else std::memset(out[l], 0xFF, 8);
+  }
+  w.leaving |= me;
+  if (w.leaving == w.arrived) {  // the last reader resets the round
+    w.arrived = w.leaving = 0;
+    w.mask = 0;
+    w.reading = false;
+    w.cv.notify_all();
+  }
+  return present;
+}
+// A returning thread leaves its warp: a round waiting only for it completes without it.
+static void emu_lane_exit() {
+  const unsigned lane = threadIdx.x % 32;
+  EmuWarp& w = emu_warps[threadIdx.x / 32];
+  std::lock_guard<std::mutex> lk(w.m);
+  w.live &= ~(1u << lane);
+  if (w.arrived && !w.reading && (w.mask & w.live & ~w.arrived) == 0) w.reading = true;
+  w.cv.notify_all();
+}
+static inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  unsigned char vals[32][8];
+  emu_rendezvous(mask, nullptr, 0, vals);
+}
+// PTX shfl.sync: c = (segmask << 8) | clamp; maxLane = (lane & segmask) | (clamp & ~segmask), minLane = lane & segmask.
+enum EmuShfl { EMU_IDX, EMU_UP, EMU_DOWN, EMU_BFLY };
+template <typename T>
+static T emu_shfl(unsigned mask, T var, int b, int width, EmuShfl mode) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffle of a type wider than 8 bytes");
+  const int lane = threadIdx.x % 32;
+  unsigned char vals[32][8];
+  const unsigned present = emu_rendezvous(mask, &var, sizeof(T), vals);
+  const int seg = (32 - width) & 31, clamp = mode == EMU_UP ? 0 : 31;
+  const int maxLane = (lane & seg) | (clamp & ~seg), minLane = lane & seg, bv = b & 31;
+  int j;
+  bool ok;
+  switch (mode) {
+    case EMU_UP: j = lane - bv; ok = j >= maxLane; break;
+    case EMU_DOWN: j = lane + bv; ok = j <= maxLane; break;
+    case EMU_BFLY: j = lane ^ bv; ok = j <= maxLane; break;
+    default: j = minLane | (bv & ~seg); ok = j <= maxLane; break;
+  }
+  if (!ok) j = lane;
+  T out;
+  std::memcpy(&out, vals[j], sizeof(T));
+  (void)present;
+  return out;
+}
+template <typename T> static T __shfl_sync(unsigned mask, T var, int src, int width = 32) {
+  return emu_shfl(mask, var, src, width, EMU_IDX);
+}
+template <typename T> static T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32) {
+  return emu_shfl(mask, var, (int)delta, width, EMU_UP);
+}
+template <typename T> static T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32) {
+  return emu_shfl(mask, var, (int)delta, width, EMU_DOWN);
+}
+template <typename T> static T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
+  return emu_shfl(mask, var, lane_mask, width, EMU_BFLY);
+}
 """
 
 DRIVER = r"""
@@ -75,26 +211,38 @@ static int emu_run(void (*fn)(A...), unsigned grid, unsigned block, unsigned lon
         gate.arrive_and_wait();  // into the next block, or told to stop
         if (done) return;
         fn(args...);
+        emu_lane_exit();
         emu_barrier->arrive_and_drop();
         gate.arrive_and_wait();  // the block is over
       }
     });
   int rc = 0;
+  emu_failed = 0;
+  std::vector<EmuWarp> warps((block + 31) / 32);
+  emu_warps = warps.data();
   for (unsigned bx = 0; bx < grid && rc == 0; ++bx) {
     std::memset(buf.data(), 0xFF, buf.size());
     blockIdx = {bx, 0, 0};
+    for (unsigned wi = 0; wi < warps.size(); ++wi) {
+      const unsigned lanes = block - 32 * wi < 32 ? block - 32 * wi : 32;
+      warps[wi].live = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1;
+      warps[wi].mask = warps[wi].arrived = warps[wi].leaving = 0;
+      warps[wi].reading = false;
+    }
     bar = std::make_unique<std::barrier<>>(block);
     emu_barrier = bar.get();
     gate.arrive_and_wait();  // start the block
     gate.arrive_and_wait();  // and wait for its end
     for (size_t i = smem; i < buf.size(); ++i)
       if (buf[i] != 0xFF) rc = 1;
+    if (emu_failed) rc = 2;
   }
   done = true;
   gate.arrive_and_wait();
   for (auto& th : threads) th.join();
   return rc;
 }
+extern "C" const char* emu_error() { return emu_message; }
 template <typename F> struct Emu;
 template <typename... A> struct Emu<void (*)(A...)> {
   template <void (*Fn)(A...)>
@@ -103,28 +251,56 @@ template <typename... A> struct Emu<void (*)(A...)> {
 """
 
 
-@functools.cache
-def build_emulator(build_dir: str):
-    """The kernel sources, shim and driver as one shared library built in ``build_dir`` (once per process): each
-    kernel ``k`` is exported as ``emu_k``, which :func:`emulated_launch` calls; skips the test where there is no g++."""
+def _build(build_dir: str, sources: str, names: list[str], stem: str):
+    """``sources`` (CUDA C++) with the shim and driver as one shared library ``build_dir/stem.so``, each kernel ``k``
+    of ``names`` exported as ``emu_k``; skips the test where there is no g++."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not on PATH: cannot emulate the kernels on the CPU")
-    names = [n for src in runtime.SOURCES for n in KERNEL_NAMES[src]]
     exports = "\n".join(
         f'extern "C" {{ auto emu_{n} = &Emu<decltype(&{n})>::template run<&{n}>; }}' for n in names
     )
-    # Each source is its own module on the GPU; here they share one translation unit, which works
-    # because they define disjoint names (and typedef idx_t identically, which C++ allows).
-    body = SHIM + "".join((runtime.KERNEL_DIR / s).read_text() + "\n" for s in runtime.SOURCES) + DRIVER + exports
-    src = Path(build_dir) / "emu.cpp"
-    src.write_text(body)
-    lib = Path(build_dir) / "emu.so"
+    src = Path(build_dir) / f"{stem}.cpp"
+    src.write_text(SHIM + sources + DRIVER + exports)
+    lib = Path(build_dir) / f"{stem}.so"
     proc = subprocess.run(
         ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", "-o", str(lib), str(src)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return ctypes.CDLL(str(lib))
+
+
+@functools.cache
+def build_emulator(build_dir: str):
+    """The package's kernel sources as one shared library built in ``build_dir`` (once per process): each kernel
+    ``k`` is exported as ``emu_k``, which :func:`emulated_launch` calls."""
+    names = [n for src in runtime.SOURCES for n in KERNEL_NAMES[src]]
+    # Each source is its own module on the GPU; here they share one translation unit, which works
+    # because they define disjoint names (and typedef idx_t identically, which C++ allows).
+    body = "".join((runtime.KERNEL_DIR / s).read_text() + "\n" for s in runtime.SOURCES)
+    return _build(build_dir, body, names, "emu")
+
+
+@functools.cache
+def build_source(build_dir: str, source: str, names: tuple[str, ...]):
+    """A CUDA source of the tests' own (extern "C" kernels ``names``) built like :func:`build_emulator`."""
+    stem = "src_" + hashlib.sha1(source.encode()).hexdigest()[:12]
+    return _build(build_dir, source, list(names), stem)
+
+
+def _check_rc(lib, rc: int, name: str, smem: int) -> None:
+    if rc == 2:
+        raise AssertionError(f"{name}: {lib.emu_error().decode()}")
+    assert rc == 0, f"{name} wrote past its {smem} bytes of dynamic shared memory"
+
+
+def launch(lib, name: str, grid: int, block: int, smem: int, *args):
+    """Launch kernel ``name`` of a library of :func:`build_source`; ``args`` are ctypes values (c_void_p for
+    pointers, c_longlong, c_int, c_float, ...) in the kernel's parameter order."""
+    lib.emu_error.restype = ctypes.c_char_p
+    addr = ctypes.c_void_p.in_dll(lib, f"emu_{name}").value
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_ulonglong, *(type(a) for a in args))
+    _check_rc(lib, proto(addr)(grid, block, smem, *args), name, smem)
 
 
 SENTINEL = 1234.5  # in the guard bands around every global buffer: must stay, must never be read
@@ -160,7 +336,8 @@ def emulated_launch(lib, step, dtype, bufs):
     )
     smem = step.smem_elems * np.dtype(dtype).itemsize
     rc = proto(addr)(step.grid, step.block, smem, *(b.ptr for b in bufs), *step.ints)
-    assert rc == 0, f"{name} wrote past its {smem} bytes of dynamic shared memory"
+    lib.emu_error.restype = ctypes.c_char_p
+    _check_rc(lib, rc, name, smem)
 
 
 def emulated_scan(lib, g: np.ndarray, J: np.ndarray, L_m):

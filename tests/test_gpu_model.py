@@ -182,3 +182,76 @@ def test_cases_in_one_run(tmp_path):
     for bad in ("lstm/10/16", "rnn/10", "rnn/10/16/20/1"):
         assert main(["gpu-model", "--case", bad, "--out", str(tmp_path / "x.csv")]) != 0
     assert not (tmp_path / "x.csv").exists()
+
+
+# -- the expected time: latency terms and the shared-load ceiling, held to the H200 run --------------------------
+REFERENCE = __import__("pathlib").Path(__file__).resolve().parents[1] / "results" / "reference" / "nvidia-h200"
+
+
+def _h200_measurements():
+    """(layout, cell, T, B, I, measured seconds) of today's kernels on the H200 (2026-11-26): the median over
+    iterations of the Jacobian (factor) phase plus the backward phase, as ``bppsa gpu-measured`` takes it, from the
+    run's latency CSVs, for every BPPSA variant that ran the CUDA kernels."""
+    import pandas as pd
+
+    from bppsa.commands.gpu import LAYOUT_OF
+
+    out = []
+    for cell, inputs in (("rnn", {}), ("gru", {259: 38, 1034: 12})):
+        lat = pd.read_csv(REFERENCE / cell / "latency.csv")
+        rows = lat[(lat["mode"] == "full") & (lat["phase"] == "backward")]
+        for r in rows.itertuples():
+            layout = LAYOUT_OF.get((r.variant, r.backend))
+            if layout is not None:
+                out.append((layout, cell, int(r.seq_len), int(r.batch), inputs.get(int(r.seq_len), 1), r.median))
+    return out
+
+
+def test_the_h200_run_is_read_whole():
+    got = {(lay, cell, T, B) for lay, cell, T, B, _, _ in _h200_measurements()}
+    assert got == {("factored", "rnn", 100, 16), ("factored", "rnn", 1000, 16), ("factored", "rnn", 1000, 256),
+                   ("factored", "rnn", 30000, 16), ("faithful", "rnn", 100, 16), ("faithful", "rnn", 1000, 16),
+                   ("faithful", "rnn", 1000, 256), ("faithful", "rnn", 30000, 16), ("factored", "gru", 259, 64),
+                   ("factored", "gru", 1034, 16)}
+    import pandas as pd
+
+    # the same numbers gpu_measured.csv holds for the RNN
+    gm = pd.read_csv(REFERENCE / "gpu_measured.csv")
+    for lay, cell, T, B, _, seconds in _h200_measurements():
+        row = gm[(gm["layout"] == lay) & (gm["seq_len"] == T) & (gm["batch"] == B)]
+        if cell == "rnn" and len(row):
+            assert row["measured_s"].iloc[0] == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("case", _h200_measurements(), ids=lambda c: f"{c[0]}-{c[1]}-T{c[2]}-B{c[3]}")
+def test_expected_time_within_1_5x_of_the_h200_run(case):
+    layout, cell, T, B, I, seconds = case
+    r = model.predict(layout, cell, T, B, 20, I, 4, model.GPUS["h200"])
+    ratio = seconds / r["expected_s"]
+    assert 1 / 1.5 <= ratio <= 1.5, (case, r["expected_s"], r["host_s"], r["device_s"])
+    assert r["predicted_s"] < seconds  # the floor stays a floor
+
+
+def test_expected_terms():
+    gpu = model.GPUS["h200"]
+    args = ("factored", "rnn", 30000, 16, 20, 1, 4, gpu)
+    base = model.expected(*args)
+    # without host work per launch (a CUDA graph), only the device remains
+    graphed = model.expected(*args, host=False)
+    assert graphed["host_s"] == 0 and graphed["expected_s"] == pytest.approx(graphed["device_s"])
+    assert graphed["expected_s"] < base["expected_s"]
+    # the shared-load ceiling binds the up kernel's arithmetic: more loads per FMA, more time; none, less
+    assert model.expected(*args, lds_per_fma=8)["device_s"] > base["device_s"]
+    assert model.expected(*args, lds_per_fma=0)["device_s"] <= base["device_s"]
+    # a GPU of unknown clock has no ceiling: never slower than one with it
+    nock = model.Gpu("x", gpu.bandwidth_GBps, gpu.fp32_TFLOPs, gpu.fp64_TFLOPs, gpu.sms, gpu.threads_per_sm)
+    assert model.expected("factored", "rnn", 30000, 16, 20, 1, 4, nock)["device_s"] <= base["device_s"]
+    # at a small shape the host's time is the backward's time; at the largest the device's
+    small = model.expected("factored", "rnn", 100, 16, 20, 1, 4, gpu)
+    assert small["expected_s"] < small["host_s"] * 1.1 and small["device_s"] < small["host_s"] / 4
+    assert base["device_s"] > base["host_s"]
+    # the latency term: each block of the factored kernels walks C steps; a larger C, fewer blocks, more steps
+    st = {s.name: s for s in model.steps("factored", "rnn", 30000, 16, 20, 1)}
+    assert st["bppsa_factored_up_rnn"].serial == 128 and st["bppsa_factored_up_rnn"].step == "mm"
+    assert st["bppsa_factored_down_rnn"].serial == 128 and st["bppsa_factored_down_rnn"].step == "mv"
+    assert st["torch.rnn_factors"].serial == 0
