@@ -1261,7 +1261,6 @@ typedef struct {
     /* state, reset by team_go */
     int stop, g_ready, closed, inside;
     int ev, parked;     /* the event word (bumped by every change a thread may wait for), its sleepers */
-    int arrived[64];
     unsigned csr;
     long gen;
 } team;
@@ -1428,7 +1427,6 @@ static void team_join(team *t, int me, long gen) {
 #elif defined(__aarch64__)
         __builtin_aarch64_set_fpcr(t->csr);
 #endif
-        __atomic_store_n(t->arrived + me, 1, __ATOMIC_SEQ_CST);
         team_work(t, me);
     }
     __atomic_sub_fetch(&t->inside, 1, __ATOMIC_SEQ_CST);
@@ -1510,7 +1508,6 @@ int team_go(team *t) {
     t->stop = 0;
     t->g_ready = t->head.logits == 0;
     t->inside = t->parked = 0;
-    for (long i = 0; i < nt; ++i) t->arrived[i] = i == 0;
 #if defined(__SSE__) || defined(__x86_64__)
     t->csr = _mm_getcsr();
 #elif defined(__aarch64__)

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["available", "unavailable_reason", "library", "Team", "GruFill", "head_fits", "KINDS", "ISAS",
-           "target", "lane_width", "rnn_factors", "head_grads", "repaired", "reset", "isa", "build_key"]
+           "target", "lane_width", "rnn_factors", "head_grads", "reset", "isa", "build_key"]
 
 _REAL = {torch.float32: "float", torch.float64: "double"}
 # The chains the kernel runs (chain_scan.c's KIND): the RNN's fused and paper layouts, the GRU.
@@ -138,14 +138,6 @@ def target() -> dict | None:
 
 
 _errors: dict = {}
-_repaired: list[str] = []  # cached kernels found damaged and rebuilt in this process
-
-
-def repaired() -> list[str]:
-    """The cached kernels this process found damaged (cut short, garbled) and rebuilt."""
-    return list(_repaired)
-
-
 def reset() -> None:
     """Forget this process's target, builds and their errors (after ``BPPSA_CPU_ISA`` or ``CC`` changed)."""
     for f in (_target, library, unavailable_reason):
@@ -213,7 +205,6 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not _intact(out):
                 if out.exists():  # cut short or garbled since its build: never loaded, rebuilt
-                    _repaired.append(out.name)
                     warnings.warn(f"the cached CPU kernel {out} does not match its checksum (damaged); rebuilding it",
                                   stacklevel=4)
                 with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -333,8 +324,8 @@ class _Seg(ctypes.Structure):
 class _Team(ctypes.Structure):
     _fields_ = [("call", _Call), ("W", _p), ("pre", _Units), ("sl", _p), ("ns", _l), ("nthreads", _l), ("head", _Head),
                 ("acc", _p), ("nacc", _l), ("seg", _p), ("nseg", _l), ("dst", _p), ("stop", _i), ("g_ready", _i),
-                ("closed", _i), ("inside", _i), ("ev", _i), ("parked", _i), ("arrived", _i * 64),
-                ("csr", ctypes.c_uint), ("gen", _l)]
+                ("closed", _i), ("inside", _i), ("ev", _i), ("parked", _i), ("csr", ctypes.c_uint),
+                ("gen", _l)]
 
 
 class _FillArgs(ctypes.Structure):

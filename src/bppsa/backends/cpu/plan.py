@@ -34,7 +34,7 @@ __all__ = ["Plan", "MIN_CHUNK_FLOP", "KERNEL_SPEEDUP", "MAX_THREADS", "fused_lev
 # numpy's small GEMMs (~50 GFLOP/s); the compiled kernel runs ~KERNEL_SPEEDUP times faster.
 MIN_CHUNK_FLOP = 2_000_000
 KERNEL_SPEEDUP = 5
-MAX_THREADS = 64  # a team's threads (chain_scan.c's team.arrived)
+MAX_THREADS = 64  # a team's threads at most (chain_scan.c's team_go)
 GRU_LANE_BYTES = 32  # the GRU's estimated slice: a block's product and its Jacobian (2 H^2 lanes) stay in L1
 # A slice's down phase in this many units, each with its own gradient sums: where the slice's owner is held up
 # (a busy host), another thread takes a share of it instead of waiting.
