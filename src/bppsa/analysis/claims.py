@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import paper
+from .. import paper
 from .results import device_dirs
 
 VERDICTS = ("holds", "partly", "not reproduced", "not measurable here")
@@ -404,7 +404,7 @@ def curve_claims(results: Path) -> list[Claim]:
 
 def table1_claims(results: Path) -> list[Claim]:
     """Table 1: guaranteed-zero sparsity (exact) and the analytic generation's speedup over autograd."""
-    from ..bench.protocol import median_ci
+    from ..stats import median_ci
 
     out = []
     for label, t in _each(results, "jacobians/table1_timings.csv"):

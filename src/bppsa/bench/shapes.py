@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..analysis.paper import PAPER_EPOCH_S, PAPER_SAMPLES
+from ..paper import PAPER_EPOCH_S, PAPER_SAMPLES
 
 GB = 10**9
 CAPACITIES_GB = (16, 80)  # the GPU sizes the table flags; decimal GB, i.e. below the cards' 16/80 GiB
