@@ -327,7 +327,7 @@ def run_job(job: dict, rounds: int = 3, fp64: bool = True, threads: int = 0) -> 
 
 def idle_rss_mb() -> float:
     """Peak RSS of a subprocess that only imports torch and this package: what every job's figure includes."""
-    code = "import torch, bppsa.bench.shapes as s, resource; print(s._peak_rss_mb())"
+    code = "import torch, bppsa.bench.preflight as s, resource; print(s._peak_rss_mb())"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     if r.returncode:
         raise RuntimeError(f"the idle-RSS probe failed: {r.stderr.strip()[-500:]}")
