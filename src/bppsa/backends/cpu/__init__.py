@@ -1,8 +1,8 @@
 """The CPU fast path of the BPPSA backward, and the sequential rival it is measured against.
 
 **The recurrent chains are never built** (:mod:`bppsa.backends.chain`: ``FactoredChain``, ``RnnChain`` and
-``PaperChain`` for the RNN's two layouts, ``GruChain``; built for the kernel by :mod:`.chain`): the backend keeps each as its
-weights and per-step factors, in lane order, beside the inputs the parameter gradients need.  The
+``PaperChain`` for the RNN's two layouts, ``GruChain``; built for the kernel by :mod:`.chain`): the backend
+keeps each as its weights and per-step factors, in lane order, beside the inputs the parameter gradients need.  The
 compiled kernel of :mod:`.native` (``chain_scan.c``: the batch as the vector lanes, the lowest up-sweep
 levels fused per block) scans them and accumulates the cell's parameter gradients as the prefixes come
 out (:func:`param_grads`), on lane slices or block ranges spread over the threads
