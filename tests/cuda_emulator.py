@@ -35,8 +35,10 @@ from bppsa.scan import tree_levels
 KERNEL_NAMES = {
     "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
     "rnn_jacobians.cu": [f"bppsa_rnn_jacobians_{k}_{s}" for k in ("paper", "fused") for s in ("f32", "f64")],
-    "factored.cu": [f"bppsa_factored_{p}_{k}_{s}" for p in ("up", "down") for k in ("rnn", "gru")
+    "factored.cu": [f"bppsa_factored_{p}_{k}_{s}" for p in ("up_smem", "down") for k in ("rnn", "gru")
                     for s in ("f32", "f64")],
+    # compiled per hidden size (plan.up_constants); at the reference H = 20 both dtypes' kernels exist
+    "factored_up.cu": [f"bppsa_factored_up_{k}_{s}" for k in ("rnn", "gru") for s in ("f32", "f64")],
 }
 
 
@@ -274,11 +276,35 @@ def _build(build_dir: str, sources: str, names: list[str], stem: str):
 def build_emulator(build_dir: str):
     """The package's kernel sources as one shared library built in ``build_dir`` (once per process): each kernel
     ``k`` is exported as ``emu_k``, which :func:`emulated_launch` calls."""
-    names = [n for src in runtime.SOURCES for n in KERNEL_NAMES[src]]
+    sources = [s for s in runtime.SOURCES if not runtime.reference_constants(s)]
+    names = [n for src in sources for n in KERNEL_NAMES[src]]
     # Each source is its own module on the GPU; here they share one translation unit, which works
-    # because they define disjoint names (and typedef idx_t identically, which C++ allows).
-    body = "".join((runtime.KERNEL_DIR / s).read_text() + "\n" for s in runtime.SOURCES)
+    # because they define disjoint names (and typedef idx_t identically, which C++ allows).  The sources compiled
+    # per constants (factored_up.cu) are built per constants by :func:`build_with_constants`.
+    body = "".join((runtime.KERNEL_DIR / s).read_text() + "\n" for s in sources)
     return _build(build_dir, body, names, "emu")
+
+
+@functools.cache
+def build_with_constants(build_dir: str, source: str, consts: tuple, text: str | None = None):
+    """``source`` compiled with its compile-time constants ``consts`` (the ``#define`` lines NVRTC's ``-D`` gives),
+    as its own library; exports the kernels that exist for these constants (factored_up.cu: a dtype whose
+    BPPSA_NC32 / BPPSA_NC64 is 0 has none).  ``text``: the source's text instead of the file's (a mutant)."""
+    values = dict(consts)
+    names = [n for n in KERNEL_NAMES[source]
+             if source != "factored_up.cu" or values["BPPSA_NC" + ("32" if n.endswith("f32") else "64")] > 0]
+    defines = "".join(f"#define {k} {int(v)}\n" for k, v in consts)
+    text = (runtime.KERNEL_DIR / source).read_text() if text is None else text
+    stem = "c_" + hashlib.sha1((source + defines + text).encode()).hexdigest()[:12]
+    return _build(build_dir, defines + text, names, stem)
+
+
+def library_for(lib, step):
+    """The library that runs ``step``: ``lib`` (:func:`build_emulator`), or for a launch with compile-time constants
+    its source built with them, beside ``lib``."""
+    if not step.consts:
+        return lib
+    return build_with_constants(str(Path(lib._name).parent), plan.factored_source(step), step.consts)
 
 
 @functools.cache
@@ -362,7 +388,7 @@ def emulated_factored(lib, chain, g: np.ndarray, C: int | None = None, grads: bo
     n, B, H, _ = chain.shape
     dt = g.dtype
     Wt, f = chain.Wt.numpy().astype(dt), chain.f.numpy().astype(dt)
-    C, launches = plan.factored_plan(chain.kind, n, B, H, chain.I, C, grads=grads, L_m=L_m)
+    C, launches = plan.factored_plan(chain.kind, n, B, H, chain.I, C, grads=grads, L_m=L_m, itemsize=dt.itemsize)
     K = -(-n // C)
     mode = launches[-1].kernel == "torch.sum"
     NA, NBV = (H if chain.kind == "rnn" else 4 * H), chain.I + 1 + H
@@ -385,7 +411,7 @@ def emulated_factored(lib, chain, g: np.ndarray, C: int | None = None, grads: bo
         elif src == "blelloch.cu":
             emulated_launch(lib, step, dt.type, [agg, S, carries])
         elif "_up_" in step.kernel:
-            emulated_launch(lib, step, dt.type, [wt_b, f_b, agg])
+            emulated_launch(library_for(lib, step), step, dt.type, [wt_b, f_b, agg])
         else:
             emulated_launch(lib, step, dt.type, [wt_b, f_b, carries, P, accs])
     return (total if mode else P.value()), C

@@ -1,4 +1,4 @@
-"""The factored GPU backward (``factored.cu``, backend ``cupy-factored``), checked without a GPU.
+"""The factored GPU backward (``factored_up.cu``, ``factored.cu``, backend ``cupy-factored``), checked without a GPU.
 
 * the kernel sources run by the emulator (``tests/cuda_emulator.py``) through the plan
   (:func:`bppsa.backends.cuda.plan.factored_plan`): the scan's output and the parameter-gradient sums held to
@@ -82,8 +82,9 @@ def _rel(got, ref) -> float:
     return float(np.abs(got - ref).max() / (scale if scale > 0 else 1.0))
 
 
-# (n, B, H, C): n mod C != 0, n < C (one chunk: no up, no middle), n == C, several whole chunks, B = 64
-SHAPES = [(37, 1, 7, 8), (5, 2, 7, 8), (16, 1, 20, 16), (24, 3, 20, 8), (9, 64, 7, 4), (37, 2, 20, 8)]
+# (n, B, H, C): n mod C != 0, n < C (one chunk: no up, no middle), n == C, several whole chunks, B = 64; H = 21 takes
+# the register up kernel in fp32 and the shared-memory one in fp64 (plan.up_columns)
+SHAPES = [(37, 1, 7, 8), (5, 2, 7, 8), (16, 1, 20, 16), (24, 3, 20, 8), (9, 64, 7, 4), (37, 2, 20, 8), (19, 2, 21, 8)]
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["fp64", "fp32"])
@@ -105,6 +106,58 @@ def test_emulated_factored_scan_and_sums(emu, kind, n, B, H, C, dtype):
     got = chain.param_grads(torch.from_numpy(acc.astype(np.float64)))
     for name, ref in chain.param_grads(acc_ref).items():
         assert _rel(got[name], ref) <= TOL[dtype], name
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("I", [1, 12])
+@pytest.mark.parametrize("B", [1, 3, 16])
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+def test_register_up_kernel_at_T37_C8(emu, kind, B, I, dtype):
+    """Issue 32's matrix: T = 37 with C = 8 (four whole chunks and a short one), the register up kernel (H = 20) in
+    both dtypes, through the whole emulated backward: the scan's output and the gradient sums against the reference."""
+    from bppsa.backends.cuda import plan
+
+    n, H, C = 37, 20, 8
+    up = plan.factored_plan(kind, n, B, H, I, C, itemsize=np.dtype(dtype).itemsize)[1][0]
+    assert up.kernel == f"bppsa_factored_up_{kind}" and up.consts == plan.up_constants(H)
+    chain = _chain(kind, n, B, H, I, seed=37 + B + I)
+    g = torch.randn(B, H, dtype=torch.float64, generator=torch.Generator().manual_seed(B))
+    P_ref, acc_ref = _reference(chain, g)
+    P, _ = emulated_factored(emu, chain, g.numpy().astype(dtype), C=C)
+    assert not np.isnan(P).any() and _rel(P, P_ref) <= TOL[dtype]
+    acc, _ = emulated_factored(emu, chain, g.numpy().astype(dtype), C=C, grads=True)
+    assert not np.isnan(acc).any() and _rel(acc, acc_ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+@pytest.mark.parametrize("mutation", [
+    ("fk + (u + 1) * H * B : (k < e ? fk + stride : fk)", "fk + (u + 1) * H * B : fk"),  # the next step not streamed
+    ("fac[g] = fs[(g * H + j) * B] * keep", "fac[g] = fs[(g * H + j + 1) * B] * keep"),    # first step: a row off
+    ("const unsigned s = c * C, e", "const unsigned s = c * C + (c > 0), e"),              # a chunk's first step lost
+])
+def test_a_broken_register_up_kernel_fails(emu, kind, mutation):
+    from cuda_emulator import build_with_constants, library_for
+
+    from bppsa.backends.cuda import plan, runtime
+
+    text = (runtime.KERNEL_DIR / "factored_up.cu").read_text()
+    assert mutation[0] in text
+    chain = _chain(kind, 37, 3, 20, 1, seed=3)
+    g = torch.randn(3, 20, dtype=torch.float64)
+    P_ref, _ = _reference(chain, g)
+    consts = plan.up_constants(20)
+    real = library_for(emu, plan.Launch("bppsa_factored_up_rnn", 1, 32, 0, (), consts=consts))
+    broken = build_with_constants(str(real._name).rsplit("/", 1)[0], "factored_up.cu", consts,
+                                  text.replace(*mutation))
+    import cuda_emulator
+
+    orig = cuda_emulator.library_for
+    try:
+        cuda_emulator.library_for = lambda lib, step: broken if step.consts else lib
+        P, _ = emulated_factored(emu, chain, g.numpy(), C=8)
+    finally:
+        cuda_emulator.library_for = orig
+    assert np.isnan(P).any() or _rel(P, P_ref) > 1e-6
 
 
 def test_emulated_factored_middle_with_bounded_tree(emu):

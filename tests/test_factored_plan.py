@@ -7,15 +7,62 @@ import pytest
 from bppsa.backends.cuda import plan
 
 
-def test_chunk_size_fills_the_gpu():
-    assert plan.chunk_size(30000, 16) == 128  # the paper's RNN: 235 chunks x 16 = 3760 blocks
-    assert plan.chunk_size(30000, 1) == 16    # one sequence: smaller chunks for 1875 blocks
-    assert plan.chunk_size(10, 1) == plan.CHUNK_MIN
-    for n in (1, 37, 1000, 30000, 10**6):
-        for B in (1, 4, 16, 64):
-            C = plan.chunk_size(n, B)
-            assert plan.CHUNK_MIN <= C <= plan.CHUNK_MAX and C & (C - 1) == 0
-            assert C == plan.CHUNK_MIN or B * -(-n // C) >= plan.TARGET_BLOCKS
+@pytest.mark.parametrize("B", [1, 3, 16, 256])
+@pytest.mark.parametrize("H", [7, 20])
+def test_chunk_size_leaves_at_least_eight_chunks(H, B):
+    """C is the power of two that minimises the estimate among those leaving >= 8 chunks; below 8 steps, C = 1."""
+    for n in (1, 2, 5, 7, 8, 9, 15, 16, 37, 100, 1000, 1034, 30000, 10**6):
+        for kind in ("rnn", "gru"):
+            C = plan.chunk_size(n, B, H, kind)
+            assert C >= 1 and C & (C - 1) == 0, (n, B, C)
+            if n < plan.MIN_CHUNKS:
+                assert C == 1, (n, C)
+                continue
+            assert -(-n // C) >= plan.MIN_CHUNKS and C <= n // plan.MIN_CHUNKS, (n, B, C)
+            cands = [1 << e for e in range(20) if 1 << e <= min(plan.CHUNK_MAX, n // plan.MIN_CHUNKS)]
+            best = min(plan.chunk_cost(kind, n, B, H, c) for c in cands)
+            assert plan.chunk_cost(kind, n, B, H, C) == best, (n, B, C)
+    assert plan.chunk_size(37, B, H) == 4 and plan.chunk_size(7, B, H) == 1  # 9 chunks (the last one short); 7 of 1
+
+
+def test_chunk_cost_balances_the_phases():
+    """At the paper's T = 30000, B = 16, H = 20 neither end is best: C = 1 makes the middle scan as long as a full
+    Blelloch scan, C = n / 8 makes a chunk's chain the sequential limit."""
+    n, B, H = 30000, 16, 20
+    C = plan.chunk_size(n, B, H)
+    assert 1 < C < n // 8
+    cost = lambda c: plan.chunk_cost("rnn", n, B, H, c)  # noqa: E731
+    assert cost(C) < cost(1) and cost(C) < cost(2048)
+    # more sequences spread the same work over more pairs: the chunks may grow
+    assert plan.chunk_size(1000, 256, H) >= plan.chunk_size(1000, 16, H) >= plan.chunk_size(1000, 1, H)
+    # the default plan uses it
+    assert plan.factored_plan("rnn", n, B, H, 1)[0] == C
+
+
+def test_up_columns_and_geometry():
+    # 2·H·NC + 2·H elements within UP_REGISTER_WORDS 32-bit registers
+    assert [plan.up_columns(H, 4) for H in (7, 16, 20, 26, 40, 41, 64)] == [4, 4, 2, 2, 1, 0, 0]
+    assert [plan.up_columns(H, 8) for H in (7, 13, 20, 21)] == [4, 2, 1, 0]
+    assert plan.up_constants(20) == (("BPPSA_H", 20), ("BPPSA_NC32", 2), ("BPPSA_NC64", 1))
+    # H = 20, fp32: 10 column blocks -> two thread blocks of 5 warps per 32 pairs
+    assert plan.up_geometry(20, 4, 33) == (2 * 2, 160)
+    # fp64: 20 column blocks -> three thread blocks of 7 warps (the 21st warp idles)
+    assert plan.up_geometry(20, 8, 32) == (3, 224)
+    assert plan.up_geometry(7, 4, 1) == (1, 64)
+    assert plan.up_reg_smem("rnn", 20, 4) == 20 * 20 and plan.up_reg_smem("gru", 7, 8) == 3 * 7 * 8
+    for H, itemsize, kernel in ((20, 4, "bppsa_factored_up_rnn"), (41, 4, "bppsa_factored_up_smem_rnn"),
+                                (20, 8, "bppsa_factored_up_rnn"), (21, 8, "bppsa_factored_up_smem_rnn")):
+        up = plan.factored_plan("rnn", 100, 2, H, 1, 8, itemsize=itemsize)[1][0]
+        assert up.kernel == kernel
+        assert plan.factored_source(up) == ("factored_up.cu" if up.consts else "factored.cu")
+        assert up.consts == (plan.up_constants(H) if kernel == "bppsa_factored_up_rnn" else ())
+
+
+def test_up_kernel_indices_fit_32_bits():
+    B = (2**31) // 41 + 1  # H = 20, I = 1: NR = 41 factor rows of B lanes a step
+    with pytest.raises(ValueError, match=r"NR \* B = \d+ exceeds its 32-bit indices"):
+        plan.factored_plan("rnn", 16, B, 20, 1, 2, grads=False)
+    plan.factored_plan("rnn", 16, B - 1000, 20, 1, 2, grads=False)
 
 
 def test_rnn_plan_counts_by_hand():
@@ -24,8 +71,8 @@ def test_rnn_plan_counts_by_hand():
     assert C == 2
     up, *middle, down, red = launches
     assert tuple(middle) == plan.scan_plan(4, 1, 2)[1]  # the Blelloch scan over (g, M_0, M_1, M_2)
-    assert (up.kernel, up.grid, down.kernel, down.grid, red.kernel) == (
-        "bppsa_factored_up_rnn", 3, "bppsa_factored_down_rnn", 3, "torch.sum")
+    assert (up.kernel, up.grid, up.block, down.kernel, down.grid, red.kernel) == (
+        "bppsa_factored_up_rnn", 1, 32, "bppsa_factored_down_rnn", 3, "torch.sum")  # 3 pairs: one warp
     assert up.ints == down.ints == (5, 1, 2, 1, 2, 3, plan.FACTORED_GROUP, 1)
     # up, per block: W^T (4) read, d (2 per step) read, the aggregate (4) written: 4+4+4, 4+4+4, 4+2+4
     assert up.moved == 12 + 12 + 10

@@ -70,6 +70,7 @@ def test_nvcc_compiles(source, arch, tmp_path):
     cubin = tmp_path / "k.cubin"
     proc = subprocess.run(
         ["nvcc", "-std=c++17", f"-arch=sm_{arch}", "-cubin", "-Werror", "all-warnings",
+         *runtime.define_options(runtime.reference_constants(source)),
          "-o", str(cubin), str(runtime.KERNEL_DIR / source)],
         capture_output=True, text=True, timeout=120,
     )
@@ -296,7 +297,9 @@ def fresh_probe():
 def _fake_cupy(compile_error: Exception | None):
     class RawModule:
         def __init__(self, code, options):
-            assert "bppsa" in code and tuple(options) == runtime.NVRTC_OPTIONS
+            n = len(runtime.NVRTC_OPTIONS)  # then the source's compile-time constants, if any
+            assert "bppsa" in code and tuple(options)[:n] == runtime.NVRTC_OPTIONS
+            assert all(o.startswith("-DBPPSA_") for o in options[n:])
             if compile_error is not None:
                 raise compile_error
 

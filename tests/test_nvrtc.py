@@ -30,8 +30,9 @@ ARCHS = (90, 80, 75)
 KERNELS = {
     "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
     "rnn_jacobians.cu": [f"bppsa_rnn_jacobians_{k}_{s}" for k in ("paper", "fused") for s in ("f32", "f64")],
-    "factored.cu": [f"bppsa_factored_{p}_{k}_{s}" for p in ("up", "down") for k in ("rnn", "gru")
+    "factored.cu": [f"bppsa_factored_{p}_{k}_{s}" for p in ("up_smem", "down") for k in ("rnn", "gru")
                     for s in ("f32", "f64")],
+    "factored_up.cu": [f"bppsa_factored_up_{k}_{s}" for k in ("rnn", "gru") for s in ("f32", "f64")],  # at H = 20
 }
 
 
@@ -123,7 +124,7 @@ def _recorded_launches(monkeypatch) -> list[tuple[str, tuple, int]]:
             calls.append((self.name, args, shared_mem))
 
     monkeypatch.setattr(runtime, "import_cupy", lambda: SimpleNamespace(__version__="recorder"))
-    monkeypatch.setattr(runtime, "kernel", lambda source, name, index: Fn(name))
+    monkeypatch.setattr(runtime, "kernel", lambda source, name, index, *consts: Fn(name))
     monkeypatch.setattr(runtime, "stream", lambda dev: runtime.TorchStream(0x7F00))
     t = torch.zeros(3)
     assert isinstance(runtime.pointer(t), np.uint64) and runtime.pointer(t) == t.data_ptr()
@@ -146,9 +147,15 @@ def _recorded_launches(monkeypatch) -> list[tuple[str, tuple, int]]:
         g, x = torch.zeros(2, 5, dtype=dtype), torch.zeros(40, 2, 3, dtype=dtype)
         rnn = fb.rnn_jacobians_t(torch.zeros(40, 2, 5, dtype=dtype), torch.zeros(5, 5, dtype=dtype), "fused", x)
         gru = fb.gru_jacobians_t(x, torch.zeros(40, 2, 5, dtype=dtype), torch.nn.GRU(3, 5).to(dtype))
-        for chain in (rnn, gru):  # 40 steps in chunks of 16: up, middle, down; the scan and the gradients
+        for chain in (rnn, gru):  # 40 steps in chunks of 4: up, middle, down; the scan and the gradients
             fb.scan(g, chain)
             fb.cell_grads(g, chain, None, None)
+        # an H too large for the register up kernel (plan.up_columns): factored.cu's shared-memory up kernel
+        H = 41 if dtype == torch.float32 else 21
+        wide = fb.rnn_jacobians_t(torch.zeros(40, 2, H, dtype=dtype), torch.zeros(H, H, dtype=dtype), "fused", x)
+        gwide = fb.gru_jacobians_t(x, torch.zeros(40, 2, H, dtype=dtype), torch.nn.GRU(3, H).to(dtype))
+        for chain in (wide, gwide):
+            fb.scan(torch.zeros(2, H, dtype=dtype), chain)
     return calls
 
 
@@ -232,15 +239,22 @@ def occupancy(arch: int, registers: int, block: int, smem_bytes: int) -> dict[st
 
 
 def _factored_launches() -> dict[str, tuple[int, int]]:
-    """Kernel base name -> (threads, dynamic shared memory in elements) of the default plan at the paper's sizes:
-    T = 30000, B = 16, H = 20, the RNN with I = 1 and the GRU with the IRMAS MFCCs' I = 12, training step."""
+    """Kernel base name -> (threads, dynamic shared memory in elements per dtype suffix) of the default plan at the
+    paper's sizes: T = 30000, B = 16, H = 20, the RNN with I = 1 and the GRU with the IRMAS MFCCs' I = 12, training
+    step; the shared-memory up kernels (which the plan takes only above H = 40 in fp32, 20 in fp64) as they would
+    launch at H = 20."""
     from bppsa.backends.cuda import plan
     from bppsa.models import SPECS
 
     out = {}
     for kind in ("rnn", "gru"):
-        _, launches = plan.factored_plan(kind, 30000, 16, SPECS[kind].hidden, SPECS[kind].input_size)
-        out.update({x.kernel: (x.block, x.smem_elems) for x in launches if x.kernel.startswith("bppsa_factored_")})
+        H, I = SPECS[kind].hidden, SPECS[kind].input_size
+        for itemsize, suffix in ((4, "f32"), (8, "f64")):
+            _, launches = plan.factored_plan(kind, 30000, 16, H, I, itemsize=itemsize)
+            out.update({f"{x.kernel}_{suffix}": (x.block, x.smem_elems) for x in launches
+                        if x.kernel.startswith("bppsa_factored_")})
+            smem_up = plan.factored_smem(kind, H, I, True)[0]
+            out[f"bppsa_factored_up_smem_{kind}_{suffix}"] = (plan.up_threads(H), smem_up)
     return out
 
 
@@ -248,10 +262,11 @@ def _factored_ptxas() -> dict:
     launches = _factored_launches()
     rec: dict = {"nvrtc": ".".join(map(str, nvrtc.version())), "plan": "T=30000 B=16 H=20, rnn I=1, gru I=12"}
     for arch in ARCHS:
-        report = nvrtc.ptxas_report(_compiled("factored.cu", arch).log)
+        report = {**nvrtc.ptxas_report(_compiled("factored.cu", arch).log),
+                  **nvrtc.ptxas_report(_compiled("factored_up.cu", arch).log)}
         per = {}
         for name, stats in sorted(report.items()):
-            block, elems = launches[name.rsplit("_", 1)[0]]
+            block, elems = launches[name]
             smem = elems * (8 if name.endswith("f64") else 4) + stats["smem"]
             per[name] = {"registers": stats["registers"], "spill_stores": stats["spill_stores"],
                          "spill_loads": stats["spill_loads"], "static_smem": stats["smem"], "block": block,
@@ -270,7 +285,7 @@ def test_factored_kernels_ptxas_record(nv):
     want = json.loads(PTXAS_RECORD.read_text())
     for arch in ARCHS:
         key = f"sm_{arch}"
-        assert sorted(got[key]) == sorted(want[key]) == sorted(KERNELS["factored.cu"])
+        assert sorted(got[key]) == sorted(want[key]) == sorted(KERNELS["factored.cu"] + KERNELS["factored_up.cu"])
         for name, g in got[key].items():
             w = want[key][name]
             assert g["spill_stores"] == g["spill_loads"] == 0, (arch, name, g)

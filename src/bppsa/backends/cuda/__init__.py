@@ -6,7 +6,8 @@ and on disk).  Each kernel has a torch reference twin that tests hold it to:
 
 * ``bppsa_{up_sweep,middle_scan,down_sweep}_{f32,f64}`` -- :func:`bppsa.scan.blelloch_scan`;
 * ``bppsa_rnn_jacobians_{paper,fused}_{f32,f64}`` -- :func:`bppsa.jacobians.recurrent.rnn_jacobians_t`;
-* ``bppsa_factored_{up,down}_{rnn,gru}_{f32,f64}`` (``factored.cu``, :class:`CupyFactoredBackend`) -- the scan
+* ``bppsa_factored_{up,up_smem,down}_{rnn,gru}_{f32,f64}`` (``factored_up.cu``, compiled per hidden size, and
+  ``factored.cu``; :class:`CupyFactoredBackend`) -- the scan
   over ``chain.dense()`` of a :class:`~bppsa.backends.chain.RnnChain` or
   :class:`~bppsa.backends.chain.GruChain`, and the parameter-gradient sums the CPU kernel accumulates.
 
@@ -93,8 +94,9 @@ class CupyFactoredBackend(CupyBackend):
     """The factored GPU backward (``factored.cu``): the recurrent chains stay as their factors (the RNN's
     fused layout as :class:`~bppsa.backends.chain.RnnChain`, the GRU as
     :class:`~bppsa.backends.chain.GruChain`, built by torch on the GPU) and no per-step Jacobian is ever
-    stored.  Three phases (:func:`.plan.factored_plan`): each block builds one chunk's aggregate in shared
-    memory (up); the existing Blelloch kernels scan the aggregates applied to g (middle: vectors come out);
+    stored.  Three phases (:func:`.plan.factored_plan`): each thread builds some columns of one chunk's aggregate in
+    registers (up; in shared memory where H is too large); the existing Blelloch kernels scan the aggregates
+    applied to g (middle: vectors come out);
     each block replays its chunk from its carry (down), writing the scan's output or the block's sums of the
     parameter gradients, which one ``torch.sum`` adds.  The paper layout and dense chains take
     :class:`CupyBackend`."""
@@ -146,7 +148,8 @@ class CupyFactoredBackend(CupyBackend):
         if n == 0:
             return g.new_empty((0, B, H))
         dev = runtime.check_cuda(g.dtype, g, chain.f, chain.Wt)
-        C, launches = plan.factored_plan(chain.kind, n, B, H, chain.I, C, grads=grads, L_m=L_m)
+        C, launches = plan.factored_plan(chain.kind, n, B, H, chain.I, C, grads=grads, L_m=L_m,
+                                          itemsize=g.dtype.itemsize)
         optin = runtime.smem_optin(dev)
         need = max(x.smem_elems for x in launches) * g.dtype.itemsize
         if need > optin:

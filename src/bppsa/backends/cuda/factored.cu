@@ -8,7 +8,8 @@
 //
 // Three phases (bppsa/backends/cuda/plan.py: factored_plan), chunk c = steps [cC, min(cC + C, n)), block
 // blockIdx.x = c * B + b for batch element b; no block ever waits for another:
-//   up:     agg[c][b] = J_{last} ... J_{first} of the chunk, built in shared memory from the factors;
+//   up:     agg[c][b] = J_{last} ... J_{first} of the chunk, built from the factors: in registers by factored_up.cu
+//           (compiled per H), or here in shared memory (bppsa_factored_up_smem_*) where H is too large for that;
 //   middle: the Blelloch kernels (blelloch.cu) scan (g, agg) into carries[c][b] = agg[c-1] ... agg[0] g;
 //   down:   each block replays its chunk from its carry with mat-vecs: the scan's output P[k][b] = the
 //           vector before step k (mode 0), or (mode 1) the block's sums of the parameter gradients,
@@ -203,9 +204,10 @@ __device__ void down(const T* Wt, const T* f, const T* carry, T* P, T* accs, idx
 }  // namespace bppsa_factored
 
 #define BPPSA_FACTORED_KERNELS(T, SUFFIX, KIND, NAME)                                                         \
-  extern "C" __global__ void bppsa_factored_up_##NAME##_##SUFFIX(const T* Wt, const T* f, T* agg, idx_t n,      \
-                                                                 idx_t B, idx_t H, idx_t I, idx_t C,            \
-                                                                 idx_t pitch, idx_t G, idx_t mode) {            \
+  extern "C" __global__ void bppsa_factored_up_smem_##NAME##_##SUFFIX(const T* Wt, const T* f, T* agg,          \
+                                                                      idx_t n, idx_t B, idx_t H, idx_t I,       \
+                                                                      idx_t C, idx_t pitch, idx_t G,            \
+                                                                      idx_t mode) {                             \
     (void)G;                                                                                                  \
     (void)mode;                                                                                               \
     bppsa_factored::up<T, KIND>(Wt, f, agg, n, B, H, I, C, pitch);                                            \

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from .runtime import CUPY_APPENDED_OPTIONS, KERNEL_DIR, NVRTC_OPTIONS
+from .runtime import CUPY_APPENDED_OPTIONS, KERNEL_DIR, NVRTC_OPTIONS, define_options, reference_constants
 
 # wheels that ship libnvrtc: CUDA 13's (nvidia/cu13/lib) first, then CUDA 12's (nvidia/cuda_nvrtc/lib)
 WHEELS = ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12")
@@ -115,9 +115,13 @@ def compile_source(source: str, options: tuple[str, ...], name: str = "kernel.cu
         nv.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def compile_kernel(source: str, arch: int, *extra: str) -> Result:
-    """One of the package's ``.cu`` files with CuPy's options for ``arch`` (and ``extra`` ones)."""
-    return compile_source((KERNEL_DIR / source).read_text(), cupy_options(arch) + extra, source)
+def compile_kernel(source: str, arch: int, *extra: str, consts=None) -> Result:
+    """One of the package's ``.cu`` files with CuPy's options for ``arch`` (and ``extra`` ones), and its compile-time
+    constants ``consts`` as the runtime passes them (default: :func:`.runtime.reference_constants`)."""
+    consts = reference_constants(source) if consts is None else consts
+    defines = define_options(consts)
+    options = NVRTC_OPTIONS + defines + cupy_options(arch)[len(NVRTC_OPTIONS):]  # as RawModule(options=ours + -D)
+    return compile_source((KERNEL_DIR / source).read_text(), options + extra, source)
 
 
 _ENTRY = re.compile(r"\.visible\s+\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)

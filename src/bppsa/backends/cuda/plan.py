@@ -26,6 +26,9 @@ class Launch:
     dynamic shared memory in *elements* of the scan's dtype, and the integer arguments that follow
     the pointer arguments, in the order of the C signature.
 
+    ``consts`` are the compile-time constants its source is compiled with (``-DNAME=value``; the runtime keys the
+    compiled module by them): the register up kernel's hidden size and columns per thread (:func:`up_constants`).
+
     ``moved`` and ``flop`` are what the launch costs, counted from what its kernel does: elements of
     the dtype read from and written to global memory (logical traffic: each operand a block stages
     counted once per block, whether or not a cache serves it) and floating-point operations (a
@@ -38,6 +41,7 @@ class Launch:
     ints: tuple[int, ...]
     moved: int = 0
     flop: int = 0
+    consts: tuple[tuple[str, int], ...] = ()
 
 
 def block_threads(H: int) -> int:
@@ -101,24 +105,90 @@ def max_hidden(dtype: torch.dtype, smem_optin: int) -> int:
 
 FACTORED_KINDS = {"rnn": (1, 1), "gru": (3, 5)}  # kind -> (NW weight matrices, NF factor rows of H per step)
 FACTORED_GROUP = 8       # positions whose gradient rows and columns the down kernel stages before accumulating
-CHUNK_MAX = 128          # the default chunk size, where it leaves enough blocks
-CHUNK_MIN = 16
-TARGET_BLOCKS = 1024     # about four waves of an H100's 132 SMs at two 256-thread blocks each
+MIN_CHUNKS = 8           # the backward stays a scan: at least this many chunks (all n steps when n < 8)
+CHUNK_MAX = 512
+INT32_MAX = 2**31 - 1    # the register up kernel indexes with 32-bit integers
+
+# The chunk-size estimate's machine, in clocks of one SM-like unit (an H100: 132 SMs of 128 fp32 lanes).  These are
+# assumptions that rank chunk sizes against each other, not a prediction of time (that is the cost model's job).
+EST_SMS, EST_LANES = 132, 128
+EST_LEVEL_CLOCKS = 6000       # one launch of the middle scan: its launch and an H x H product's dependent chain
+EST_DOWN_STEP_CLOCKS = 700    # one step of a down block: a global load of the step's factors and its barriers
+EST_ISSUE_PER_FMA = 1.35      # instructions a thread issues per multiply-add of the up kernel (its SASS loop)
+EST_BYTES_PER_CLOCK = 1700    # global memory: 3.35 TB/s at 1.98 GHz
+EST_MIDDLE_FMA_PER_SM = 16    # the Blelloch kernels' shared-load ceiling: 2 fp32 loads per FMA, 128 bytes a clock
 
 
-def chunk_size(n: int, B: int) -> int:
-    """The default chunk of consecutive chain steps a factored block takes.
+def chunk_cost(kind: str, n: int, B: int, H: int, C: int) -> float:
+    """Estimated clocks of the factored backward with chunks of ``C`` steps (:func:`chunk_size` minimises it):
 
-    Why this size: the up phase costs ~n·H³ multiply-adds whatever the chunk, the middle scan over the
-    K = ceil(n / C) chunk aggregates ~2·(n / C)·H³ (its overhead relative to the up phase is 2 / C: 1.6 % at
-    C = 128), and each block replays its chunk's C steps one after the other in the down phase (its latency
-    grows with C).  So C is as large as the parallelism allows: CHUNK_MAX = 128, halved (down to CHUNK_MIN =
-    16) while the B·K blocks of a phase would number fewer than TARGET_BLOCKS, about four waves of an H100.
-    At the paper's T = 30000, B = 16 that is C = 128 (235 chunks, 3760 blocks); at B = 1 it is C = 16."""
-    C = CHUNK_MAX
-    while C > CHUNK_MIN and B * -(-n // C) < TARGET_BLOCKS:
-        C //= 2
-    return C
+    * up: the n·B·NW·H³ multiply-adds spread over the machine, or one thread's chain of C - 1 steps of NW·H²·NC
+      multiply-adds (its NC columns, :func:`up_columns`), whichever is longer;
+    * middle: 2·ceil(log2(K + 1)) dependent launches of the Blelloch scan over K = ceil(n / C) aggregates, and its
+      multiply-adds at its shared-load ceiling or the fp32 bytes it moves with the K·B·H² aggregates the up phase
+      writes (:func:`scan_plan`'s counts), whichever is longer;
+    * down: C dependent steps per block.
+
+    Large C lengthens the up and down chains, small C the middle scan; the paper's shapes land in between."""
+    NW = FACTORED_KINDS[kind][0]
+    K = -(-n // C)
+    rate = EST_SMS * EST_LANES
+    nc = max(1, up_columns(H, 4))
+    up = max(n * B * NW * H ** 3 / rate, (C - 1) * NW * H * H * nc * EST_ISSUE_PER_FMA)
+    middle = 0.0
+    if K > 1:
+        scan = scan_plan(K + 1, B, H)[1]
+        moved = sum(x.moved for x in scan) + K * B * H * H
+        fma = sum(x.flop for x in scan) / 2
+        middle = len(scan) * EST_LEVEL_CLOCKS + max(fma / (EST_SMS * EST_MIDDLE_FMA_PER_SM),
+                                                    4 * moved / EST_BYTES_PER_CLOCK)
+    return up + middle + C * EST_DOWN_STEP_CLOCKS
+
+
+@functools.lru_cache(maxsize=1024)
+def chunk_size(n: int, B: int, H: int = 20, kind: str = "rnn") -> int:
+    """The default chunk of consecutive chain steps: the power of two that minimises :func:`chunk_cost`, among
+    those that leave at least MIN_CHUNKS = 8 chunks (C <= n // 8), so the backward stays a scan and no chunk
+    becomes the sequential limit; C = 1 below 8 steps (one chunk per step)."""
+    top = min(CHUNK_MAX, n // MIN_CHUNKS)
+    if top < 1:
+        return 1
+    cands = [1 << e for e in range(top.bit_length()) if 1 << e <= top]
+    return min(cands, key=lambda C: (chunk_cost(kind, n, B, H, C), -C))
+
+
+UP_REGISTER_WORDS = 160  # 32-bit registers a thread of the register up kernel may give its arrays
+
+
+def up_columns(H: int, itemsize: int) -> int:
+    """Columns of a chunk aggregate one thread of the register up kernel (``factored_up.cu``) owns: the largest
+    NC of 4, 2, 1 whose arrays fit UP_REGISTER_WORDS registers: the NC columns and their next value (2·H·NC
+    elements) and the streamed factor vector and the next one (2·H).  0: not even one column fits (H > 40 in
+    fp32, H > 20 in fp64); factored.cu's shared-memory up kernel takes those."""
+    words = itemsize // 4
+    return next((nc for nc in (4, 2, 1) if (2 * H * nc + 2 * H) * words <= UP_REGISTER_WORDS), 0)
+
+
+def up_constants(H: int) -> tuple[tuple[str, int], ...]:
+    """The compile-time constants of ``factored_up.cu`` for hidden size H (one module per H, both dtypes)."""
+    return (("BPPSA_H", H), ("BPPSA_NC32", up_columns(H, 4)), ("BPPSA_NC64", up_columns(H, 8)))
+
+
+def up_geometry(H: int, itemsize: int, pairs: int) -> tuple[int, int]:
+    """(grid, threads per block) of the register up kernel over ``pairs`` = K·B (chunk, batch element) pairs: a
+    warp is 32 consecutive pairs and one block of NC columns; up to 8 warps (column blocks) share a thread block,
+    the ceil(H / NC) column blocks split over JG thread blocks per 32 pairs (the kernel's Geometry)."""
+    nc = up_columns(H, itemsize)
+    njb = -(-H // nc)
+    jg = -(-njb // 8)
+    wpb = -(-njb // jg)
+    return -(-pairs // 32) * jg, 32 * wpb
+
+
+def up_reg_smem(kind: str, H: int, itemsize: int) -> int:
+    """Shared memory (elements) of the register up kernel: W^T column by column, rows padded to 16 bytes."""
+    v = 16 // itemsize
+    return FACTORED_KINDS[kind][0] * H * (-(-H // v) * v)
 
 
 def smem_pitch(H: int) -> int:
@@ -193,13 +263,17 @@ def factored_smem(kind: str, H: int, I: int, grads: bool) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=256)
 def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int | None = None, *, grads: bool = True,
-                  L_m: int | None = None) -> tuple[int, tuple[Launch, ...]]:
+                  L_m: int | None = None, itemsize: int = 4,
+                  register_up: bool = True) -> tuple[int, tuple[Launch, ...]]:
     """The launches of the factored backward over a chain of ``n`` steps (``kind`` "rnn": J_k = W^T diag(d_k);
     "gru": J_k = sum_g W_hg^T diag(c_g,k) + diag(z_k)): (chunk size C, launches in order).
 
-    * up, ``bppsa_factored_up_<kind>``: block c * B + b builds chunk c's aggregate M_c = J_{cC+C-1} ... J_{cC}
-      of batch element b from the factors and writes it, [K, B, H, H] (the last chunk's too, although the
-      scan never uses it: its aggregate is one block of K);
+    * up, ``bppsa_factored_up_<kind>`` (``factored_up.cu``, compiled for this H): chunk c's aggregate
+      M_c = J_{cC+C-1} ... J_{cC} of batch element b built in registers, each thread NC of its columns
+      (:func:`up_columns`, :func:`up_geometry`), and written, [K, B, H, H] (the last chunk's too, although the scan
+      never uses it: one pair of K·B).  Where NC columns do not fit the registers (H > 40 in fp32, H > 20 in fp64
+      for ``itemsize`` 4 or 8), ``bppsa_factored_up_smem_<kind>`` (``factored.cu``): block c * B + b builds the
+      aggregate in shared memory;
     * middle: the scan of :func:`scan_plan` over (g, M_0 .. M_{K-1}), K + 1 positions: the carries
       [K, B, H], carry_c = M_{c-1} ... M_0 g (``L_m`` bounds its tree, as for any scan);
     * down, ``bppsa_factored_down_<kind>``: block c * B + b replays chunk c from its carry with mat-vecs and
@@ -207,15 +281,18 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int | None = Non
       parameter gradients [NA, I + 1 + H] (the CPU kernel's ``acc``) for every block, [K·B, NA, I + 1 + H];
     * with the gradients, ``torch.sum`` over the blocks.
 
-    K = 1 (n <= C) is the down launch alone, from g.  Every kernel takes the pointers ``(Wt, f, carries, P, acc)``
-    (up: ``(Wt, f, aggregates)``) and the integers ``(n, B, H, I, C, pitch, G, mode)``, mode 1 = gradients."""
+    C defaults to :func:`chunk_size`.  K = 1 (n <= C) is the down launch alone, from g.  Every kernel takes the
+    pointers ``(Wt, f, carries, P, acc)`` (up: ``(Wt, f, aggregates)``) and the integers
+    ``(n, B, H, I, C, pitch, G, mode)``, mode 1 = gradients."""
     if kind not in FACTORED_KINDS:
         raise ValueError(f"unknown chain kind {kind!r} (choose from {', '.join(FACTORED_KINDS)})")
     if n < 1:
         raise ValueError(f"a factored plan needs n >= 1 steps, got {n}")
-    C = chunk_size(n, B) if C is None else C
+    C = chunk_size(n, B, H, kind) if C is None else C
     if C < 1:
         raise ValueError(f"chunk size must be >= 1, got {C}")
+    if itemsize not in (4, 8):
+        raise ValueError(f"itemsize must be 4 or 8, got {itemsize}")
     grads = grads and I > 0
     NW, NF = FACTORED_KINDS[kind]
     HH, P = H * H, smem_pitch(H)
@@ -230,9 +307,20 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int | None = Non
         build = HH if kind == "rnn" else 5 * HH + H  # W^T d (one product per element), or 3 products, 2 sums, + z
         # Per block: W^T staged once, nfu·H factors per step read, the aggregate written; the first step's
         # Jacobian is the aggregate, every later one costs its build and a matrix-matrix product.
-        launches.append(Launch(f"bppsa_factored_up_{kind}", K * B, up_threads(H), smem_up, ints,
-                               moved=B * sum(NW * HH + L * nfu * H + HH for L in lens),
-                               flop=B * sum(L * build + (L - 1) * 2 * HH * H for L in lens)))
+        moved = B * sum(NW * HH + L * nfu * H + HH for L in lens)
+        flop = B * sum(L * build + (L - 1) * 2 * HH * H for L in lens)
+        if register_up and up_columns(H, itemsize):  # register_up=False: the shared-memory kernel (the first GPU run's)
+            NR = NF * H + I + H
+            for what, value in (("n", n), ("K * B", K * B), ("NR * B", NR * B)):
+                if value > INT32_MAX:  # the register kernel's 32-bit indices (its pointers advance in 64 bits)
+                    raise ValueError(f"factored up kernel: {what} = {value} exceeds its 32-bit indices")
+            grid, block = up_geometry(H, itemsize, K * B)
+            # W^T is staged once per thread block; moved counts it once per pair as the shared-memory kernel does
+            launches.append(Launch(f"bppsa_factored_up_{kind}", grid, block, up_reg_smem(kind, H, itemsize), ints,
+                                   moved=moved, flop=flop, consts=up_constants(H)))
+        else:
+            launches.append(Launch(f"bppsa_factored_up_smem_{kind}", K * B, up_threads(H), smem_up, ints,
+                                   moved=moved, flop=flop))
         launches.extend(scan_plan(K + 1, B, H, L_m)[1])
     nfd = 1 if kind == "rnn" else (5 if grads else 4)
     # t = factors ⊙ v every step (NW·H products); the mat-vec to the next step (all but the chunk's last):
@@ -262,4 +350,6 @@ def factored_source(launch: Launch) -> str | None:
     """The source a factored plan's launch runs from (None: torch's reduction)."""
     if launch.kernel == "torch.sum":
         return None
+    if launch.consts:
+        return "factored_up.cu"
     return "factored.cu" if launch.kernel.startswith("bppsa_factored_") else "blelloch.cu"

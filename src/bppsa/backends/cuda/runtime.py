@@ -19,7 +19,7 @@ import torch
 from .plan import Launch
 
 KERNEL_DIR = Path(__file__).resolve().parent
-SOURCES = ("blelloch.cu", "rnn_jacobians.cu", "factored.cu")
+SOURCES = ("blelloch.cu", "rnn_jacobians.cu", "factored.cu", "factored_up.cu")
 NVRTC_OPTIONS = ("-std=c++17",)
 # What CuPy (14.x, NVRTC backend, no jitify) adds to every RawModule compile, in its order:
 # after our options '-ftz=true', then '-arch=sm_XX' (the device's), then this.  The NVRTC tests
@@ -27,6 +27,19 @@ NVRTC_OPTIONS = ("-std=c++17",)
 CUPY_APPENDED_OPTIONS = ("-ftz=true", "-arch=sm_{arch}", "--device-as-default-execution-space")
 STATIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def reference_constants(source: str) -> tuple[tuple[str, int], ...]:
+    """The compile-time constants a check compiles ``source`` with where no plan gives them (the NVRTC, SASS and nvcc
+    tests, ``bppsa doctor``): ``factored_up.cu`` at the paper's H = 20; the other sources take none."""
+    from .plan import up_constants
+
+    return up_constants(20) if source == "factored_up.cu" else ()
+
+
+def define_options(consts) -> tuple[str, ...]:
+    """``-DNAME=value`` per compile-time constant (:attr:`.plan.Launch.consts`)."""
+    return tuple(f"-D{name}={int(value)}" for name, value in consts)
 
 
 def cupy_install_hint() -> str:
@@ -43,18 +56,19 @@ def import_cupy():
 
 
 @functools.cache
-def _module(source: str, device_index: int):
+def _module(source: str, device_index: int, consts: tuple = ()):
     cp = import_cupy()
-    return cp.RawModule(code=(KERNEL_DIR / source).read_text(), options=NVRTC_OPTIONS)
+    return cp.RawModule(code=(KERNEL_DIR / source).read_text(), options=NVRTC_OPTIONS + define_options(consts))
 
 
 @functools.cache
-def kernel(source: str, name: str, device_index: int):
-    """Kernel ``name`` of ``source``, loaded on device ``device_index`` (which must be current)."""
-    return _module(source, device_index).get_function(name)
+def kernel(source: str, name: str, device_index: int, consts: tuple = ()):
+    """Kernel ``name`` of ``source`` compiled with the constants ``consts`` (one module per source and constants),
+    loaded on device ``device_index`` (which must be current)."""
+    return _module(source, device_index, consts).get_function(name)
 
 
-_opted_in: dict[tuple[str, int], int] = {}
+_opted_in: dict[tuple, int] = {}
 
 
 def launch(source: str, step: Launch, dtype: torch.dtype, device: torch.device, pointers, stream) -> None:
@@ -63,9 +77,9 @@ def launch(source: str, step: Launch, dtype: torch.dtype, device: torch.device, 
     if step.grid > 2**31 - 1:
         raise ValueError(f"{step.kernel}: {step.grid} blocks exceed the CUDA grid limit (2^31 - 1)")
     name = f"{step.kernel}_{SUFFIX[dtype]}"
-    fn = kernel(source, name, device.index)
+    fn = kernel(source, name, device.index, *((step.consts,) if step.consts else ()))
     smem = step.smem_elems * dtype.itemsize
-    key = (name, device.index)
+    key = (name, device.index, step.consts)
     if smem > STATIC_SMEM_LIMIT and _opted_in.get(key, 0) < smem:
         fn.max_dynamic_shared_size_bytes = smem  # per function and device: set once, grow if needed
         _opted_in[key] = smem
