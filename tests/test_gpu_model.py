@@ -194,7 +194,7 @@ def _h200_measurements():
     run's latency CSVs, for every BPPSA variant that ran the CUDA kernels."""
     import pandas as pd
 
-    from bppsa.commands.gpu import LAYOUT_OF
+    from bppsa.backends.cuda.cost_model import LAYOUT_OF
 
     out = []
     for cell, inputs in (("rnn", {}), ("gru", {259: 38, 1034: 12})):

@@ -99,11 +99,6 @@ def gpu_model(args) -> int:
     return 0
 
 
-# (variant, backend) -> the GPU layout it ran: cupy-factored sends the paper layout to the faithful kernels
-LAYOUT_OF = {("bppsa-paper", "cupy"): "faithful", ("bppsa-paper", "cupy-factored"): "faithful",
-             ("bppsa-fused", "cupy-factored"): "factored"}
-
-
 def measured_rows(bench, gpu, launch_s: float) -> list[dict]:
     """The GPU layouts measured by ``bppsa bench`` (the RNN's bench CSVs) beside the model's prediction.
 
@@ -121,7 +116,7 @@ def measured_rows(bench, gpu, launch_s: float) -> list[dict]:
         variants = per_iter.index.get_level_values("variant")
         base = {v: float(per_iter.loc[variants == v, "backward"].median()) for v in ("baseline", "baseline-packed")}
         for (variant, backend), it in per_iter.groupby(level=["variant", "backend"]):
-            layout = LAYOUT_OF.get((variant, backend))
+            layout = cost_model.LAYOUT_OF.get((variant, backend))
             if layout is None:
                 continue
             first = d[d["variant"] == variant].iloc[0]
