@@ -7,6 +7,7 @@
 
 from pathlib import Path
 
+from bppsa.analysis.report import READS as REPORT_READS
 from bppsa.bench.protocol import StopRule
 from bppsa.data.irmas import MFCC_SETS
 from bppsa.models import SPECS
@@ -326,27 +327,6 @@ def get_other_devices(*patterns):
         ]
 
     return inputs
-
-
-# What `bppsa report` (report.py, claims.py) reads in each device folder: declared for the other folders.
-REPORT_READS = [
-    "environment.json",
-    "*/verify_*.json",
-    *(
-        f"{model}/{name}"
-        for model in ("rnn", "gru")
-        for name in (
-            "speedups.csv",
-            "curve_*.csv",
-            "speed.csv",
-            "roofline.csv",
-            "scaling_crossover.csv",
-        )
-    ),
-    "jacobians/table1_timings.csv",
-    "vgg11/accuracy.csv",
-    "vgg11/flops_summary.csv",
-]
 
 
 def get_report_input():
