@@ -19,5 +19,8 @@ for figure in FIGURES.values():
             figure.log,
         resources:
             **job_resources("default"),
+        params:
+            # the shell command is formatted when the job runs, after the loop: its values come in params
+            figure=figure.name,
         shell:
-            f"bppsa plot {figure.name} --results results --input {{input.reads}} --out {{output}} 2> {{log}}"
+            "bppsa plot {params.figure} --results results --input {input.reads} --out {output} 2> {log}"
