@@ -16,7 +16,8 @@ import pandas as pd
 import torch
 # isort: on
 
-from bppsa.bench.protocol import StopRule, interleave, median_ci, ratio_ci
+from bppsa.bench.protocol import StopRule, interleave
+from bppsa.stats import median_ci, ratio_ci
 
 
 def main() -> None:

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from bppsa import backends, scan
 from bppsa.backends import cpu
 from bppsa.backends.base import Head
+from bppsa.backends.chain import FactoredChain
 from bppsa.backends.cpu import native, plan, pool
-from bppsa.backends.cpu.chain import FactoredChain, native_chain_scan
+from bppsa.backends.cpu.chain import native_chain_scan
 from bppsa.backends.cpu.plan import lane_slices
 from bppsa.backends.twin import TorchBackend
 from bppsa.jacobians.gru import gru_gate_grads, gru_gates, gru_jacobians_t, gru_param_grads
@@ -356,10 +357,11 @@ def test_lane_slices_are_register_wide_and_balanced():
 def test_kernel_falls_back_to_numpy_without_a_compiler(tmp_path):
     """No C compiler: the reason is given (doctor prints it) and the cpu backend still gives the scan."""
     code = ("import torch; from bppsa import scan; from bppsa.backends import cpu\n"
+            "from bppsa.backends.chain import RnnChain\n"
             "from bppsa.backends.cpu import native\n"
             "print(native.unavailable_reason())\n"
             "h = torch.rand(50, 3, 4, dtype=torch.float64); W = torch.randn(4, 4, dtype=torch.float64)\n"
-            "c = cpu.RnnChain.from_states(h, W); g = torch.randn(3, 4, dtype=torch.float64)\n"
+            "c = RnnChain.from_states(h, W); g = torch.randn(3, 4, dtype=torch.float64)\n"
             "ref = scan.blelloch_scan(g, c.dense())\n"
             "print(((cpu.cpu_scan(g, c) - ref).abs().max() / ref.abs().max()).item())")
     env = {**os.environ, "CC": "no-such-compiler", "BPPSA_CACHE_DIR": str(tmp_path)}

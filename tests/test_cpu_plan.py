@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from bppsa import scan
+from bppsa.backends.chain import GruChain, RnnChain
 from bppsa.backends.cpu import native, plan
-from bppsa.backends.cpu.chain import GruChain, RnnChain, native_chain_scan, synthetic
+from bppsa.backends.cpu.chain import native_chain_scan, rnn_chain, synthetic
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
 
@@ -111,8 +112,8 @@ def test_every_candidate_plan_gives_the_reference_scan_and_gradients(kind, B, mo
     g = torch.Generator().manual_seed(B)
     if kind == "rnn":
         W = torch.randn(H, H, generator=g, dtype=torch.float64) * 0.3
-        chain = RnnChain.from_states(torch.rand(n, B, H, generator=g, dtype=torch.float64) * 1.8 - 0.9, W,
-                                     torch.rand(n, B, I, generator=g, dtype=torch.float64))
+        chain = rnn_chain(RnnChain, torch.rand(n, B, H, generator=g, dtype=torch.float64) * 1.8 - 0.9, W,
+                          torch.rand(n, B, I, generator=g, dtype=torch.float64))
     else:
         W = torch.randn(3 * H, H, generator=g, dtype=torch.float64) * 0.3
         chain = GruChain(W, torch.rand(n, 6 * H + I, B, generator=g, dtype=torch.float64) * 0.5, I)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -34,19 +35,23 @@ def _mv(a, v):
     return torch.matmul(a, v.unsqueeze(-1)).squeeze(-1)
 
 
-def _chain(kind: str, n: int, B: int, H: int, I: int, seed: int):
-    """A chain built by the CPU chain classes from a real forward, in fp64."""
+def _chain(kind: str, n: int, B: int, H: int, I: int, seed: int, compiled: bool = False):
+    """A chain built from a real forward, in fp64: its factors written by torch, as the GPU builds them (or, with
+    ``compiled``, as the CPU fast path builds it: for its compiled builders)."""
+    from bppsa.backends.cpu import chain as cpu_chain
+
     torch.manual_seed(seed)
     x = torch.randn(n, B, I, dtype=torch.float64)
     if kind == "rnn":
         cell = torch.nn.RNN(I, H, nonlinearity="tanh").double()
         with torch.no_grad():
             h, _ = cell(x)
-        return RnnChain.from_states(h, cell.weight_hh_l0, x)
+        return (functools.partial(cpu_chain.rnn_chain, RnnChain) if compiled else RnnChain.from_states)(
+            h, cell.weight_hh_l0, x)
     cell = torch.nn.GRU(I, H).double()
     with torch.no_grad():  # the factors must not track the cell's gradients (the torch path builds them from it)
         h, _ = cell(x)
-        return GruChain.from_states(x, h, cell)
+        return (cpu_chain.gru_chain if compiled else GruChain.from_states)(x, h, cell)
 
 
 def _reference(chain, g: torch.Tensor):
@@ -351,14 +356,18 @@ def test_without_cuda_the_backend_says_why():
 
 
 @pytest.mark.parametrize("kind", ["rnn", "gru"])
-def test_torch_built_factors_as_the_gpu_builds_them(emu, kind, monkeypatch):
+def test_torch_built_factors_as_the_gpu_builds_them(emu, kind):
     """On a GPU the chains' factors are built by torch (the compiled builder reads host memory only): the same
     factors as the compiled builder's, and the emulated kernels on them hold to the reference."""
-    from bppsa.backends.cpu import chain as chain_mod
+    from bppsa.backends.cpu import native
 
-    native_built = _chain(kind, 19, 3, 6, 2, seed=9)
-    monkeypatch.setattr(chain_mod.native, "available", lambda: False)
+    if not native.available():
+        pytest.skip(f"no compiled kernel: {native.unavailable_reason()}")
+    native_built = _chain(kind, 19, 3, 6, 2, seed=9, compiled=True)
     torch_built = _chain(kind, 19, 3, 6, 2, seed=9)
+    # the compiled path really is another writer: the RNN's chain holds the states, the GRU's a compiled gate pass
+    assert native_built.states is not None if kind == "rnn" else isinstance(native_built._fill, native.GruFill)
+    assert torch_built.states is None and torch_built._f is not None
     torch.testing.assert_close(torch_built.f, native_built.f, rtol=1e-13, atol=1e-13)
     g = torch.randn(3, 6, dtype=torch.float64)
     P_ref, acc_ref = _reference(torch_built, g)

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parent.parent / "src"
 
 
@@ -120,6 +122,57 @@ def test_backends_import_down_the_tree():
     graph = import_graph()
     up = sorted(m for m, deps in graph.items() if m.startswith("bppsa.backends.") and "bppsa.backends" in deps)
     assert not up, f"these import bppsa.backends' __init__ from below it: {up}"
+
+
+# The package's rooms, lowest first: a module imports only from its own layer or the layers below it
+# (measure -> interpret -> render -> command).  A new room must be placed here.
+LAYERS = (
+    ("bppsa", "io", "precision", "process", "stats", "paper", "runlock", "device", "scan"),
+    ("jacobians", "data"),
+    ("flops", "backends"),
+    ("nn",),
+    ("models",),
+    ("verify",),
+    ("bench",),
+    ("analysis",),
+    ("plots",),
+    ("doctor", "commands"),
+    ("cli",),
+    ("__main__",),
+)
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1] if "." in module else module
+
+
+def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    rank = {room: i for i, rooms in enumerate(layers) for room in rooms}
+    unplaced = sorted({_room(m) for m in graph} - set(rank))
+    assert not unplaced, f"rooms missing from tests/test_imports.py LAYERS: {unplaced}"
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if rank[_room(d)] > rank[_room(m)])
+
+
+def test_no_module_imports_upward():
+    graph = import_graph()
+    assert "bppsa.paper" in graph["bppsa.bench.preflight"] | graph["bppsa.analysis.gpu_hours"]  # the reader sees
+    up = upward_imports(graph)
+    assert not up, "imports from a higher layer (tests/test_imports.py LAYERS):\n" + "\n".join(up)
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"bppsa.bench.x": {"bppsa.analysis.y"}, "bppsa.analysis.y": {"bppsa.stats"}, "bppsa.stats": set()}
+    assert upward_imports(graph) == ["bppsa.bench.x -> bppsa.analysis.y"]
+    with pytest.raises(AssertionError, match="newroom"):
+        upward_imports({"bppsa.newroom.z": set()})
+
+
+def test_the_cpu_and_gpu_backends_import_neither_the_other():
+    graph = import_graph()
+    across = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                    for a, b in (("cpu", "cuda"), ("cuda", "cpu"))
+                    if m.startswith(f"bppsa.backends.{a}") and d.startswith(f"bppsa.backends.{b}"))
+    assert not across, across
 
 
 def _top_level_names(path: Path, functions_only: bool) -> set[str]:

@@ -8,19 +8,21 @@ import pytest
 import torch
 import yaml
 
+from bppsa.analysis import gpu_hours
 from bppsa.backends import TorchBackend
-from bppsa.bench import shapes
+from bppsa.backends.cuda import memory_model
+from bppsa.bench import preflight
 from bppsa.cli import main
 from bppsa.jacobians.gru import gru_gate_grads, gru_gates
 from bppsa.jacobians.recurrent import rnn_grad_preact
 from bppsa.models import build
-from bppsa.models.vgg import VGG11
+from bppsa.models.vgg import VGG11, feature_shapes
 
 PAPER = "config/paper.yaml"
 
 
 def _tiny_config(path):
-    cfg = shapes.load_config(PAPER)
+    cfg = preflight.load_config(PAPER)
     cfg["rnn"].update(seq_lens=[5, 13], batch_at_seq_len=3, batches=[2, 4], seq_len_at_batch=9)
     cfg["gru"].update(sets=["s"], batches=[2, 3])
     cfg["vgg11"].update(width=0.0625, batch_size=3)
@@ -29,8 +31,8 @@ def _tiny_config(path):
 
 
 def test_jobs_are_read_from_the_config():
-    cfg = shapes.load_config(PAPER)
-    jobs = {j["name"]: j for j in shapes.extreme_jobs(cfg, PAPER)}
+    cfg = preflight.load_config(PAPER)
+    jobs = {j["name"]: j for j in preflight.extreme_jobs(cfg, PAPER)}
     rnn = cfg["rnn"]
     for layout in rnn["layouts"]:
         long, wide = jobs[f"rnn-{layout} max seq_len"], jobs[f"rnn-{layout} max batch"]
@@ -45,14 +47,14 @@ def test_jobs_are_read_from_the_config():
 
 
 def test_a_missing_key_is_named():
-    cfg = shapes.load_config(PAPER)
+    cfg = preflight.load_config(PAPER)
     del cfg["rnn"]["seq_len_at_batch"]
     with pytest.raises(ValueError, match="'rnn.seq_len_at_batch'"):
-        shapes.extreme_jobs(cfg, "x.yaml")
-    cfg = shapes.load_config(PAPER)
+        preflight.extreme_jobs(cfg, "x.yaml")
+    cfg = preflight.load_config(PAPER)
     cfg["gru"]["batches"] = []
     with pytest.raises(ValueError, match="'gru.batches'"):
-        shapes.extreme_jobs(cfg, "x.yaml")
+        preflight.extreme_jobs(cfg, "x.yaml")
 
 
 def _storage_bytes(*tensors) -> int:
@@ -88,7 +90,7 @@ def _cupy_scan_allocations(monkeypatch, g, J):
 def test_recurrent_formula_matches_real_allocations(model, layout, dtype, monkeypatch):
     T, B, H, I, C = 11, 3, 5, (1 if model == "rnn" else 4), 7
     s = dtype.itemsize
-    m = shapes.recurrent_gpu_bytes(model, T, B, H, I, C, layout, s)
+    m = memory_model.recurrent_gpu_bytes(model, T, B, H, I, C, layout, s)
     net = build(model, I, H, C).to(dtype)
     x = torch.randn(T, B, I, dtype=dtype)
     y = torch.randint(0, C, (B,))
@@ -134,8 +136,8 @@ def test_vgg_formula_matches_autograd_saved_tensors(width, B):
     torch.manual_seed(0)
     net = VGG11(width=width)
     x, y = torch.randn(B, 3, 32, 32), torch.randint(0, 10, (B,))
-    m = shapes.vgg_gpu_bytes(width, B, 4)
-    assert m["saved_activations"] == shapes.saved_activation_bytes(net, x, y)
+    m = memory_model.vgg_gpu_bytes(sum(p.numel() for p in net.parameters()), feature_shapes(width), B, 4)
+    assert m["saved_activations"] == preflight.saved_activation_bytes(net, x, y)
     assert m["parameters"] == sum(p.nbytes for p in net.parameters())
     assert m["inputs"] == x.nbytes + y.nbytes
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
@@ -147,16 +149,16 @@ def test_vgg_formula_matches_autograd_saved_tensors(width, B):
 def test_fits_flags_follow_the_formula():
     small = dict(kind="recurrent", model="rnn", seq_len=100, batch=4, hidden=20, input_size=1, classes=10,
                  layout="paper", dtype="float32", L_m=None)
-    assert shapes.memory_row(small)["fits_16gb"] and shapes.memory_row(small)["fits_80gb"]
+    assert preflight.memory_row(small)["fits_16gb"] and preflight.memory_row(small)["fits_80gb"]
     # 2T·B·H²·4 bytes of Jacobians alone: T = 10^6, B = 256, H = 20 -> 819 GB
     huge = dict(small, seq_len=10**6, batch=256)
-    row = shapes.memory_row(huge)
+    row = preflight.memory_row(huge)
     assert row["gpu_jacobians_gb"] == pytest.approx(2 * 10**6 * 256 * 400 * 4 / 1e9)
     assert not row["fits_16gb"] and not row["fits_80gb"]
     between = dict(small, seq_len=10**5, batch=256)  # 81.9 GB of Jacobians (paper layout), 41 GB fused
-    assert not shapes.memory_row(between)["fits_80gb"]
-    assert shapes.memory_row(dict(between, layout="fused"))["fits_80gb"]
-    assert not shapes.memory_row(dict(between, layout="fused"))["fits_16gb"]
+    assert not preflight.memory_row(between)["fits_80gb"]
+    assert preflight.memory_row(dict(between, layout="fused"))["fits_80gb"]
+    assert not preflight.memory_row(dict(between, layout="fused"))["fits_16gb"]
 
 
 DRY_RUN = """\
@@ -177,15 +179,15 @@ total             2
 
 
 def test_dry_run_parser():
-    d = shapes.parse_dry_run(DRY_RUN)
+    d = gpu_hours.parse_dry_run(DRY_RUN)
     assert d["total"] == 2 and d["counts"] == {"rnn_verify": 1, "report_render": 1}
     assert [(j["rule"], j["runtime_min"], j["gpu"]) for j in d["jobs"]] == [("rnn_verify", 60.0, True),
                                                                              ("report_render", 60.0, False)]
 
 
 def test_gpu_time_estimate_is_derived_from_config_and_paper():
-    cfg = shapes.load_config(PAPER)
-    rows = {r["item"]: r for r in shapes.gpu_time_estimate(cfg, {"rnn_bench": 15, "gru_bench": 9, "rnn_train": 2,
+    cfg = preflight.load_config(PAPER)
+    rows = {r["item"]: r for r in gpu_hours.gpu_time_estimate(cfg, {"rnn_bench": 15, "gru_bench": 9, "rnn_train": 2,
                                                                  "gru_train": 6}, None)}
     assert rows["rnn_bench"]["hours"] == pytest.approx(15 * cfg["bench"]["max_seconds"] / 3600)
     # 80 epochs x (53.33 + 29.29 + 2 x 2.13) s (PAPER.md Table 4/5) at 32,000 samples
@@ -193,7 +195,7 @@ def test_gpu_time_estimate_is_derived_from_config_and_paper():
     assert math.isnan(rows["vgg11_train"]["hours"])
     cfg2 = copy.deepcopy(cfg)
     cfg2["bitstream"]["samples"] = 16000
-    half = {r["item"]: r for r in shapes.gpu_time_estimate(cfg2, {"rnn_train": 2}, None)}
+    half = {r["item"]: r for r in gpu_hours.gpu_time_estimate(cfg2, {"rnn_train": 2}, None)}
     assert half["rnn_train"]["hours"] == pytest.approx(rows["rnn_train"]["hours"] / 2)
 
 
@@ -204,7 +206,7 @@ def test_command_end_to_end_tiny(tmp_path, capsys):
                "--in-process", "--no-dry-run", "--scale", "0.2"])
     assert rc == 0
     df = pd.read_csv(out)
-    assert list(df.columns[: len(shapes.COLUMNS)]) == shapes.COLUMNS
+    assert list(df.columns[: len(preflight.COLUMNS)]) == preflight.COLUMNS
     assert len(df) == 2 * len(cfg["rnn"]["layouts"]) + 1 + 1 + len(cfg["vgg11"]["flops"]["networks"])
     checked = df.dropna(subset=["max_rel_err_float32"])
     assert len(checked) == len(df) - 1  # every row but the VGG training step checks exactness
@@ -223,7 +225,7 @@ def test_command_end_to_end_tiny(tmp_path, capsys):
 def test_each_job_in_its_own_process():
     job = dict(kind="recurrent", model="rnn", layout="fused", seq_len=6, batch=2, hidden=4, input_size=1, classes=3,
                dtype="float32", seed=0, L_m=None)
-    res = shapes.run_job_subprocess(job, rounds=1, fp64=True, timeout=120)
+    res = preflight.run_job_subprocess(job, rounds=1, fp64=True, timeout=120)
     assert "error" not in res, res
     assert res["max_rel_err_float32"] <= 1e-4 and res["max_rel_err_float64"] <= 1e-10
     assert res["peak_rss_mb"] > 0 and res["backend"] in ("cpu", "torch")

@@ -4,7 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from bppsa.bench.protocol import StopRule, interleave, median_ci, min_n_for_ci, ratio_ci, rel_halfwidth
+from bppsa.bench.protocol import StopRule, interleave
+from bppsa.stats import median_ci, min_n_for_ci, ratio_ci, rel_halfwidth
 
 
 def test_median_ci_is_the_textbook_order_statistics():
@@ -148,7 +149,7 @@ def test_ci_ranks_equal_scipys_binomial_quantiles():
     """The median interval's ranks, from Bin(n, 1/2) summed in log space, are scipy's for every n up to 3000."""
     from scipy.stats import binom
 
-    from bppsa.bench.protocol import _ci_ranks
+    from bppsa.stats import _ci_ranks
 
     for conf in (0.9, 0.95, 0.99):
         alpha = 1 - conf

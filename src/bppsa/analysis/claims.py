@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import paper
+from .. import paper
 from .results import device_dirs, reads
 
 VERDICTS = ("holds", "partly", "not reproduced", "not measurable here")
@@ -410,7 +410,7 @@ def curve_claims(results: Path) -> list[Claim]:
 @reads("jacobians/table1_timings.csv")
 def table1_claims(results: Path) -> list[Claim]:
     """Table 1: guaranteed-zero sparsity (exact) and the analytic generation's speedup over autograd."""
-    from ..bench.protocol import median_ci
+    from ..stats import median_ci
 
     out = []
     for label, t in _each(results, "jacobians/table1_timings.csv"):

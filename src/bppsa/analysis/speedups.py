@@ -22,7 +22,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from ..bench.protocol import median_ci, ratio_ci
+from ..stats import median_ci, ratio_ci
 
 RAW_PHASES = ["forward", "jacobian", "backward", "optimizer"]
 LATENCY_PHASES = ["forward", "jacobian", "backward_pass", "optimizer", "backward", "iteration"]

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .. import scan as _scan
-from .protocol import median_ci
+from ..stats import median_ci
 
 
 def scan_cost(n: int, B: int, H: int, L_m: int | None = None, itemsize: int = 4) -> dict:

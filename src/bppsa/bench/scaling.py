@@ -19,7 +19,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .protocol import StopRule, median_ci
+from ..stats import median_ci
+from .protocol import StopRule
 from .speed import AUTOGRAD, SEQUENTIAL, backward_methods, backward_seconds, measure, setup
 
 BPPSA = "bppsa-cpu-fused"

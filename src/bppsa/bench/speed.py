@@ -32,7 +32,8 @@ from ..backends import get_backend
 from ..data.sequences import open_dataset
 from ..models import build, copy_model
 from ..scan import linear_scan
-from .protocol import StopRule, interleave, ratio_ci
+from ..stats import ratio_ci
+from .protocol import StopRule, interleave
 from .timing import PhaseTimer
 
 SEQUENTIAL, AUTOGRAD = "sequential", "autograd"

@@ -6,10 +6,10 @@ alone: a job that draws a figure or reads CSVs then starts without torch (about 
 """
 
 MODULES = {
-    "datasets": ("device", "make-bitstream", "bench-bitstream"),
-    "doctor": ("doctor",),
+    "datasets": ("make-bitstream", "bench-bitstream"),
+    "doctor": ("doctor", "device"),
     "gpu": ("gpu-model", "gpu-measured", "bench-membound"),
-    "gru": ("make-irmas", "mfcc"),
+    "irmas": ("make-irmas", "mfcc"),
     "jacobians": ("jacobians-table1",),
     "plots": ("plot",),
     "recurrent": ("verify", "bench", "train"),

@@ -1,18 +1,8 @@
-"""`bppsa device`, `bppsa make-bitstream` and `bppsa bench-bitstream` (the bitstream sets need no torch)."""
+"""`bppsa make-bitstream` and `bppsa bench-bitstream` (the bitstream sets need no torch)."""
 from __future__ import annotations
-
-import json
 
 
 def register(sub) -> None:
-    p = sub.add_parser("device", help="print the device slug (results/<device>/) or its full record")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--json", action="store_true", help="print the environment record as JSON")
-    p.add_argument("--device-slug", default=None, help="the results folder's name, recorded beside the detected one")
-    p.add_argument("--results-dir", default=None,
-                   help="check the hardware against the one recorded in this folder (see `bppsa bench --help`)")
-    p.set_defaults(func=_device_cmd)
-
     p = sub.add_parser("make-bitstream", help="generate a bitstream dataset (Eq. 8)")
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--samples", type=int, required=True)
@@ -26,22 +16,6 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     p.set_defaults(func=_bench_bitstream)
-
-
-def _device_cmd(args) -> int:
-    from .. import device as _device
-
-    dev = _device.resolve(args.device)
-    if args.results_dir:
-        _device.check_claim(args.results_dir, dev)
-    if not args.json:
-        print(_device.slug(dev))
-        return 0
-    info = _device.describe(dev)
-    if args.device_slug:
-        info["folder_slug"] = args.device_slug
-    print(json.dumps(info, indent=2))
-    return 0
 
 
 def _bench_bitstream(args) -> int:

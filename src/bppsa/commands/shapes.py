@@ -9,7 +9,8 @@ from pathlib import Path
 import pandas as pd
 
 from .. import io
-from ..bench import shapes
+from ..analysis import gpu_hours
+from ..bench import preflight
 
 
 def register(sub) -> None:
@@ -64,21 +65,21 @@ def _run(args) -> int:
     if args.rounds < 1:
         raise ValueError("--rounds must be at least 1")
     t_start = time.perf_counter()
-    cfg = shapes.load_config(args.configfile)
-    jobs = shapes.extreme_jobs(cfg, args.configfile, vgg_flops=args.vgg_flops, scale=args.scale)
-    idle = float("nan") if args.in_process else shapes.idle_rss_mb()
+    cfg = preflight.load_config(args.configfile)
+    jobs = preflight.extreme_jobs(cfg, args.configfile, vgg_flops=args.vgg_flops, scale=args.scale)
+    idle = float("nan") if args.in_process else preflight.idle_rss_mb()
     rows = []
     for job in jobs:
         print(f"[paper-shapes] {job['name']}: {job.get('seq_len', '')} {job['batch']} ...", file=sys.stderr, flush=True)
         if args.in_process:
-            res = shapes.run_job(job, args.rounds, args.fp64, args.threads)
+            res = preflight.run_job(job, args.rounds, args.fp64, args.threads)
         else:
-            res = shapes.run_job_subprocess(job, args.rounds, args.fp64, args.threads, args.job_timeout)
-        rows.append(shapes.table_row(job, res, cfg, args.rounds, idle))
+            res = preflight.run_job_subprocess(job, args.rounds, args.fp64, args.threads, args.job_timeout)
+        rows.append(preflight.table_row(job, res, cfg, args.rounds, idle))
         print(f"[paper-shapes]   {res.get('wall_s', float('nan')):.1f} s, "
               f"peak RSS {res.get('peak_rss_mb', float('nan')):.0f} MB"
               + (f", {res['error']}" if "error" in res else ""), file=sys.stderr, flush=True)
-    df = pd.DataFrame(rows, columns=shapes.COLUMNS)
+    df = pd.DataFrame(rows, columns=preflight.COLUMNS)
     df["configfile"] = args.configfile
     df["in_process"] = args.in_process
     df["scale"] = args.scale
@@ -86,7 +87,7 @@ def _run(args) -> int:
     print(f"## Extreme shapes of {args.configfile}\n")
     print(markdown(df, SHOWN))
     print(f"\nMemory: peak_rss_mb is the job's own process, in MiB (idle import of torch + bppsa: {_fmt(idle)}); "
-          "gpu_* are computed (GB = 1e9 bytes; bench.shapes.recurrent_gpu_bytes / vgg_gpu_bytes); gpu_job_gb counts "
+          "gpu_* are computed (GB = 1e9 bytes; backends.cuda.memory_model); gpu_job_gb counts "
           "the baseline's and BPPSA's buffers together, as one bench process holds both.", flush=True)
     failed = df["exact"].eq(False).sum() + df["note"].str.contains("NOT RUN", na=False).sum()
 
@@ -94,14 +95,14 @@ def _run(args) -> int:
         root = Path(args.configfile).resolve().parent.parent
         if not (root / "Snakefile").is_file():
             root = Path.cwd()
-        dr = shapes.dry_run(args.configfile, root)
+        dr = gpu_hours.dry_run(args.configfile, root)
         gpu_jobs = [j for j in dr["jobs"] if j["gpu"]]
         print(f"\n## Jobs of the profile\n\n`{dr['command']}` (from {root}): **{dr['total']} jobs** "
               f"({len(gpu_jobs)} ask for a GPU; rule `all` included).\n")
         print("| rule | jobs |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in dr["counts"].items()))
         vgg_ms = df.loc[df["name"] == "vgg11 train step", "train_step_ms"]
-        est = pd.DataFrame(shapes.gpu_time_estimate(cfg, dr["counts"], float(vgg_ms.iloc[0]) if len(vgg_ms) else None,
-                                                    args.configfile))
+        vgg_step_ms = float(vgg_ms.iloc[0]) if len(vgg_ms) else None
+        est = pd.DataFrame(gpu_hours.gpu_time_estimate(cfg, dr["counts"], vgg_step_ms, args.configfile))
         total = est["hours"].sum(skipna=True)
         caps = sum(j["runtime_min"] for j in gpu_jobs if math.isfinite(j["runtime_min"])) / 60
         print("\n## GPU-time estimate\n\n| item | jobs | hours | derivation |\n|---|---|---|---|")

@@ -11,8 +11,7 @@ import pandas as pd
 import torch
 
 from .. import flops as fl
-from .. import io
-from ..analysis import paper
+from .. import io, paper
 from ..data import cifar
 from ..models import vgg
 from .common import add_runtime_args, optional_int, setup

@@ -53,6 +53,19 @@ class VGG11(nn.Module):
         return self.classifier(self.features(x).flatten(1))
 
 
+def feature_shapes(width: float, image_size: int = 32, in_channels: int = 3) -> list[tuple[str, tuple]]:
+    """(layer kind, output shape C×H×W) of VGG-11's conv part, in order."""
+    out, c, size = [], in_channels, image_size
+    for v in scaled_cfg(width):
+        if v == "M":
+            size //= 2
+            out.append(("pool", (c, size, size)))
+        else:
+            c = v
+            out += [("conv", (c, size, size)), ("relu", (c, size, size))]
+    return out
+
+
 def prunable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The weights that pruning touches: every conv and linear weight (biases are kept)."""
     return [

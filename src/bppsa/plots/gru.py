@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.patches import Patch
 
-from ..analysis import paper
+from .. import paper
 from ..analysis.results import load_all
 from ..data.irmas import MFCC_SETS
 from ..io import write_csv

@@ -5,11 +5,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import io
-from ..analysis import paper
-from ..analysis.paper import TABLE1_SPARSITY as PAPER_SPARSITY  # the paper's printed values, not measured here
-from ..analysis.paper import TABLE1_SPEEDUP as PAPER_SPEEDUP
+from .. import io, paper
 from ..analysis.results import load_all
+from ..paper import TABLE1_SPARSITY as PAPER_SPARSITY  # the paper's printed values, not measured here
+from ..paper import TABLE1_SPEEDUP as PAPER_SPEEDUP
 
 ORDER = ("Convolution", "ReLU", "Max-pooling")
 EXPRESSION = {"Convolution": "1 - hf*wf/(hi*wi)", "ReLU": "1 - 1/(c*h*w)", "Max-pooling": "1 - hf*wf/(ci*hi*wi)"}

@@ -1,8 +1,8 @@
 """The CPU fast path of the BPPSA backward, and the sequential rival it is measured against.
 
-**The recurrent chains are never built** (:mod:`.chain`: :class:`FactoredChain`, :class:`RnnChain` and
-:class:`PaperChain` for the RNN's two layouts, :class:`GruChain`): the backend keeps each as its
-weights and per-step factors, in lane order, beside the inputs the parameter gradients need.  The
+**The recurrent chains are never built** (:mod:`bppsa.backends.chain`: ``FactoredChain``, ``RnnChain`` and
+``PaperChain`` for the RNN's two layouts, ``GruChain``; built for the kernel by :mod:`.chain`): the backend
+keeps each as its weights and per-step factors, in lane order, beside the inputs the parameter gradients need.  The
 compiled kernel of :mod:`.native` (``chain_scan.c``: the batch as the vector lanes, the lowest up-sweep
 levels fused per block) scans them and accumulates the cell's parameter gradients as the prefixes come
 out (:func:`param_grads`), on lane slices or block ranges spread over the threads
@@ -26,12 +26,13 @@ import torch
 
 from ... import scan as _scan
 from ..base import check_operands, grad_of
+from ..chain import FactoredChain, PaperChain, RnnChain
 from ..twin import TorchBackend
 from . import native
-from .chain import FactoredChain, GruChain, PaperChain, RnnChain, native_chain_scan, rnn_chain_scan
+from .chain import gru_chain, native_chain_scan, rnn_chain, rnn_chain_scan
 from .dense import dense_tree_scan
 
-__all__ = ["CpuBackend", "FactoredChain", "RnnChain", "PaperChain", "GruChain", "cpu_scan", "param_grads", "native"]
+__all__ = ["CpuBackend", "cpu_scan", "param_grads", "native"]
 
 
 @torch.no_grad()
@@ -99,14 +100,14 @@ class CpuBackend(TorchBackend):
         if h.device.type != "cpu" or layout not in ("fused", "paper"):
             return super().rnn_jacobians_t(h, W_hh, layout, x)  # its error names the layouts
         cls = RnnChain if layout == "fused" else PaperChain
-        return cls.from_states(h, W_hh, x, out=lambda shape: self.workspace.get(("factors", "rnn"), shape, h))
+        return rnn_chain(cls, h, W_hh, x, out=lambda shape: self.workspace.get(("factors", "rnn"), shape, h))
 
     def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates=None):
         if h.device.type != "cpu":
             return super().gru_jacobians_t(x, h, cell, gates)
         T, B, H = h.shape
         out = self.workspace.get(("factors", "gru"), (T, 6 * H + x.shape[2], B), h)
-        return GruChain.from_states(x, h, cell, out=out)
+        return gru_chain(x, h, cell, out=out)
 
     def scan(self, g: torch.Tensor, J, L_m: int | None = None) -> torch.Tensor:
         return cpu_scan(g, J, self._L_m(L_m), self.workspace, self._split)

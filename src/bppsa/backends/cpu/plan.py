@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import json
 import os
 import statistics
@@ -253,7 +254,7 @@ def choose(kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype, L: int
     """The plan for scans of this shape: measured once per build key and shape (``BPPSA_PLAN=measure``, the
     default) and reused, within this process and from the store beside the kernels; or :func:`estimate`.
     ``make()``: a synthetic chain of the shape and its ∇h_T, to measure on (a chain's
-    :meth:`~.chain.FactoredChain.synthetic_like`; None: nothing to measure on, the estimate)."""
+    :func:`.chain.synthetic`; None: nothing to measure on, the estimate)."""
     threads = min(threads, MAX_THREADS)
     if mode() == "estimate" or make is None:
         return estimate(kind, n, B, H, dtype, split, threads)
@@ -293,13 +294,15 @@ def _team(chain, L: int, plan: Plan, grads: bool, affine: bool = False):
                        affine=affine)
 
 
-def team_for(chain, L: int, split: str, grads: bool, threads: int, affine: bool = False):
+def team_for(chain, L: int, split: str, grads: bool, threads: int, affine: bool = False, synthetic=None):
     """The kernel's team (:class:`.native.Team`) for scans of chains like ``chain`` under the plan
-    :func:`choose` picks (``affine``: one that takes the loss's per-step gradients, under the same plan); None
-    where the kernel is unavailable."""
+    :func:`choose` picks (``affine``: one that takes the loss's per-step gradients, under the same plan;
+    ``synthetic(kind, n, B, H, I, dtype)``: the chain and ∇h_T a plan is measured on); None where the kernel is
+    unavailable."""
     if not native.available():
         return None
     n, B, H, _ = chain.shape
-    plan = choose(chain.kind, n, B, H, chain.I, chain.dtype, L, split, grads, threads, chain.synthetic_like)
+    example = None if synthetic is None else functools.partial(synthetic, chain.kind, n, B, H, chain.I, chain.dtype)
+    plan = choose(chain.kind, n, B, H, chain.I, chain.dtype, L, split, grads, threads, example)
     return _team(chain, L, plan, grads, affine)
 

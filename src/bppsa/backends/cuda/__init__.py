@@ -7,8 +7,8 @@ and on disk).  Each kernel has a torch reference twin that tests hold it to:
 * ``bppsa_{up_sweep,middle_scan,down_sweep}_{f32,f64}`` -- :func:`bppsa.scan.blelloch_scan`;
 * ``bppsa_rnn_jacobians_{paper,fused}_{f32,f64}`` -- :func:`bppsa.jacobians.recurrent.rnn_jacobians_t`;
 * ``bppsa_factored_{up,down}_{rnn,gru}_{f32,f64}`` (``factored.cu``, :class:`CupyFactoredBackend`) -- the scan
-  over ``chain.dense()`` of a :class:`~bppsa.backends.cpu.chain.RnnChain` or
-  :class:`~bppsa.backends.cpu.chain.GruChain`, and the parameter-gradient sums the CPU kernel accumulates.
+  over ``chain.dense()`` of a :class:`~bppsa.backends.chain.RnnChain` or
+  :class:`~bppsa.backends.chain.GruChain`, and the parameter-gradient sums the CPU kernel accumulates.
 
 The launch schedule is computed in pure Python by :func:`.plan.scan_plan` from :func:`bppsa.scan.levels`,
 and tests hold it, the torch scan and the FLOP analysis to :func:`bppsa.scan.reference_scan`: one
@@ -31,7 +31,7 @@ import torch
 from ...jacobians.recurrent import num_jacobians
 from ...scan import tree_levels
 from ..base import check_operands, grad_of
-from ..cpu.chain import FactoredChain, GruChain, RnnChain
+from ..chain import FactoredChain, GruChain, RnnChain
 from ..twin import TorchBackend
 from . import plan, runtime
 
@@ -91,8 +91,8 @@ class CupyBackend(TorchBackend):
 
 class CupyFactoredBackend(CupyBackend):
     """The factored GPU backward (``factored.cu``): the recurrent chains stay as their factors (the RNN's
-    fused layout as :class:`~bppsa.backends.cpu.chain.RnnChain`, the GRU as
-    :class:`~bppsa.backends.cpu.chain.GruChain`, built by torch on the GPU) and no per-step Jacobian is ever
+    fused layout as :class:`~bppsa.backends.chain.RnnChain`, the GRU as
+    :class:`~bppsa.backends.chain.GruChain`, built by torch on the GPU) and no per-step Jacobian is ever
     stored.  Three phases (:func:`.plan.factored_plan`): each block builds one chunk's aggregate in shared
     memory (up); the existing Blelloch kernels scan the aggregates applied to g (middle: vectors come out);
     each block replays its chunk from its carry (down), writing the scan's output or the block's sums of the

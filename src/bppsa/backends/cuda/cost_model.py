@@ -6,7 +6,7 @@ Each layout is the list of steps one backward runs on the GPU (:func:`steps`):
 * ``faithful`` -- the paper's design: every per-step Jacobian written to global memory (the paper layout's
   fill for the RNN, torch's Jacobian build for the GRU), then one launch per level of the Blelloch scan
   (:func:`.plan.scan_plan`), then the parameter gradients as torch GEMMs over the scan's output;
-* ``factored`` -- the chain kept as its factors (:class:`bppsa.backends.cpu.chain.RnnChain`,
+* ``factored`` -- the chain kept as its factors (:class:`bppsa.backends.chain.RnnChain`,
   ``GruChain``, built by torch), then the chunked kernels of :func:`.plan.factored_plan`, which never
   write a per-step Jacobian and sum the parameter gradients as they replay the chain.
 

@@ -130,9 +130,6 @@ def ptx_entries(ptx: bytes | str) -> dict[str, list[str]]:
     return {m.group(1): [p.group(1) for p in _PARAM.finditer(m.group(2))] for m in _ENTRY.finditer(text)}
 
 
-_PTXAS = re.compile(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", re.S)
-
-
 def ptxas_report(log: str) -> dict[str, dict[str, int]]:
     """Per kernel, from ``-Xptxas=-v``'s log: registers, stack frame and spill bytes (-1 where the log does not
     say), and static shared memory in bytes (``smem``: 0 where the log names none)."""

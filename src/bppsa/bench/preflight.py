@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import re
 import resource
 import statistics
 import subprocess
@@ -27,11 +26,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..analysis.paper import PAPER_EPOCH_S, PAPER_SAMPLES
-
-GB = 10**9
-CAPACITIES_GB = (16, 80)  # the GPU sizes the table flags; decimal GB, i.e. below the cards' 16/80 GiB
-INDEX_BYTES = 8  # int64: class labels, max-pool indices
+from ..backends.cuda.memory_model import CAPACITIES_GB, GB, fits, recurrent_gpu_bytes, vgg_gpu_bytes
 
 
 # -- the configuration ------------------------------------------------------------------------------
@@ -129,101 +124,6 @@ def extreme_jobs(cfg: Mapping, source: str = "config", vgg_flops: bool = True, s
                              host_class="analysis",
                              why="one sample of vgg11-flops (CSR Jacobians, scipy: a CPU job) at vgg11.width"))
     return jobs
-
-
-# -- the GPU memory a job needs ---------------------------------------------------------------------
-def recurrent_param_count(model: str, H: int, I: int, C: int) -> int:
-    """Parameters of the RNN (one gate) or GRU (three gates) cell plus the linear head."""
-    gates = {"rnn": 1, "gru": 3}[model]
-    return gates * (H * I + H * H + 2 * H) + C * H + C
-
-
-def recurrent_gpu_bytes(model: str, T: int, B: int, H: int, I: int, C: int, layout: str, itemsize: int,
-                        L_m: int | None = None) -> dict[str, dict[str, int]]:
-    """The GPU memory of one training step, term by term (bytes), for the BPPSA step on the CUDA path
-    (backend ``cupy``) and for the autograd/cuDNN baseline.  Returns ``{"bppsa": {...}, "baseline": {...}}``.
-
-    BPPSA (``RecurrentClassifier.bppsa_step`` with ``CupyBackend``):
-
-    * parameters, their gradients and Adam's two moments: 4·P·s;
-    * inputs ``x`` T·B·I·s and labels B·8; hidden states ``h`` T·B·H·s (the cell's no-grad forward);
-    * Jacobians: n·B·H²·s with n = 2T (layout ``paper``) or T (``fused``, and the GRU)
-      (``CupyBackend.rnn_jacobians_t``'s ``out``; the GRU's ``gru_jacobians_t`` buffer);
-    * the GRU's recomputed gates, kept for the gates' gradients: 7·T·B·H·s (``gh`` [3H], ``r, z`` [2H],
-      ``n``, ``h'``; ``gru_gates``);
-    * scan workspace: ``S`` (L+1)·B·H·s and the prefixes ``P`` n·B·H·s (``CupyBackend.scan``; the scan
-      overwrites J in place);
-    * per-step gradients from the prefixes: T·B·H·s (RNN ∇a_t) or 4·T·B·H·s (GRU dR, dZ, dN, dM).
-
-    Not itemised: elementwise temporaries of at most T·B·H·s each while these are built, the CUDA context,
-    cuDNN's forward workspace and the caching allocator's rounding.
-
-    Baseline (autograd over cuDNN): the same parameters, optimizer state and inputs; the output sequence
-    T·B·H·s and its zero gradient T·B·H·s; the input gradient T·B·I·s; and a *modelled* cuDNN reserve of
-    G·T·B·H·s with G the per-step activations a backward needs (tanh: 1; GRU: r, z, n, W_hn h' + b_hn: 4).
-    cuDNN's real reserve size is implementation-defined (``cudnnGetRNNTempSpaceSizes``); this is a model.
-    """
-    from ..jacobians.recurrent import num_jacobians
-    from ..scan import tree_levels
-
-    s = itemsize
-    P = recurrent_param_count(model, H, I, C)
-    n = num_jacobians(T, layout) if model == "rnn" else T
-    TBH = T * B * H * s
-    common = {"parameters": P * s, "gradients": P * s, "optimizer": 2 * P * s,
-              "inputs": T * B * I * s + B * INDEX_BYTES}
-    bppsa = dict(common, hidden_states=TBH, jacobians=n * B * H * H * s,
-                 gates=7 * TBH if model == "gru" else 0,
-                 scan_workspace=(tree_levels(n + 1, L_m) + 1) * B * H * s + n * B * H * s,
-                 step_grads=(4 if model == "gru" else 1) * TBH)
-    baseline = dict(common, output=TBH, output_grad=TBH, input_grad=T * B * I * s,
-                    reserve_model=(4 if model == "gru" else 1) * TBH)
-    return {"bppsa": bppsa, "baseline": baseline}
-
-
-def vgg_feature_shapes(width: float, image_size: int = 32, in_channels: int = 3) -> list[tuple[str, tuple]]:
-    """(layer kind, output shape C×H×W) of VGG-11's conv part, in order."""
-    from ..models.vgg import scaled_cfg
-
-    out, c, size = [], in_channels, image_size
-    for v in scaled_cfg(width):
-        if v == "M":
-            size //= 2
-            out.append(("pool", (c, size, size)))
-        else:
-            c = v
-            out += [("conv", (c, size, size)), ("relu", (c, size, size))]
-    return out
-
-
-def vgg_gpu_bytes(width: float, B: int, itemsize: int, classes: int = 10, image_size: int = 32) -> dict[str, int]:
-    """GPU memory of one VGG-11 training step (SGD with momentum, as ``vgg.train``), term by term (bytes).
-
-    * parameters, gradients, momentum: 3·P·s;
-    * the input batch B·3·32·32·s and labels B·8;
-    * what autograd saves for the backward besides the batch and the weights (one copy per storage): every
-      ReLU's output (a conv's or a pool's input where they follow), every max-pool's output (the next conv's,
-      or the linear layer's, input) and its int64 indices, the logits' log-softmax B·C·s and the loss's
-      total weight (one scalar);
-    * backward transients: the gradient of the largest activation, twice (incoming and outgoing).
-
-    Not itemised: cuDNN's convolution workspace (algorithm-dependent), the CUDA context.
-    """
-    from ..models.vgg import VGG11
-
-    s = itemsize
-    P = sum(p.numel() for p in VGG11(width=width, classes=classes, image_size=image_size).parameters())
-    shapes = vgg_feature_shapes(width, image_size)
-    saved = sum(math.prod(shp) for kind, shp in shapes if kind in ("relu", "pool")) * B * s
-    pool_idx = sum(math.prod(shp) for kind, shp in shapes if kind == "pool") * B * INDEX_BYTES
-    largest = max(math.prod(shp) for _, shp in shapes) * B * s
-    x = B * 3 * image_size * image_size * s
-    return {"parameters": P * s, "gradients": P * s, "optimizer": P * s, "inputs": x + B * INDEX_BYTES,
-            "saved_activations": saved + pool_idx + B * classes * s + s, "backward_transients": 2 * largest}
-
-
-def fits(total_bytes: float, capacity_gb: float) -> bool:
-    return total_bytes <= capacity_gb * GB
 
 
 # -- running one job (in its own process) -----------------------------------------------------------
@@ -427,7 +327,7 @@ def run_job(job: dict, rounds: int = 3, fp64: bool = True, threads: int = 0) -> 
 
 def idle_rss_mb() -> float:
     """Peak RSS of a subprocess that only imports torch and this package: what every job's figure includes."""
-    code = "import torch, bppsa.bench.shapes as s, resource; print(s._peak_rss_mb())"
+    code = "import torch, bppsa.bench.preflight as s, resource; print(s._peak_rss_mb())"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     if r.returncode:
         raise RuntimeError(f"the idle-RSS probe failed: {r.stderr.strip()[-500:]}")
@@ -438,7 +338,7 @@ def run_job_subprocess(job: dict, rounds: int, fp64: bool, threads: int = 0, tim
     """:func:`run_job` in a fresh Python process, so ``ru_maxrss`` is this job's alone."""
     args = json.dumps(dict(job=job, rounds=rounds, fp64=fp64, threads=threads))
     try:
-        r = subprocess.run([sys.executable, "-m", "bppsa.bench.shapes", args], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, "-m", "bppsa.bench.preflight", args], capture_output=True, text=True,
                            timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"not finished within {timeout:.0f} s (--job-timeout)"}
@@ -462,7 +362,10 @@ def memory_row(job: dict) -> dict:
         row = dict(gpu_jacobians_gb=m["bppsa"]["jacobians"] / GB, gpu_bppsa_gb=bp / GB, gpu_baseline_gb=base / GB,
                    gpu_job_gb=job_bytes / GB)
     elif job["kind"] == "vgg-train":
-        m = vgg_gpu_bytes(job["width"], job["batch"], s)
+        from ..models.vgg import VGG11, feature_shapes
+
+        params = sum(p.numel() for p in VGG11(width=job["width"]).parameters())
+        m = vgg_gpu_bytes(params, feature_shapes(job["width"]), job["batch"], s)
         job_bytes = sum(m.values())
         row = dict(gpu_jacobians_gb=float("nan"), gpu_bppsa_gb=float("nan"), gpu_baseline_gb=job_bytes / GB,
                    gpu_job_gb=job_bytes / GB, gpu_saved_activations_gb=m["saved_activations"] / GB)
@@ -511,105 +414,11 @@ def table_row(job: dict, res: dict, cfg: Mapping, rounds: int, idle_mb: float) -
     return row
 
 
-# -- the workflow's job count and a GPU-time estimate ------------------------------------------------
-def dry_run(configfile: str | Path, root: str | Path = ".", timeout: float = 600) -> dict:
-    """``snakemake -n --forceall --configfile F`` from ``root``: the job stats and, per job, its rule and
-    declared ``runtime`` (minutes) and whether it asks for a GPU."""
-    cmd = [sys.executable, "-m", "snakemake", "-n", "--forceall", "--configfile", str(Path(configfile).resolve())]
-    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout)
-    text = r.stdout + "\n" + r.stderr
-    if r.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {text.strip().splitlines()[-1] if text.strip() else r.returncode}")
-    return parse_dry_run(text) | {"command": " ".join(["snakemake"] + cmd[3:])}
-
-
-def parse_dry_run(text: str) -> dict:
-    counts: dict[str, int] = {}
-    m = re.search(r"Job stats:\n(.*?)\n\s*total\s+(\d+)", text, re.S)
-    if not m:
-        raise RuntimeError("no 'Job stats' table in the snakemake dry-run output")
-    for line in m.group(1).splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit():
-            counts[parts[0]] = int(parts[1])
-    jobs = []
-    for block in re.split(r"\n(?=(?:localrule|rule) \w+:)", text):
-        head = re.match(r"(?:localrule|rule) (\w+):", block)
-        if not head:
-            continue
-        res = re.search(r"resources: (.*)", block)
-        fields = dict(kv.split("=", 1) for kv in res.group(1).split(", ") if "=" in kv) if res else {}
-        jobs.append(dict(rule=head.group(1), runtime_min=float(fields.get("runtime", "nan")),
-                         gpu="gpu" in fields and fields["gpu"] not in ("0", "")))
-    return {"counts": counts, "total": int(m.group(2)), "jobs": jobs}
-
-
-CIFAR10_TRAIN = 50000  # the CIFAR-10 training set
-
-
-def gpu_time_estimate(cfg: Mapping, counts: Mapping[str, int], vgg_step_ms: float | None,
-                      source: str = "config") -> list[dict]:
-    """Rows (item, jobs, hours, derivation) of a GPU-time estimate of the profile: each figure is counted from
-    the config or the dry run, cited from PAPER.md, or measured (and then labelled a CPU figure)."""
-    g = lambda k: cfg_get(cfg, k, source)  # noqa: E731
-    rows = []
-    cap = float(g("bench.max_seconds"))
-    for rule in ("rnn_bench", "gru_bench"):
-        n = counts.get(rule, 0)
-        rows.append(dict(item=rule, jobs=n, hours=n * cap / 3600,
-                         derivation=f"{n} jobs x bench.max_seconds = {cap:g} s of timed rounds each (the cap; a "
-                                    f"configuration that stabilises earlier stops sooner; warm-up rounds not counted)"))
-    epochs, T, B = int(g("rnn.curves.epochs")), int(g("rnn.curves.seq_len")), int(g("rnn.curves.batch"))
-    samples = int(g("bitstream.samples"))
-    scale = samples / PAPER_SAMPLES["rnn"]
-    acc, acc_src = PAPER_EPOCH_S[("rnn", "forward@256")]
-    per = {m: PAPER_EPOCH_S[("rnn", m)] for m in ("baseline", "bppsa")}
-    same_shape = (T, B) == (1000, 16)
-    for rule, note in (("rnn_train", ""), ("rnn_train_in_dtype", " ASSUMPTION: the fp32 rate (PAPER.md gives no "
-                                                                 "float64 times), so fp64 on a GPU is likely longer")):
-        n = counts.get(rule, 0)
-        if not n:
-            continue
-        secs = epochs * scale * (per["baseline"][0] + per["bppsa"][0] + 2 * acc) * (n / 2)
-        rows.append(dict(item=rule, jobs=n, hours=secs / 3600,
-                         derivation=f"{n} jobs (baseline, BPPSA) x rnn.curves.epochs = {epochs} x (V100 s/epoch: "
-                                    f"{per['baseline'][0]} [{per['baseline'][1]}], "
-                                    f"{per['bppsa'][0]} [{per['bppsa'][1]}]"
-                                    f" + the per-epoch accuracy pass at chunk 256, {acc} [{acc_src}] each) x "
-                                    f"bitstream.samples / 32,000 = {scale:g}"
-                                    + ("" if same_shape else f"; NOTE the curve shape T={T}, B={B} is not Table 4's")
-                                    + "." + note))
-    epochs_g, Bg = int(g("gru.curves.epochs")), int(g("gru.curves.batch"))
-    clips = int(g("irmas.synthetic_clips"))
-    scale_g = clips / PAPER_SAMPLES["gru"]
-    secs, parts = 0.0, []
-    for st in g("gru.curves.sets"):
-        b, bp, fw = (PAPER_EPOCH_S[(f"gru-{st}", k)] for k in ("baseline", "bppsa", "forward@64"))
-        secs += epochs_g * scale_g * (b[0] + bp[0] + 2 * fw[0])
-        parts.append(f"{st.upper()}: {b[0]} + {bp[0]} + 2 x {fw[0]}")
-    n = counts.get("gru_train", 0)
-    rows.append(dict(item="gru_train", jobs=n, hours=secs / 3600,
-                     derivation=f"gru.curves.epochs = {epochs_g} x per set (V100 s/epoch, PAPER.md Table 6, B = 16: "
-                                f"baseline + BPPSA + 2 accuracy passes at the B = 64 FP rate, an upper bound for "
-                                f"chunk 256): {'; '.join(parts)}; x irmas clips / 6,705 = {scale_g:g}"
-                                + ("" if Bg == 16 else f"; NOTE gru.curves.batch = {Bg}, not Table 6's 16")))
-    ep, rep, bs = int(g("vgg11.epochs")), int(g("vgg11.retrain_epochs")), int(g("vgg11.batch_size"))
-    steps = (ep + rep) * math.ceil(CIFAR10_TRAIN / bs)
-    rows.append(dict(item="vgg11_train", jobs=counts.get("vgg11_train", 0), hours=float("nan"),
-                     derivation=f"(vgg11.epochs + vgg11.retrain_epochs) x ceil(50,000 / {bs}) = {steps} steps; "
-                                "PAPER.md cites no VGG-11 training time, so no GPU hours are given"
-                                + (f" (this CPU's measured step, {vgg_step_ms:.0f} ms, would take "
-                                   f"{steps * vgg_step_ms / 3.6e6:.1f} h: a CPU figure, not a GPU estimate)"
-                                   if vgg_step_ms and math.isfinite(vgg_step_ms) else "")))
-    nv = counts.get("rnn_verify", 0) + counts.get("gru_verify", 0)
-    rows.append(dict(item="rnn_verify + gru_verify", jobs=nv, hours=float("nan"),
-                     derivation="one batch each; PAPER.md gives no time for them, so not estimated"))
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Child entry point: ``python -m bppsa.bench.shapes '<json>'`` prints one JSON line of results."""
-    from .. import cli  # noqa: F401 - the CLI's process settings (OpenMP spin, allocator) before torch works
+    """Child entry point: ``python -m bppsa.bench.preflight '<json>'`` prints one JSON line of results."""
+    from .. import process
+
+    process.keep_large_blocks()  # the CLI's allocator setting, before torch works (the OpenMP one came with bppsa)
 
     spec = json.loads((argv or sys.argv[1:])[0])
     res = run_job(spec["job"], spec["rounds"], spec["fp64"], spec.get("threads", 0))
