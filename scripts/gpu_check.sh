@@ -111,8 +111,8 @@ rnn 1000 256 60
 step speedups_rnn 30 bash -c "\"$PY\" -m bppsa speedups $RES/rnn/bench_*.csv --out $RES/rnn/speedups.csv \
   --latency-out $RES/rnn/latency.csv && cat $RES/rnn/speedups.csv"
 GPU_NAME=$("$PY" -c "import torch; print(torch.cuda.get_device_name())" 2>/dev/null || echo none)
-GPU_MODEL=${GPU_MODEL:-$("$PY" -c "import sys; from bppsa.backends.cuda import model
-print(model.key_for_device_name(sys.argv[1]) or '')" "$GPU_NAME" 2>/dev/null)}
+GPU_MODEL=${GPU_MODEL:-$("$PY" -c "import sys; from bppsa.backends.cuda import cost_model
+print(cost_model.key_for_device_name(sys.argv[1]) or '')" "$GPU_NAME" 2>/dev/null)}
 if [ -n "$GPU_MODEL" ]; then
   step gpu_measured 30 bash -c "\"$PY\" -m bppsa gpu-measured --gpu $GPU_MODEL --bench $RES/rnn/bench_T*_B*.csv \
     --out $RES/gpu_measured.csv"

@@ -36,8 +36,8 @@ mv /tmp/bppsa_doctor.$$.json "$OUT/doctor.json"
 echo "[gpu_reference] device: $DEVICE"
 # the cost model's peaks for this GPU, settled now rather than after an hour of benchmarks
 GPU_NAME=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['gpu']['name'])" "$OUT/doctor.json")
-GPU_MODEL=${GPU_MODEL:-$("$PY" -c "import sys; from bppsa.backends.cuda import model
-print(model.key_for_device_name(sys.argv[1]) or '')" "$GPU_NAME")}
+GPU_MODEL=${GPU_MODEL:-$("$PY" -c "import sys; from bppsa.backends.cuda import cost_model
+print(cost_model.key_for_device_name(sys.argv[1]) or '')" "$GPU_NAME")}
 [ -n "$GPU_MODEL" ] || { echo "gpu_reference.sh: the cost model has no peaks for '$GPU_NAME'; set GPU_MODEL=GBps:FP32_TFLOPs:FP64_TFLOPs:SMs from its datasheet" >&2; exit 1; }
 "$PY" -m bppsa gpu-model --gpu "$GPU_MODEL" --seq-len 30000 --batch 16 > /dev/null  # a bad GPU_MODEL stops here
 echo "[gpu_reference] cost model peaks: $GPU_MODEL"

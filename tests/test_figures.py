@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from bppsa.analysis import speedups
-from bppsa.plots import common, gru, rnn
+from bppsa.plots import common, gru, registry, rnn
 
 PLAIN = re.compile(r"^\d+(\.\d+)?×?$")
 
@@ -231,7 +231,8 @@ def _cpu_results(results):
 
 @pytest.fixture(scope="module", params=[True, False], ids=["with-h200-reference", "cpu-alone"])
 def drawn(request, tmp_path_factory):
-    """Every figure of plot-rnn and plot-gru, drawn and saved as the workflow does, kept open to be measured."""
+    """Every figure of `bppsa plot rnn` and `plot gru`, drawn and saved as the workflow does, kept open to be
+    measured."""
     results = tmp_path_factory.mktemp("figs") / "results"
     _cpu_results(results)
     if request.param:
@@ -242,7 +243,11 @@ def drawn(request, tmp_path_factory):
     mp.setattr(common.plt, "close", kept.append)
     mp.setattr(common.plt.Figure, "savefig", lambda fig, path, **kw: Path(path).write_bytes(b""))  # laid out, unsaved
     try:
-        outs = rnn.plot_all(results, results.parent) + gru.plot_all(results, results.parent)
+        outs = []
+        for figure in (registry.FIGURES["rnn"], registry.FIGURES["gru"]):
+            paths = [results.parent / Path(p).name for p in figure.paths("cpu")]
+            figure.run(results, [], paths)
+            outs += paths
     finally:
         mp.undo()
     pngs = [p.name for p in outs if p.suffix == ".png"]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bppsa.backends.cuda import model, plan
+from bppsa.backends.cuda import cost_model, plan
 from bppsa.cli import main
 
 
@@ -27,7 +27,7 @@ def h200_plan(monkeypatch):
     def measured(kind, n, B, H, I, C=None, **kw):
         return real(kind, n, B, H, I, _h200_chunk_size(n, B) if C is None else C, register_up=False, **kw)
 
-    monkeypatch.setattr(model.plan, "factored_plan", measured)
+    monkeypatch.setattr(cost_model.plan, "factored_plan", measured)
 
 
 def test_fill_launch_counts_by_hand():
@@ -48,8 +48,8 @@ def test_scan_launch_flop_by_hand():
 
 
 def test_totals_are_the_steps_sums():
-    st = model.steps("faithful", "rnn", 100, 4, 20, 1)
-    r = model.predict("faithful", "rnn", 100, 4, 20, 1, 4, model.GPUS["v100"])
+    st = cost_model.steps("faithful", "rnn", 100, 4, 20, 1)
+    r = cost_model.predict("faithful", "rnn", 100, 4, 20, 1, 4, cost_model.GPUS["v100"])
     assert r["bytes"] == 4 * sum(s.moved for s in st)
     assert r["flop"] == sum(s.flop for s in st)
     assert r["launches"] == sum(s.kernels for s in st)
@@ -58,29 +58,29 @@ def test_totals_are_the_steps_sums():
 
 def test_prediction_follows_the_peaks():
     args = ("faithful", "rnn", 3000, 16, 20, 1, 4)
-    slow = model.predict(*args, model.parse_gpu("900:15.7:7.8:80"), launch_s=0)
-    fast = model.predict(*args, model.parse_gpu("1800:15.7:7.8:80"), launch_s=0)
+    slow = cost_model.predict(*args, cost_model.parse_gpu("900:15.7:7.8:80"), launch_s=0)
+    fast = cost_model.predict(*args, cost_model.parse_gpu("1800:15.7:7.8:80"), launch_s=0)
     assert fast["predicted_s"] < slow["predicted_s"]  # the faithful scan is memory-bound at H = 20
     # a GPU with more SMs than a launch has threads to fill is charged for the idle part
-    wide = model.predict(*args, model.parse_gpu("900:15.7:7.8:8000"), launch_s=0)
+    wide = cost_model.predict(*args, cost_model.parse_gpu("900:15.7:7.8:8000"), launch_s=0)
     assert wide["predicted_s"] > slow["predicted_s"]
     # launch overhead: each kernel pays it
-    with_launch = model.predict(*args, model.parse_gpu("900:15.7:7.8:80"), launch_s=1e-5)
+    with_launch = cost_model.predict(*args, cost_model.parse_gpu("900:15.7:7.8:80"), launch_s=1e-5)
     assert with_launch["predicted_s"] == pytest.approx(slow["predicted_s"] + 1e-5 * slow["launches"])
 
 
 @pytest.mark.parametrize("spec,name", [("H100", "H100 SXM5"), ("rtx-2080-ti", "RTX 2080 Ti"),
                                        ("a100", "A100 SXM4 80 GB")])
 def test_gpu_names(spec, name):
-    assert model.parse_gpu(spec).name == name
+    assert cost_model.parse_gpu(spec).name == name
 
 
 def test_gpu_numbers_and_errors():
-    g = model.parse_gpu("1000:20")
+    g = cost_model.parse_gpu("1000:20")
     assert (g.bandwidth_GBps, g.fp32_TFLOPs, g.fp64_TFLOPs, g.sms) == (1000, 20, 10, 0)
     for bad in ("k80", "1000", "1000:x", "1000:-1", "1:2:3:4:5"):
         with pytest.raises(ValueError, match="h100"):
-            model.parse_gpu(bad)
+            cost_model.parse_gpu(bad)
 
 
 def test_factored_moves_a_tenth_and_predicts_half_a_millisecond_at_the_papers_largest_shape(capsys):
@@ -100,8 +100,8 @@ def test_factored_moves_a_tenth_and_predicts_half_a_millisecond_at_the_papers_la
 def test_factored_never_writes_the_jacobians(cell, I):
     T, B, H = 1034, 16, 20
     dense = T * B * H * H * 8  # one pass over the dense fp64 Jacobians
-    faithful = model.predict("faithful", cell, T, B, H, I, 8, model.GPUS["a100"])
-    factored = model.predict("factored", cell, T, B, H, I, 8, model.GPUS["a100"])
+    faithful = cost_model.predict("faithful", cell, T, B, H, I, 8, cost_model.GPUS["a100"])
+    factored = cost_model.predict("factored", cell, T, B, H, I, 8, cost_model.GPUS["a100"])
     assert faithful["bytes"] > 5 * dense  # written, then read and written again level by level
     # the factors (and for the GRU its recomputed gates) instead: RNN 2H + I rows a step, GRU 6H + I
     assert factored["bytes"] < (1 if cell == "rnn" else 4) * dense
@@ -114,11 +114,11 @@ def test_cli_table_and_csv(tmp_path, capsys):
                "--gpu", "all", "--out", str(out)])
     assert rc == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == len(model.GPUS) * 2 * len(model.LAYOUTS)
+    assert len(lines) == len(cost_model.GPUS) * 2 * len(cost_model.LAYOUTS)
     import pandas as pd
 
     df = pd.read_csv(out)
-    assert len(df) == len(lines) and set(df["layout"]) == set(model.LAYOUTS)
+    assert len(df) == len(lines) and set(df["layout"]) == set(cost_model.LAYOUTS)
 
 
 def test_cli_rejects_bad_input(capsys):
@@ -157,7 +157,7 @@ def test_measured_against_the_model(tmp_path, capsys):
     assert set(df.index) == {"faithful", "factored"}
     for layout, seconds in (("faithful", 3e-3), ("factored", 0.5e-3)):
         r = df.loc[layout]
-        pred = model.predict(layout, "rnn", 1000, 16, 20, 1, 4, model.GPUS["h100"])
+        pred = cost_model.predict(layout, "rnn", 1000, 16, 20, 1, 4, cost_model.GPUS["h100"])
         assert r["measured_s"] == pytest.approx(seconds)
         assert r["predicted_s"] == pytest.approx(pred["predicted_s"])
         assert r["achieved_GBps"] == pytest.approx(pred["bytes"] / seconds / 1e9)
@@ -185,7 +185,7 @@ def test_measured_needs_the_cuda_kernels(tmp_path, capsys):
                                       ("NVIDIA GeForce RTX 2080 Ti", "rtx2080ti"), ("Tesla V100-SXM2-16GB", "v100"),
                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L4", None)])
 def test_device_names(name, key):
-    assert model.key_for_device_name(name) == key
+    assert cost_model.key_for_device_name(name) == key
 
 
 def test_cases_in_one_run(tmp_path):
@@ -196,7 +196,7 @@ def test_cases_in_one_run(tmp_path):
     assert main(["gpu-model", "--case", "rnn/10,30/16/20", "--case", "rnn/1000/2,4,8/20",
                  "--case", "gru/259:38,1034:12/16/20", "--gpu", "h100,v100", "--out", str(out)]) == 0
     df = pd.read_csv(out)
-    assert len(df) == 2 * (2 + 3 + 2) * len(model.LAYOUTS)
+    assert len(df) == 2 * (2 + 3 + 2) * len(cost_model.LAYOUTS)
     gru = df[df["cell"] == "gru"]
     assert sorted(set(zip(gru["seq_len"], gru["input"]))) == [(259, 38), (1034, 12)]
     assert set(df[df["cell"] == "rnn"]["input"]) == {1}
@@ -215,7 +215,7 @@ def _h200_measurements():
     run's latency CSVs, for every BPPSA variant that ran the CUDA kernels."""
     import pandas as pd
 
-    from bppsa.commands.gpu import LAYOUT_OF
+    from bppsa.backends.cuda.cost_model import LAYOUT_OF
 
     out = []
     for cell, inputs in (("rnn", {}), ("gru", {259: 38, 1034: 12})):
@@ -247,32 +247,32 @@ def test_the_h200_run_is_read_whole():
 @pytest.mark.parametrize("case", _h200_measurements(), ids=lambda c: f"{c[0]}-{c[1]}-T{c[2]}-B{c[3]}")
 def test_expected_time_within_1_5x_of_the_h200_run(case):
     layout, cell, T, B, I, seconds = case
-    r = model.predict(layout, cell, T, B, 20, I, 4, model.GPUS["h200"])
+    r = cost_model.predict(layout, cell, T, B, 20, I, 4, cost_model.GPUS["h200"])
     ratio = seconds / r["expected_s"]
     assert 1 / 1.5 <= ratio <= 1.5, (case, r["expected_s"], r["host_s"], r["device_s"])
     assert r["predicted_s"] < seconds  # the floor stays a floor
 
 
 def test_expected_terms():
-    gpu = model.GPUS["h200"]
+    gpu = cost_model.GPUS["h200"]
     args = ("factored", "rnn", 30000, 16, 20, 1, 4, gpu)
-    base = model.expected(*args)
+    base = cost_model.expected(*args)
     # without host work per launch (a CUDA graph), only the device remains
-    graphed = model.expected(*args, host=False)
+    graphed = cost_model.expected(*args, host=False)
     assert graphed["host_s"] == 0 and graphed["expected_s"] == pytest.approx(graphed["device_s"])
     assert graphed["expected_s"] < base["expected_s"]
     # the shared-load ceiling binds the up kernel's arithmetic: more loads per FMA, more time; none, less
-    assert model.expected(*args, lds_per_fma=8)["device_s"] > base["device_s"]
-    assert model.expected(*args, lds_per_fma=0)["device_s"] <= base["device_s"]
+    assert cost_model.expected(*args, lds_per_fma=8)["device_s"] > base["device_s"]
+    assert cost_model.expected(*args, lds_per_fma=0)["device_s"] <= base["device_s"]
     # a GPU of unknown clock has no ceiling: never slower than one with it
-    nock = model.Gpu("x", gpu.bandwidth_GBps, gpu.fp32_TFLOPs, gpu.fp64_TFLOPs, gpu.sms, gpu.threads_per_sm)
-    assert model.expected("factored", "rnn", 30000, 16, 20, 1, 4, nock)["device_s"] <= base["device_s"]
+    nock = cost_model.Gpu("x", gpu.bandwidth_GBps, gpu.fp32_TFLOPs, gpu.fp64_TFLOPs, gpu.sms, gpu.threads_per_sm)
+    assert cost_model.expected("factored", "rnn", 30000, 16, 20, 1, 4, nock)["device_s"] <= base["device_s"]
     # at a small shape the host's time is the backward's time; at the largest the device's
-    small = model.expected("factored", "rnn", 100, 16, 20, 1, 4, gpu)
+    small = cost_model.expected("factored", "rnn", 100, 16, 20, 1, 4, gpu)
     assert small["expected_s"] < small["host_s"] * 1.1 and small["device_s"] < small["host_s"] / 4
     assert base["device_s"] > base["host_s"]
     # the latency term: each block of the factored kernels walks C steps; a larger C, fewer blocks, more steps
-    st = {s.name: s for s in model.steps("factored", "rnn", 30000, 16, 20, 1)}
+    st = {s.name: s for s in cost_model.steps("factored", "rnn", 30000, 16, 20, 1)}
     assert st["bppsa_factored_up_smem_rnn"].serial == 128 and st["bppsa_factored_up_smem_rnn"].step == "mm"
     assert st["bppsa_factored_down_rnn"].serial == 128 and st["bppsa_factored_down_rnn"].step == "mv"
     assert st["torch.rnn_factors"].serial == 0

@@ -193,7 +193,7 @@ def test_commands_write_csvs_and_figure(tmp_path):
     df = pd.read_csv(sc)
     assert set(df["threads"]) == {1, 2}
     fig, cross = tmp_path / "fig.png", tmp_path / "cross.csv"
-    assert main(["plot-scaling", str(sc), "--out", str(fig), "--crossover", str(cross)]) == 0
+    assert main(["plot", "cpu_scaling", "--input", str(sc), "--out", str(fig), str(cross)]) == 0
     assert fig.read_bytes()[:4] == b"\x89PNG" and fig.stat().st_size > 10_000
     assert set(pd.read_csv(cross)["rival"]) == {"sequential", "autograd"}
     assert not list(tmp_path.glob("*.tmp*"))

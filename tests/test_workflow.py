@@ -219,6 +219,61 @@ def test_another_devices_folder_redraws_the_figures_that_overlay_it(test_run, tm
     assert dry_run() == {"vgg11_plot", "report_render", "all"}
 
 
+_OPENED: list | None = None  # the files open() is given while recording (an audit hook cannot be removed)
+_HOOKED = []  # the hook, once installed
+
+
+def _record_opens(event, args):
+    if event == "open" and _OPENED is not None and isinstance(args[0], (str, Path)):
+        _OPENED.append(Path(args[0]).resolve())
+
+
+def _opens(device, fn, *args):
+    """What ``fn(*args)`` opens in the folder ``device``, relative to it."""
+    global _OPENED
+    if _record_opens not in _HOOKED:
+        sys.addaudithook(_record_opens)
+        _HOOKED.append(_record_opens)
+    _OPENED = []
+    try:
+        fn(*args)
+        return {str(p.relative_to(device)) for p in _OPENED if p.is_relative_to(device)}
+    finally:
+        _OPENED = None
+
+
+def _check_declared(name, opened, declared, device):
+    """Every file opened is declared, and every declared pattern the folder has a file for was opened."""
+    regex = {p: re.escape(p).replace(r"\*", "[^/]*") for p in declared}
+    files = [str(f.relative_to(device)) for f in device.rglob("*") if f.is_file()]
+    assert {f for f in opened if not any(re.fullmatch(r, f) for r in regex.values())} == set(), name
+    present = {p for p, r in regex.items() if any(re.fullmatch(r, f) for f in files)}
+    assert {p for p in present if not any(re.fullmatch(regex[p], f) for f in opened)} == set(), name
+
+
+@pytest.mark.slow
+def test_the_report_and_the_figures_open_what_they_declare(test_run, tmp_path):
+    """What the report's rule and each figure's rule declare in other device folders (REPORT_READS, the figures'
+    reads) is what they open in one: each claim row, report.md's sections and each figure, run on this run's
+    results, open no file their declaration misses, and every declared file the run has."""
+    from bppsa.analysis import claims, report
+    from bppsa.plots.registry import FIGURES
+
+    results = (test_run / "results").resolve()
+    device = results / "cpu"
+    for row in claims.ROWS:
+        _check_declared(row.__name__, _opens(device, row, results), row.reads, device)
+    sections = [p for section in report.SECTIONS for p in section.reads]
+    _check_declared("report.md", _opens(device, report.build, results), sections, device)
+    measured = [str(f) for f in device.rglob("*") if f.is_file()]
+    for figure in FIGURES.values():
+        for wildcards in figure.instances(measured, str(device)):
+            outputs = [str(tmp_path / Path(p).name) for p in figure.paths("cpu", **wildcards)]
+            inputs = figure.inputs(measured, str(device), **wildcards)
+            opened = _opens(device, figure.run, str(results), inputs, outputs)
+            _check_declared(figure.name, opened, [p.format(**wildcards) for p in figure.reads], device)
+
+
 def _readme_resume_command():
     """The README's one line on resuming a killed run, as the argument list it names."""
     import shlex

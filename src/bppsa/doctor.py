@@ -120,7 +120,7 @@ def _scan_check(be, dev: torch.device) -> str:
 
 
 # every backend but 'auto'; 'cpu' is the CPU fast path (bppsa.backends.cpu)
-CHECKED = ("torch", "cupy", "cupy-factored", "cpu")
+CHECKED = tuple(name for name in _backends.BACKENDS if name != "auto")
 
 
 def check_backend(name: str, dev: torch.device) -> dict:

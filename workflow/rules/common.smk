@@ -1,14 +1,17 @@
 # Shared by every file of workflow/rules/: the device folder, resources, command-line flags, the
-# grids, the variant names, the wildcards' constraints and the workflow's final outputs
+# grids, the variant names, the wildcards' constraints, what this configuration measures
+# (get_measurements), the figures it draws (get_figures) and the workflow's final outputs
 # (get_final_output). Only functions, values and the one wildcard_constraints block, so the order of
 # the rule files does not matter; every value comes from the configuration, which checks.smk
 # (included before this file) has checked against workflow/schemas/ already.
 
 from pathlib import Path
 
+from bppsa.analysis.report import READS as REPORT_READS
 from bppsa.bench.protocol import StopRule
 from bppsa.data.irmas import MFCC_SETS
 from bppsa.models import SPECS
+from bppsa.plots.registry import FIGURES
 
 
 wildcard_constraints:
@@ -232,11 +235,66 @@ def get_cpu_benchmarks():
         if section["roofline"]["batches"]:
             out.append(f"{RESULTS}/{model}/roofline.csv")
         if section["scaling"]["batches"] and section["scaling"].get("seq_lens", True):
-            out += [
-                f"{RESULTS}/fig_scaling_{model}.png",
-                f"{RESULTS}/{model}/scaling_crossover.csv",
-            ]
+            out.append(f"{RESULTS}/{model}/scaling.csv")
     return out
+
+
+def get_measurements():
+    """Every file this configuration measures in its device folder: what the figures, the report and the
+    claims read there. The profile's keys gate these; a figure is drawn where what it reads is among them.
+    """
+    return (
+        [f"{RESULTS}/environment.json", BITSTREAM_BUDGET]
+        + get_rnn_summaries()
+        + get_rnn_curves()
+        + get_cpu_benchmarks()
+        + get_gru_summaries()
+        + get_gru_curves()
+        + [
+            f"{VGG_DIR}/accuracy.csv",
+            f"{VGG_DIR}/flops.csv",
+            f"{VGG_DIR}/flops_summary.csv",
+            f"{JAC_DIR}/table1_timings.csv",
+        ]
+    )
+
+
+def get_figure_inputs(figure):
+    """Input function of a figure's rule: the measured files of this device folder it reads (for its wildcards)."""
+
+    def inputs(wildcards):
+        return figure.inputs(get_measurements(), RESULTS, **dict(wildcards.items()))
+
+    return inputs
+
+
+def get_figure_outputs(figure):
+    """A figure's outputs, those with a caption flagged for `snakemake --report` (captions: workflow/report/)."""
+
+    def output(out, path):
+        if not out.caption:
+            return path
+        return report(
+            path,
+            caption=f"../report/{out.caption}",
+            category=out.category,
+            subcategory=out.subcategory,
+        )
+
+    return [
+        output(out, path) for out, path in zip(figure.outputs, figure.paths(DEVICE))
+    ]
+
+
+def get_figures():
+    """Every output of every figure this configuration draws (bppsa.plots.registry)."""
+    measured = get_measurements()
+    return [
+        path
+        for figure in FIGURES.values()
+        for wildcards in figure.instances(measured, RESULTS)
+        for path in figure.paths(DEVICE, **wildcards)
+    ]
 
 
 def get_other_devices(*patterns):
@@ -271,48 +329,9 @@ def get_other_devices(*patterns):
     return inputs
 
 
-# What `bppsa report` (report.py, claims.py) reads in each device folder: declared for the other folders.
-REPORT_READS = [
-    "environment.json",
-    "*/verify_*.json",
-    *(
-        f"{model}/{name}"
-        for model in ("rnn", "gru")
-        for name in (
-            "speedups.csv",
-            "curve_*.csv",
-            "speed.csv",
-            "roofline.csv",
-            "scaling_crossover.csv",
-        )
-    ),
-    "jacobians/table1_timings.csv",
-    "vgg11/accuracy.csv",
-    "vgg11/flops_summary.csv",
-]
-
-
 def get_report_input():
     """Every final output but the report and the claims table, which are rendered from them."""
-    return (
-        [
-            f"{RESULTS}/environment.json",
-            BITSTREAM_BUDGET,
-        ]
-        + get_rnn_summaries()
-        + get_rnn_curves()
-        + ["results/fig_7.png"]
-        + [f"results/fig_8_{panel}.png" for panel in "abcdef"]
-        + get_cpu_benchmarks()
-        + get_gru_summaries()
-        + get_gru_curves()
-        + ["results/fig_9.png", "results/fig_13.png"]
-        + [
-            f"{VGG_DIR}/accuracy.csv",
-            "results/fig_10.png",
-            "results/table_1_last_column.txt",
-        ]
-    )
+    return get_measurements() + get_figures()
 
 
 GPU_MODEL = "results/gpu_model.csv"

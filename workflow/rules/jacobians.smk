@@ -1,5 +1,5 @@
 # Table 1 (Sec 3.4, Appendix D): guaranteed-zero sparsity and analytic CSR generation vs autograd
-# (its text: table1_render in figures.smk).
+# (its text: `bppsa plot table1`, rule table1_plot).
 
 
 rule table1_bench:

@@ -1,6 +1,6 @@
 # results/report.md: every measured number on one page; results/claims.md: the paper's claims checked.
-# Rendered last, from this run's outputs and from what every other device folder holds (report.py and
-# claims.py read these files in each of them).
+# Rendered last, from this run's outputs and from what every other device folder holds: REPORT_READS,
+# what report.py's sections and claims.py's rows declare they read in each of them (bppsa.analysis.report.READS).
 
 
 rule report_render:

@@ -1,9 +1,11 @@
 """results/claims.md: every claim of the paper this harness measures, beside what was measured, with a verdict.
 
-Each group of rows is a plain function ``results folder -> list[Claim]`` (``speedup_claims``, ...);
-:func:`collect` calls them in the order of the table.  Each verdict rule is a plain function returning
-``(verdict, reason)`` (``magnitude_verdict``, ``trend_verdict``, ``curve_verdict``, ...): a verdict is one of
-``VERDICTS`` and always comes with its reason.
+Each group of rows is a plain function ``results folder -> list[Claim]`` (``speedup_claims``, ...) that declares
+the files it reads in each device folder (``@reads``); :data:`ROWS` lists them in the order of the table, and
+:data:`READS` is what they read together.  A new claim: its row function, declared so, in :data:`ROWS`.
+
+Each verdict rule is a plain function returning ``(verdict, reason)`` (``magnitude_verdict``, ``trend_verdict``,
+``curve_verdict``, ...): a verdict is one of ``VERDICTS`` and always comes with its reason.
 
 How verdicts are reached:
 
@@ -29,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from .. import paper
-from .results import device_dirs
+from .results import device_dirs, reads
 
 VERDICTS = ("holds", "partly", "not reproduced", "not measurable here")
 HOLDS_FRACTION = 0.75  # a measured interval reaching 75 % of the paper's value counts as reproducing it
@@ -150,6 +152,7 @@ def _where(r: pd.Series, model: str) -> str:
 
 
 # -- the rows -----------------------------------------------------------------------------------------
+@reads("rnn/speedups.csv", "gru/speedups.csv")
 def speedup_claims(results: Path) -> list[Claim]:
     """The headline magnitudes: RNN (max, and at Fig 7's configuration) and GRU (max)."""
     out = []
@@ -248,6 +251,7 @@ def trend_verdict(tau: float, p: float, n: int) -> tuple[str, str]:
     return "not reproduced", f"Kendall tau {tau:+.2f}, one-sided p = {p:.3g} over {n} points"
 
 
+@reads("rnn/speedups.csv", "gru/speedups.csv")
 def trend_claims(results: Path) -> list[Claim]:
     """Speedup rises with T at fixed B and falls with B at fixed T (Fig 8; Fig 9 for the GRU's T)."""
     out = []
@@ -358,6 +362,7 @@ def _float64_twin(c, T, dtype, d, twin, verdict, reason) -> tuple[str, str]:
                               "would agree to ~1e-16 at first: a difference between the two backwards to find")
 
 
+@reads("rnn/curve_*.csv", "gru/curve_*.csv")
 def curve_claims(results: Path) -> list[Claim]:
     """BPPSA's training curves overlap the baseline's, epoch by epoch (Fig 6/7/13).
 
@@ -402,6 +407,7 @@ def curve_claims(results: Path) -> list[Claim]:
     return out
 
 
+@reads("jacobians/table1_timings.csv")
 def table1_claims(results: Path) -> list[Claim]:
     """Table 1: guaranteed-zero sparsity (exact) and the analytic generation's speedup over autograd."""
     from ..stats import median_ci
@@ -451,6 +457,7 @@ def generation_verdict(low: float, claimed: float, basis: str) -> tuple[str, str
     return "not reproduced", basis
 
 
+@reads("vgg11/accuracy.csv", "vgg11/flops_summary.csv")
 def vgg_claims(results: Path) -> list[Claim]:
     """VGG-11 keeps its accuracy after pruning; each scan step's FLOP is comparable to a BP operator (Fig 10)."""
     out = []
@@ -492,6 +499,7 @@ def flop_verdict(ratio: float) -> tuple[str, str]:
                      "weights)")
 
 
+@reads(*(f"{m}/{name}" for m in ("rnn", "gru") for name in ("speed.csv", "roofline.csv", "scaling_crossover.csv")))
 def cpu_speed_claims(results: Path) -> list[Claim]:
     """The paper's worker argument on this CPU (Sec 3.6), per model: BPPSA's backward against eager autograd
     and against the strongest sequential backward (the same factored chain and compiled kernel, T dependent
@@ -591,8 +599,11 @@ def _roofline_miss(r) -> str:
 
 
 # -- the table -----------------------------------------------------------------------------------------
+ROWS = (speedup_claims, trend_claims, curve_claims, table1_claims, vgg_claims, cpu_speed_claims)
+READS = tuple(dict.fromkeys(pattern for row in ROWS for pattern in row.reads))
+
+
 def collect(results: str | Path = "results") -> list[Claim]:
     """Every row of results/claims.md, in the table's order."""
     results = Path(results)
-    return [*speedup_claims(results), *trend_claims(results), *curve_claims(results), *table1_claims(results),
-            *vgg_claims(results), *cpu_speed_claims(results)]
+    return [claim for row in ROWS for claim in row(results)]

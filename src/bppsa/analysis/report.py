@@ -1,4 +1,7 @@
-"""results/report.md: the measured numbers of every experiment on one page, read from the CSVs."""
+"""results/report.md: the measured numbers of every experiment on one page, read from the CSVs.
+
+Each section that reads a device folder declares what it reads there (``@reads``); :data:`READS` is what `bppsa
+report` reads in each device folder for report.md and claims.md together (:data:`bppsa.analysis.claims.READS`)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from .results import device_dirs, load_all
+from . import claims
+from .results import device_dirs, load_all, reads
 
 
 def _md(df: pd.DataFrame, floatfmt: str = "{:.3g}") -> str:
@@ -22,6 +26,7 @@ def _section(title: str, body: str) -> str:
     return f"## {title}\n\n{body.strip()}\n"
 
 
+@reads("environment.json")
 def _environments(results: Path) -> str:
     rows = []
     for label, folder in device_dirs(results):
@@ -33,6 +38,7 @@ def _environments(results: Path) -> str:
     return _md(pd.DataFrame(rows)) if rows else "No device has measured anything yet."
 
 
+@reads("*/verify_*.json")
 def _exactness(results: Path) -> str:
     rows = []
     for label, folder in device_dirs(results):
@@ -50,6 +56,7 @@ def _exactness(results: Path) -> str:
             "and batch (`bppsa verify`); the worst relative gradient error per group:\n\n" + _md(agg))
 
 
+@reads("rnn/speedups.csv", "gru/speedups.csv")
 def _speedups(results: Path, model: str) -> str:
     """Every speedup with its interval, and the list of what is noisy or not resolved."""
     try:
@@ -99,10 +106,9 @@ def _who(r) -> str:
     return f"BPPSA backend {r.backend} vs baseline {r.reference_backend}"
 
 
+@reads("rnn/curve_*.csv", "gru/curve_*.csv")
 def _curves(results: Path) -> str:
     """Per training curve (Fig 7, Fig 13): the largest per-epoch loss difference from the baseline's, per dtype."""
-    from .claims import curve_differences
-
     rows = []
     for label, folder in device_dirs(results):
         for model in ("rnn", "gru"):
@@ -111,7 +117,7 @@ def _curves(results: Path) -> str:
             if not frames:
                 continue
             c = pd.concat(frames, ignore_index=True)
-            for (T, dt, var), d in curve_differences(c).groupby(["seq_len", "dtype", "variant"]):
+            for (T, dt, var), d in claims.curve_differences(c).groupby(["seq_len", "dtype", "variant"]):
                 d = d.sort_values("epoch")
                 last = d.iloc[-1]
                 rows.append({"device": label, "model": model, "T": T, "dtype": dt, "variant": var,
@@ -125,6 +131,7 @@ def _curves(results: Path) -> str:
             "(the verdicts: `claims.md`):\n\n" + _md(pd.DataFrame(rows), "{:.3g}"))
 
 
+@reads("rnn/speed.csv")
 def _speed(results: Path) -> str:
     from ..bench.speed import summary
 
@@ -159,6 +166,12 @@ def build(results: str | Path = "results") -> str:
     out.append(_section("Training curves (Fig 7, Fig 13)", _curves(results)))
     table1 = results / "table_1_last_column.txt"
     out.append(_section("Table 1", "```\n" + table1.read_text().strip() + "\n```" if table1.exists() else "Not run."))
+    out.append(_section("Pruned VGG-11 (Fig 10)", _vgg(results)))
+    return "\n".join(out)
+
+
+@reads("vgg11/accuracy.csv", "vgg11/flops_summary.csv")
+def _vgg(results: Path) -> str:
     vgg = []
     for label, folder in device_dirs(results):
         acc = folder / "vgg11" / "accuracy.csv"
@@ -170,5 +183,8 @@ def build(results: str | Path = "results") -> str:
             cols = ["bppsa_critical_flop", "bppsa_max_step_flop", "baseline_total_flop", "baseline_max_step_flop"]
             df = pd.read_csv(fl).groupby("network")[cols].mean().reset_index()
             vgg.append(f"**{label}**, FLOP per sample (mean over samples):\n\n" + _md(df))
-    out.append(_section("Pruned VGG-11 (Fig 10)", "\n\n".join(vgg) if vgg else "Not run."))
-    return "\n".join(out)
+    return "\n\n".join(vgg) if vgg else "Not run."
+
+
+SECTIONS = (_environments, _exactness, _speedups, _speed, _curves, _vgg)  # those that read device folders
+READS = tuple(dict.fromkeys([*(pattern for section in SECTIONS for pattern in section.reads), *claims.READS]))

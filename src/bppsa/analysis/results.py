@@ -9,6 +9,19 @@ import pandas as pd
 REFERENCE = "reference"
 
 
+def reads(*patterns: str):
+    """Declares the files a function reads in each device folder (relative to it; ``*`` globs within one name), as
+    its attribute ``reads``.  `bppsa report`'s rule declares them in every other device folder (``REPORT_READS``,
+    workflow/rules/common.smk), so a folder added re-renders the report; tests/test_workflow.py holds each
+    declaration to the files the function opens."""
+
+    def declare(fn):
+        fn.reads = patterns
+        return fn
+
+    return declare
+
+
 def device_dirs(results: str | Path = "results") -> list[tuple[str, Path]]:
     """(label, folder) of every device that has measured anything, local ones first.
 

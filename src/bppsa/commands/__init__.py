@@ -11,7 +11,7 @@ MODULES = {
     "gpu": ("gpu-model", "gpu-measured", "bench-membound"),
     "irmas": ("make-irmas", "mfcc"),
     "jacobians": ("jacobians-table1",),
-    "plots": ("plot-rnn", "plot-gru", "fig10", "table1", "plot-scaling"),
+    "plots": ("plot",),
     "recurrent": ("verify", "bench", "train"),
     "report": ("speedups", "compare-speedups", "report"),
     "roofline": ("roofline",),

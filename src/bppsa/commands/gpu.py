@@ -1,6 +1,6 @@
 """``bppsa bench-membound``: the scan backward per backend against the GPU's memory-traffic bound
 (:mod:`bppsa.bench.membound`); ``bppsa gpu-model``: the GPU layouts' bytes, FLOP, launches and predicted
-time from the launch plan (:mod:`bppsa.backends.cuda.model`), no GPU needed."""
+time from the launch plan (:mod:`bppsa.backends.cuda.cost_model`), no GPU needed."""
 from __future__ import annotations
 
 import argparse
@@ -64,13 +64,13 @@ def _case(text: str, hidden: int, input_size: int) -> tuple[str, list[tuple[int,
 
 def gpu_model_rows(cases, dtype: str, gpus: list[str], launch_s: float) -> list[dict]:
     """One row per GPU, case (cell, [(T, I)], [B], H), shape and layout."""
-    from ..backends.cuda import model
+    from ..backends.cuda import cost_model
 
     itemsize = DTYPES[dtype].itemsize
-    specs = [model.parse_gpu(g) for g in gpus]
-    return [model.predict(layout, cell, T, B, H, I, itemsize, gpu, launch_s)
+    specs = [cost_model.parse_gpu(g) for g in gpus]
+    return [cost_model.predict(layout, cell, T, B, H, I, itemsize, gpu, launch_s)
             for gpu in specs for cell, seq_lens, batches, H in cases for T, I in seq_lens for B in batches
-            for layout in model.LAYOUTS]
+            for layout in cost_model.LAYOUTS]
 
 
 def gpu_model(args) -> int:
@@ -78,9 +78,9 @@ def gpu_model(args) -> int:
 
     import pandas as pd
 
-    from ..backends.cuda import model
+    from ..backends.cuda import cost_model
 
-    gpus = list(model.GPUS) if args.gpu == "all" else args.gpu.split(",")
+    gpus = list(cost_model.GPUS) if args.gpu == "all" else args.gpu.split(",")
     if args.hidden < 1 or args.input_size < 1 or args.launch_us < 0:
         raise ValueError("--hidden and --input-size must be >= 1 and --launch-us >= 0")
     cases = ([_case(c, args.hidden, args.input_size) for c in args.case] if args.case else
@@ -99,11 +99,6 @@ def gpu_model(args) -> int:
     return 0
 
 
-# (variant, backend) -> the GPU layout it ran: cupy-factored sends the paper layout to the faithful kernels
-LAYOUT_OF = {("bppsa-paper", "cupy"): "faithful", ("bppsa-paper", "cupy-factored"): "faithful",
-             ("bppsa-fused", "cupy-factored"): "factored"}
-
-
 def measured_rows(bench, gpu, launch_s: float) -> list[dict]:
     """The GPU layouts measured by ``bppsa bench`` (the RNN's bench CSVs) beside the model's prediction.
 
@@ -112,7 +107,7 @@ def measured_rows(bench, gpu, launch_s: float) -> list[dict]:
     cupy-factored (both run the faithful kernels for it), ``bppsa-fused`` with cupy-factored (the factored
     kernels).  Beside it: the model's bytes and FLOP over that time (achieved) and as a fraction of the GPU's
     peaks, and cuDNN's backward (``baseline``, ``baseline-packed``) of the same file."""
-    from ..backends.cuda import model
+    from ..backends.cuda import cost_model
 
     full = bench[bench["mode"] == "full"]
     rows = []
@@ -121,14 +116,14 @@ def measured_rows(bench, gpu, launch_s: float) -> list[dict]:
         variants = per_iter.index.get_level_values("variant")
         base = {v: float(per_iter.loc[variants == v, "backward"].median()) for v in ("baseline", "baseline-packed")}
         for (variant, backend), it in per_iter.groupby(level=["variant", "backend"]):
-            layout = LAYOUT_OF.get((variant, backend))
+            layout = cost_model.LAYOUT_OF.get((variant, backend))
             if layout is None:
                 continue
             first = d[d["variant"] == variant].iloc[0]
             H, I = int(first["hidden"]), int(first["input_size"])
             seconds = float((it.get("jacobian", 0) + it["backward"]).median())
             itemsize = DTYPES[str(first["dtype"])].itemsize
-            pred = model.predict(layout, "rnn", int(T), int(B), H, I, itemsize, gpu, launch_s)
+            pred = cost_model.predict(layout, "rnn", int(T), int(B), H, I, itemsize, gpu, launch_s)
             rows.append({
                 **{k: pred[k] for k in ("layout", "seq_len", "batch", "hidden", "input", "dtype", "gpu", "bytes",
                                         "flop", "launches", "predicted_s")},
@@ -149,9 +144,9 @@ def measured_rows(bench, gpu, launch_s: float) -> list[dict]:
 def gpu_measured(args) -> int:
     import pandas as pd
 
-    from ..backends.cuda import model
+    from ..backends.cuda import cost_model
 
-    gpu = model.parse_gpu(args.gpu)
+    gpu = cost_model.parse_gpu(args.gpu)
     frames = []
     for path in args.bench:
         try:
@@ -174,7 +169,7 @@ def gpu_measured(args) -> int:
 
 
 def _add_launch_us(parser) -> None:
-    from ..backends.cuda.model import LAUNCH_S
+    from ..backends.cuda.cost_model import LAUNCH_S
 
     parser.add_argument("--launch-us", type=float, default=LAUNCH_S * 1e6,
                         help="assumed overhead per kernel launch (µs)")

@@ -1,4 +1,4 @@
-"""`bppsa make-irmas` and `bppsa mfcc`: the IRMAS data of the GRU experiment (Sec 4.2); Fig 9 and 13: `bppsa plot-gru`.
+"""`bppsa make-irmas` and `bppsa mfcc`: the IRMAS data of the GRU experiment (Sec 4.2); Fig 9 and 13: `bppsa plot gru`.
 
 Timing and training reuse the generic recurrent commands: ``bppsa bench --model gru --data
 data/irmas/mfcc_s.npz ...`` and ``bppsa train --model gru ...``.

@@ -1,4 +1,4 @@
-"""`bppsa jacobians-table1`: the measurements of Table 1 of the paper (its text: `bppsa table1`)."""
+"""`bppsa jacobians-table1`: the measurements of Table 1 of the paper (its text: `bppsa plot table1`)."""
 from __future__ import annotations
 
 import platform

@@ -1,78 +1,29 @@
-"""The figures and tables, from the measured CSVs of every device: `bppsa plot-rnn` (Fig 7, 8a-f), `bppsa
-plot-gru` (Fig 9, 13), `bppsa fig10`, `bppsa table1` and `bppsa plot-scaling`.  Imports stay inside the
-handlers: most of these jobs need neither torch nor the models."""
+"""`bppsa plot NAME`: a figure or table of :data:`bppsa.plots.registry.FIGURES` (its choices), drawn from the
+measured CSVs.  The registry imports no plotting module: ``draw`` is imported when the command runs, so most of
+these jobs start without torch."""
 from __future__ import annotations
 
-import sys
+import argparse
+
+from ..plots.registry import FIGURES
 
 
 def register(sub) -> None:
-    p = sub.add_parser("plot-rnn", help="render fig_7 and fig_8_a..f from results/*/rnn/*.csv")
-    p.add_argument("--results", default="results")
-    p.add_argument("--out-dir", default="results")
-    p.set_defaults(func=_plot_rnn)
-
-    p = sub.add_parser("plot-gru", help="Fig 9 (runtime breakdown) and Fig 13 (training curves) from the CSVs")
-    p.add_argument("--results", default="results")
-    p.add_argument("--out-dir", default="results")
-    p.set_defaults(func=_plot_gru)
-
-    p = sub.add_parser("fig10", help="Fig 10 from results/*/vgg11/flops.csv")
-    p.add_argument("--results", default="results")
-    p.add_argument("--out", required=True)
-    p.set_defaults(func=_fig10)
-
-    p = sub.add_parser("table1", help="write results/table_1_last_column.txt from the measured CSVs")
-    p.add_argument("--results", default="results")
-    p.add_argument("--out", required=True)
-    p.set_defaults(func=_table1)
-
-    p = sub.add_parser("plot-scaling", help="figure and extrapolated crossover from scaling CSVs")
-    p.add_argument("csv", nargs="+")
-    p.add_argument("--out", required=True, help="figure (.png/.pdf)")
-    p.add_argument("--crossover", default=None, help="also write the fitted crossover table here (CSV)")
-    p.set_defaults(func=_plot_scaling)
+    figures = "\n".join(f"{f.name}: {f.title} -> {', '.join(o.path for o in f.outputs)}" for f in FIGURES.values())
+    p = sub.add_parser("plot", help="draw a figure or table of the paper from the measured CSVs",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, description=figures)
+    p.add_argument("figure", choices=list(FIGURES), help="its declaration in bppsa.plots.registry")
+    p.add_argument("--results", default="results",
+                   help="the folder of the device folders it overlays (results/<device>/, results/reference/)")
+    p.add_argument("--input", nargs="*", default=[], help="this device's files it reads (its rule's inputs)")
+    p.add_argument("--out", nargs="+", required=True, help="the files it writes, in the declared order")
+    p.set_defaults(func=_plot)
 
 
-def _plot_rnn(args) -> int:
-    from ..plots.rnn import plot_all
-
-    for path in plot_all(args.results, args.out_dir):
-        print(path)
-    return 0
-
-
-def _plot_gru(args) -> int:
-    from ..plots.gru import plot_all
-
-    for path in plot_all(args.results, args.out_dir):
-        print(path, file=sys.stderr)
-    return 0
-
-
-def _fig10(args) -> int:
-    from ..plots.fig10 import plot_fig10
-
-    plot_fig10(args.results, args.out)
-    return 0
-
-
-def _table1(args) -> int:
-    from ..plots.table1 import write_table1
-
-    write_table1(args.results, args.out)
-    return 0
-
-
-def _plot_scaling(args) -> int:
-    import pandas as pd
-
-    from .. import io
-    from ..plots.scaling import plot
-
-    df = pd.concat([pd.read_csv(p) for p in args.csv], ignore_index=True)
-    cross = plot(df, args.out)
-    if args.crossover:
-        io.write_csv(args.crossover, cross)
-    print(cross.to_string(index=False), file=sys.stderr)
+def _plot(args) -> int:
+    fig = FIGURES[args.figure]
+    if len(args.out) != len(fig.outputs):
+        raise ValueError(f"{fig.name} writes {len(fig.outputs)} file(s) ({', '.join(o.path for o in fig.outputs)}),"
+                         f" got --out {' '.join(args.out)}")
+    fig.run(args.results, args.input, args.out)
     return 0

@@ -1,4 +1,4 @@
-"""`bppsa scaling`: backward time against the number of worker threads (CSV); its figure: `bppsa plot-scaling`."""
+"""`bppsa scaling`: backward time against the number of worker threads (CSV); its figure: `bppsa plot cpu_scaling`."""
 from __future__ import annotations
 
 import sys

@@ -28,7 +28,9 @@ SERIES = [
 TITLES = {"pruned": "pruned VGG-11 (retrained), as in the paper", "dense": "unpruned VGG-11, for comparison"}
 
 
-def plot_fig10(results: str | Path, out: str | Path) -> None:
+def draw(results: str | Path, inputs: list, outputs: list) -> None:
+    """Fig 10 to ``outputs`` (bppsa.plots.registry), from every device folder under ``results``."""
+    (out,) = outputs
     df = load_all(results, "vgg11", "flops.csv")
     df["critical"] = df["critical"].astype(bool)
     nets = [n for n in ("pruned", "dense") if n in set(df["network"])]

@@ -230,17 +230,16 @@ def fig_13(curves: pd.DataFrame, out: str | Path) -> None:
     save(fig, out)
 
 
-def plot_all(results: str | Path, out_dir: str | Path) -> list[Path]:
-    results, out_dir = Path(results), Path(out_dir)
-    outs = [out_dir / "fig_9.png", out_dir / "fig_13.png"]
+def draw(results: str | Path, inputs: list, outputs: list) -> None:
+    """Fig 9, Fig 13 and the numbers behind Fig 9's bars, to ``outputs`` (bppsa.plots.registry), from every device
+    folder under ``results``."""
+    fig9, fig13, table = outputs
     lat, sp = load_all(results, "gru", "latency.csv"), load_all(results, "gru", "speedups.csv")
-    d = fig_9(lat, sp, outs[0])
+    d = fig_9(lat, sp, fig9)
     # the numbers behind the bars, for the report (seconds per iteration)
     d["data"] = ", ".join(sorted(set(map(str, lat["data"].fillna(""))))) if "data" in lat else ""
     cols = ["device_label", "profile", "data", "set", "seq_len", "batch", "variant", "reference", "n", "base_FP",
             "base_BP", "FP", "FO", "BPPSA", "bp_speedup", "bp_speedup_low", "bp_speedup_high", "bp_speedup_noisy",
             "overall_speedup", "overall_speedup_low", "overall_speedup_high", "overall_speedup_noisy"]
-    table = out_dir / "fig_9_data.csv"
     write_csv(table, d[cols])
-    fig_13(load_all(results, "gru", "curve_*.csv"), outs[1])
-    return outs + [table]
+    fig_13(load_all(results, "gru", "curve_*.csv"), fig13)

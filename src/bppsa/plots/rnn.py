@@ -313,17 +313,13 @@ def fig_7(curves: pd.DataFrame, out: str | Path) -> None:
 VARIANT_NAME_SHORT = {"bppsa-fused": "BPPSA fused", "bppsa-paper": "BPPSA paper"}
 
 
-def plot_all(results: str | Path, out_dir: str | Path) -> list[Path]:
-    results, out_dir = Path(results), Path(out_dir)
+def draw(results: str | Path, inputs: list, outputs: list) -> None:
+    """Fig 7, then Fig 8a-f, to ``outputs`` (bppsa.plots.registry), from every device folder under ``results``."""
+    fig7, *fig8 = outputs
+    fig_7(load_all(results, "rnn", "curve_*.csv"), fig7)
     lat = load_all(results, "rnn", "latency.csv")
     sp = load_all(results, "rnn", "speedups.csv")
-    outs = []
-    for axis, (a, b, c) in {"seq_len": ("a", "b", "c"), "batch": ("d", "e", "f")}.items():
-        for letter, fn, df in zip((a, b, c), (fig_latency, fig_speedup, fig_breakdown), (lat, sp, lat)):
-            path = out_dir / f"fig_8_{letter}.png"
-            fn(df, axis, path)
-            outs.append(path)
-    path = out_dir / "fig_7.png"
-    fig_7(load_all(results, "rnn", "curve_*.csv"), path)
-    outs.append(path)
-    return outs
+    panels = iter(fig8)
+    for axis in ("seq_len", "batch"):
+        for fn, df in zip((fig_latency, fig_speedup, fig_breakdown), (lat, sp, lat)):
+            fn(df, axis, next(panels))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import pandas as pd
@@ -9,7 +10,7 @@ from matplotlib import ticker
 
 from ..bench.scaling import BPPSA, brent_time, crossovers, medians
 from ..bench.speed import AUTOGRAD, SEQUENTIAL
-from ..io import atomic_path
+from ..io import atomic_path, write_csv
 from .common import backends_of, plain_log_axis, plt
 
 STYLE = {AUTOGRAD: dict(color="C0", marker="s", ls="--", label="autograd (eager)"),
@@ -83,3 +84,12 @@ def plot(df: pd.DataFrame, out) -> pd.DataFrame:
         fig.savefig(tmp, dpi=120)
     plt.close(fig)
     return cross
+
+
+def draw(results, inputs: list, outputs: list) -> None:
+    """The figure, then the fitted crossovers (CSV), to ``outputs`` (bppsa.plots.registry), from this device's
+    ``scaling.csv`` files (``inputs``) alone."""
+    fig, crossover = outputs
+    cross = plot(pd.concat([pd.read_csv(p) for p in inputs], ignore_index=True), fig)
+    write_csv(crossover, cross)
+    print(cross.to_string(index=False), file=sys.stderr)

@@ -54,6 +54,8 @@ def _iqr(x) -> float:
     return float(np.subtract(*np.percentile(x, [75, 25]))) if len(x) else float("nan")
 
 
-def write_table1(results: str | Path, out: str | Path) -> None:
+def draw(results: str | Path, inputs: list, outputs: list) -> None:
+    """Table 1's text to ``outputs`` (bppsa.plots.registry), from every device folder under ``results``."""
+    (out,) = outputs
     df = load_all(results, "jacobians", "table1*.csv")
     io.write_text(out, table1_text(df))

@@ -32,7 +32,7 @@ class Launch:
     ``moved`` and ``flop`` are what the launch costs, counted from what its kernel does: elements of
     the dtype read from and written to global memory (logical traffic: each operand a block stages
     counted once per block, whether or not a cache serves it) and floating-point operations (a
-    multiply-add is two).  The cost model (:mod:`.model`) and the memory-bound benchmark sum them."""
+    multiply-add is two).  The cost model (:mod:`.cost_model`) and the memory-bound benchmark sum them."""
 
     kernel: str
     grid: int

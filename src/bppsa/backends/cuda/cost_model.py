@@ -211,6 +211,10 @@ def steps(layout: str, cell: str, T: int, B: int, H: int, I: int) -> list[Step]:
 
 
 LAYOUTS = ("faithful", "factored")
+# (variant, GPU backend) -> the layout it runs: cupy-factored sends the paper layout to the faithful kernels.  Every
+# GPU backend of bppsa.backends.BACKENDS has its rows here (tests/test_extension_points.py).
+LAYOUT_OF = {("bppsa-paper", "cupy"): "faithful", ("bppsa-paper", "cupy-factored"): "faithful",
+             ("bppsa-fused", "cupy-factored"): "factored"}
 
 
 def predict(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int, gpu: Gpu,
