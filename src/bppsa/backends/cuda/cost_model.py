@@ -45,6 +45,7 @@ per launch), is expected with its own numbers (``lds_per_fma``, ``host=False``).
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -56,7 +57,12 @@ LAUNCH_S = 3e-6  # assumed per-kernel launch overhead on a busy stream (not a pu
 # The expected time's terms (see the module docstring).  SMEM_BYTES_PER_CLK is the hardware's (32 banks of 4 bytes
 # a clock per SM, Volta to Hopper); the rest are fit to the H200 run of 2026-11-26 (tests/test_gpu_model.py).
 SMEM_BYTES_PER_CLK = 128
-LDS_PER_FMA = 2.0  # today's kernels: both operands of every multiply-add loaded from shared memory
+LDS_PER_FMA = 2.0  # the shared-memory kernels: both operands of every multiply-add loaded from shared memory
+# The register up kernel (factored_up.cu), not yet run on a GPU: assumptions, not fits.
+LDS_BYTES = 16  # its shared loads are 16-byte vectors of W^T, each feeding 16 / itemsize rows of its NC columns
+SCHEDULERS_PER_SM = 4  # warp schedulers per SM, each issuing one warp instruction a clock (Volta to Hopper)
+ISSUE_PER_FMA = 1.35  # instructions a warp issues per multiply-add of its step loop (the FMAs, the LDS.128 of
+#                       W^T, the streamed factor loads and their addresses), read from its SASS, not timed
 STEP_S = {"mm": 4.0e-6, "mv": 2.0e-6}  # latency of one dependent step of a block at H = 20 (scales with H / 20)
 HOST_LAUNCH_S = 25e-6  # host time of one CuPy RawKernel launch from Python
 HOST_TORCH_S = 25e-6  # host time of one eager torch op (Python, dispatch, launch)
@@ -142,18 +148,27 @@ class Step:
     serial: int = 0  # dependent steps each block walks one after the other (0: none, element-wise)
     step: str = ""  # their kind: "mm" (an H x H product a step) or "mv" (a mat-vec a step)
     block: int = 0  # threads per block
+    lds_per_fma: float = LDS_PER_FMA  # shared loads per multiply-add of its inner loop
+    fma_per_step: int = 0  # multiply-adds one thread issues per dependent step (0: the step takes STEP_S[step])
 
     @classmethod
-    def of(cls, launch: plan.Launch) -> Step:
+    def of(cls, launch: plan.Launch, itemsize: int = 4) -> Step:
         if launch.kernel.startswith("torch."):
             return cls(launch.kernel, 1, 0, launch.moved, launch.flop)
-        serial, step = 0, ""
-        if launch.kernel.startswith("bppsa_factored_"):  # ints: n, B, H, I, C, ...: a block walks C steps
+        serial, step, lds, fma_step = 0, "", LDS_PER_FMA, 0
+        if launch.consts:  # the register up kernel (factored_up.cu): ints n, B, H, I, C, ...
+            H, C = launch.ints[2], launch.ints[4]
+            nc = dict(launch.consts)["BPPSA_NC64" if itemsize == 8 else "BPPSA_NC32"]
+            nw = plan.FACTORED_KINDS[launch.kernel.rsplit("_", 1)[1]][0]
+            # a thread's chunk: its first step builds the Jacobian's columns, each later one multiplies them,
+            # NW·H² multiply-adds per column; one 16-byte load of W^T feeds (16 / itemsize) rows of its NC columns
+            serial, step, lds, fma_step = C - 1, "mm", itemsize / (LDS_BYTES * nc), nw * H * H * nc
+        elif launch.kernel.startswith("bppsa_factored_"):  # ints: n, B, H, I, C, ...: a block walks C steps
             serial, step = launch.ints[4], "mm" if "_up_" in launch.kernel else "mv"
         elif launch.kernel in ("bppsa_up_sweep", "bppsa_down_sweep", "bppsa_middle_scan"):
             serial, step = 1, "mm" if launch.kernel == "bppsa_up_sweep" else "mv"
         return cls(launch.kernel, 1, launch.grid * launch.block, launch.moved, launch.flop, serial, step,
-                   launch.block)
+                   launch.block, lds, fma_step)
 
 
 def _cell(cell: str, H: int, I: int) -> tuple[int, int]:
@@ -173,8 +188,9 @@ def _gates(T: int, B: int, H: int, I: int) -> Step:
                 2 * rows * 3 * H * (I + H) + rows * 10 * H)
 
 
-def steps(layout: str, cell: str, T: int, B: int, H: int, I: int) -> list[Step]:
-    """What one backward runs on the GPU for ``layout`` ("faithful" or "factored"); see the module docstring."""
+def steps(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int = 4) -> list[Step]:
+    """What one backward runs on the GPU for ``layout`` ("faithful" or "factored"); see the module docstring.  The
+    factored plan's chunk size is :func:`chunk_size`'s, its up kernel the one the plan takes for ``itemsize``."""
     NA, NR = _cell(cell, H, I)
     rows = T * B
     grads_cols = I + 1 + H
@@ -205,7 +221,8 @@ def steps(layout: str, cell: str, T: int, B: int, H: int, I: int) -> list[Step]:
         else:
             out.append(_gates(T, B, H, I))
             out.append(Step("torch.gru_factors", 8, 0, rows * (12 * H + NR + I + H), rows * 12 * H))
-        out += [Step.of(launch) for launch in plan.factored_plan(cell, T, B, H, I)[1]]
+        C = chunk_size(cell, T, B, H, I, itemsize)
+        out += [Step.of(launch, itemsize) for launch in plan.factored_plan(cell, T, B, H, I, C, itemsize=itemsize)[1]]
         return out
     raise ValueError(f"layout must be 'faithful' or 'factored', got {layout!r}")
 
@@ -220,7 +237,7 @@ LAYOUT_OF = {("bppsa-paper", "cupy"): "faithful", ("bppsa-paper", "cupy-factored
 def predict(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int, gpu: Gpu,
             launch_s: float = LAUNCH_S) -> dict:
     """One layout's totals and predicted seconds on ``gpu`` (the keys ``bppsa gpu-model --json`` prints)."""
-    st = steps(layout, cell, T, B, H, I)
+    st = steps(layout, cell, T, B, H, I, itemsize)
     bw, peak = gpu.bandwidth_GBps * 1e9, gpu.peak_flops(itemsize)
     resident = gpu.sms * gpu.threads_per_sm
     seconds = 0.0
@@ -242,29 +259,56 @@ def predict(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: in
 
 
 
-def _device_s(s: Step, H: int, itemsize: int, gpu: Gpu, launch_s: float, lds_per_fma: float) -> float:
-    """One step's device time: the floor's bound, the shared-load ceiling, the latency of its blocks' dependent
-    steps per wave of resident blocks, and the launch overhead per kernel."""
+def _device_s(s: Step, H: int, itemsize: int, gpu: Gpu, launch_s: float, lds_per_fma: float | None = None) -> float:
+    """One step's device time: the floor's bound, the shared-load ceiling (at the step's own loads per FMA, or
+    ``lds_per_fma`` for every kernel), the latency of its blocks' dependent steps, and the launch overhead per
+    kernel."""
     resident = gpu.sms * gpu.threads_per_sm
     fill = 1.0 if s.threads == 0 or resident == 0 else min(1.0, s.threads / resident)
     bound = max(s.moved * itemsize / (gpu.bandwidth_GBps * 1e9), s.flop / gpu.peak_flops(itemsize))
-    if s.serial and gpu.clock_GHz and gpu.sms:
+    lds = s.lds_per_fma if lds_per_fma is None else lds_per_fma
+    if (s.serial or s.fma_per_step) and gpu.clock_GHz and gpu.sms:
         smem_Bps = gpu.sms * SMEM_BYTES_PER_CLK * gpu.clock_GHz * 1e9
-        bound = max(bound, s.flop / 2 * lds_per_fma * itemsize / smem_Bps)
+        bound = max(bound, s.flop / 2 * lds * itemsize / smem_Bps)
     latency = 0.0
-    if s.serial and resident:
+    if s.fma_per_step and gpu.sms and s.block:
+        # a thread of the register kernel does a pair's NC columns: the launch fills the schedulers its warps reach,
+        # not its share of the resident threads
+        blocks = s.threads // s.block
+        warps_per_sm = -(-blocks // gpu.sms) * s.block / 32
+        fill = min(blocks, gpu.sms) * min(SCHEDULERS_PER_SM, warps_per_sm) / (gpu.sms * SCHEDULERS_PER_SM)
+        latency = _issue_latency(s, itemsize, gpu)
+    elif s.serial and resident:
         waves = -(-s.threads // resident)
         latency = waves * s.serial * STEP_S[s.step] * H / 20
     return max(bound / fill, latency) + s.kernels * launch_s
 
 
+def _issue_latency(s: Step, itemsize: int, gpu: Gpu) -> float:
+    """The register up kernel's chain: a warp issues its ``fma_per_step`` multiply-adds per step at
+    ISSUE_PER_FMA instructions each (or at its dtype's pipe rate where that is slower: fp64 on most parts), one
+    instruction a clock per scheduler, and the warps an SM holds share its SCHEDULERS_PER_SM schedulers whether
+    they are resident together or in waves.  Assumed: enough independent multiply-adds in a step (the NC·H
+    accumulators) to issue every clock, and the factor loads' latency hidden (unknown at 10 warps per SM).
+    0 for a GPU of unknown clock."""
+    if not (gpu.clock_GHz and gpu.sms and s.block):
+        return 0.0
+    clock = gpu.clock_GHz * 1e9
+    lanes = gpu.peak_flops(itemsize) / 2 / clock / (gpu.sms * SCHEDULERS_PER_SM)  # FMA lanes per scheduler
+    clocks_per_fma = max(ISSUE_PER_FMA, 32 / lanes)
+    blocks_per_sm = -(-(s.threads // s.block) // gpu.sms)
+    share = max(1.0, blocks_per_sm * s.block / 32 / SCHEDULERS_PER_SM)
+    return s.serial * s.fma_per_step * clocks_per_fma * share / clock
+
+
 def expected(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int, gpu: Gpu,
-             launch_s: float = LAUNCH_S, lds_per_fma: float = LDS_PER_FMA, host: bool = True) -> dict:
+             launch_s: float = LAUNCH_S, lds_per_fma: float | None = None, host: bool = True) -> dict:
     """The expected time of one backward (module docstring): ``host_s`` (the host's time to issue it),
     ``device_s`` (the sum of the steps' device times) and ``expected_s``, the device's finish when each step
     starts once the host has issued it and the previous step is done.  ``host=False``: no host time per launch
-    (a backward replayed as one CUDA graph)."""
-    st = steps(layout, cell, T, B, H, I)
+    (a backward replayed as one CUDA graph).  ``lds_per_fma``: one figure for every kernel instead of each
+    kernel's own."""
+    st = steps(layout, cell, T, B, H, I, itemsize)
     t_host = (HOST_FIXED_S + GLUE_TORCH_OPS[(layout, cell)] * HOST_TORCH_S) if host else 0.0
     t_dev = 0.0
     device = 0.0
@@ -275,3 +319,31 @@ def expected(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: i
         device += d
         t_dev = max(t_dev, t_host) + d
     return {"host_s": t_host, "device_s": device, "expected_s": max(t_dev, t_host)}
+
+
+# -- the chunk size: the model that predicts also chooses ----------------------------------------------------------
+CHUNK_GPU = "h100"  # the machine chunk_size plans for where none is named
+
+
+def chunk_cost(kind: str, n: int, B: int, H: int, I: int, C: int, itemsize: int = 4, gpu: Gpu | None = None) -> float:
+    """Expected device seconds of the factored kernels with chunks of ``C`` steps (:func:`_device_s` of each launch of
+    :func:`.plan.factored_plan`, as a replayed graph runs them: no host time; torch's factor passes, which C does
+    not change, left out).  Large C lengthens the up and down chains, small C the middle scan."""
+    gpu = GPUS[CHUNK_GPU] if gpu is None else gpu
+    launches = plan.factored_plan(kind, n, B, H, I, C, itemsize=itemsize)[1]
+    return sum(_device_s(Step.of(x, itemsize), H, itemsize, gpu, LAUNCH_S) for x in launches)
+
+
+@functools.lru_cache(maxsize=1024)
+def chunk_size(kind: str, n: int, B: int, H: int, I: int = 1, itemsize: int = 4, gpu: Gpu | None = None) -> int:
+    """The factored plan's default chunk: among :func:`.plan.chunk_candidates` (powers of two leaving at least 8
+    chunks), the one of least :func:`chunk_cost` (the larger on a tie)."""
+    return min(plan.chunk_candidates(n), key=lambda C: (chunk_cost(kind, n, B, H, I, C, itemsize, gpu), -C))
+
+
+def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int | None = None, *, gpu: Gpu | None = None,
+                  **kw) -> tuple[int, tuple[plan.Launch, ...]]:
+    """:func:`.plan.factored_plan` with C = :func:`chunk_size`'s where ``C`` is None (what the backend runs)."""
+    if C is None:
+        C = chunk_size(kind, n, B, H, I, kw.get("itemsize", 4), gpu)
+    return plan.factored_plan(kind, n, B, H, I, C, **kw)
