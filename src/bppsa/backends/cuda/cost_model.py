@@ -239,10 +239,9 @@ def predict(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: in
     """One layout's totals and predicted seconds on ``gpu`` (the keys ``bppsa gpu-model --json`` prints)."""
     st = steps(layout, cell, T, B, H, I, itemsize)
     bw, peak = gpu.bandwidth_GBps * 1e9, gpu.peak_flops(itemsize)
-    resident = gpu.sms * gpu.threads_per_sm
     seconds = 0.0
     for s in st:
-        fill = 1.0 if s.threads == 0 or resident == 0 else min(1.0, s.threads / resident)
+        fill = _fill(s, gpu)
         seconds += max(s.moved * itemsize / bw, s.flop / peak) / fill + s.kernels * launch_s
     kernel_steps = [s for s in st if s.threads]
     return {
@@ -255,7 +254,37 @@ def predict(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: in
         "min_threads_per_launch": min((s.threads for s in kernel_steps), default=0),
         "predicted_s": seconds,
         **expected(layout, cell, T, B, H, I, itemsize, gpu, launch_s),
+        **graphed(layout, cell, T, B, H, I, itemsize, gpu, launch_s),
     }
+
+
+def phase(step: str) -> str:
+    """The phase of the backward a step belongs to: ``torch`` (torch's passes: the factors, the GRU's gates, the
+    faithful path's GEMMs, the sum over the blocks), ``jacobians`` (the faithful fill), ``up`` (the factored up
+    kernel), ``scan`` (the Blelloch kernels: the middle scan of the factored path), ``down`` (the factored down)."""
+    if step.startswith("torch."):
+        return "torch"
+    if step.startswith("bppsa_rnn_jacobians"):
+        return "jacobians"
+    if step.startswith("bppsa_factored_up"):
+        return "up"
+    if step.startswith("bppsa_factored_down"):
+        return "down"
+    return "scan"
+
+
+PHASES = ("torch", "jacobians", "up", "scan", "down")
+
+
+def graphed(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int, gpu: Gpu,
+            launch_s: float = LAUNCH_S) -> dict:
+    """The backward replayed as one CUDA graph (no host time per launch): ``graph_s``, each phase's device seconds
+    (``<phase>_s``, :func:`phase`) and the ``dominant`` phase."""
+    per = dict.fromkeys(PHASES, 0.0)
+    for s in steps(layout, cell, T, B, H, I, itemsize):
+        per[phase(s.name)] += _device_s(s, H, itemsize, gpu, launch_s)
+    return {"graph_s": sum(per.values()), **{f"{k}_s": v for k, v in per.items()},
+            "dominant": max(per, key=per.get)}
 
 
 
@@ -264,24 +293,31 @@ def _device_s(s: Step, H: int, itemsize: int, gpu: Gpu, launch_s: float, lds_per
     ``lds_per_fma`` for every kernel), the latency of its blocks' dependent steps, and the launch overhead per
     kernel."""
     resident = gpu.sms * gpu.threads_per_sm
-    fill = 1.0 if s.threads == 0 or resident == 0 else min(1.0, s.threads / resident)
+    fill = _fill(s, gpu)
     bound = max(s.moved * itemsize / (gpu.bandwidth_GBps * 1e9), s.flop / gpu.peak_flops(itemsize))
     lds = s.lds_per_fma if lds_per_fma is None else lds_per_fma
     if (s.serial or s.fma_per_step) and gpu.clock_GHz and gpu.sms:
         smem_Bps = gpu.sms * SMEM_BYTES_PER_CLK * gpu.clock_GHz * 1e9
         bound = max(bound, s.flop / 2 * lds * itemsize / smem_Bps)
     latency = 0.0
-    if s.fma_per_step and gpu.sms and s.block:
-        # a thread of the register kernel does a pair's NC columns: the launch fills the schedulers its warps reach,
-        # not its share of the resident threads
-        blocks = s.threads // s.block
-        warps_per_sm = -(-blocks // gpu.sms) * s.block / 32
-        fill = min(blocks, gpu.sms) * min(SCHEDULERS_PER_SM, warps_per_sm) / (gpu.sms * SCHEDULERS_PER_SM)
+    if s.fma_per_step:
         latency = _issue_latency(s, itemsize, gpu)
     elif s.serial and resident:
         waves = -(-s.threads // resident)
         latency = waves * s.serial * STEP_S[s.step] * H / 20
     return max(bound / fill, latency) + s.kernels * launch_s
+
+
+def _fill(s: Step, gpu: Gpu) -> float:
+    """The fraction of the GPU a launch occupies: its threads over the resident threads, or for the register up kernel
+    (a thread does a pair's NC columns, ILP instead of threads) the warp schedulers its warps reach."""
+    if s.threads == 0 or gpu.sms == 0:
+        return 1.0
+    if s.fma_per_step and s.block:
+        blocks = s.threads // s.block
+        warps_per_sm = -(-blocks // gpu.sms) * s.block / 32
+        return min(blocks, gpu.sms) * min(SCHEDULERS_PER_SM, warps_per_sm) / (gpu.sms * SCHEDULERS_PER_SM)
+    return min(1.0, s.threads / (gpu.sms * gpu.threads_per_sm))
 
 
 def _issue_latency(s: Step, itemsize: int, gpu: Gpu) -> float:
