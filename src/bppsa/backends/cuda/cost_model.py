@@ -26,22 +26,28 @@ against predicted.
 The expected time (``expected_s``, :func:`expected`) adds what the floor leaves out and what the first GPU run
 (H200, 2026-11-26) showed to dominate today's kernels:
 
-* **a shared-load ceiling**: a kernel that reads its operands from shared memory issues ``LDS_PER_FMA`` loads per
-  multiply-add (2 in every kernel today: both operands of each FMA come from shared memory), and an SM serves
-  ``SMEM_BYTES_PER_CLK`` bytes of shared loads a clock, so FLOP/s <= 2 x that rate / (loads per FMA x itemsize);
+* **a shared-load ceiling**: a kernel issues ``Step.lds_per_fma`` shared loads per multiply-add (``LDS_PER_FMA`` = 2
+  in the kernels that read both operands from shared memory; itemsize / (16 NC) in the register up kernel, whose
+  16-byte loads of W^T feed NC columns, :meth:`Step.of`), and an SM serves ``SMEM_BYTES_PER_CLK`` bytes of shared
+  loads a clock, so FLOP/s <= 2 x that rate / (loads per FMA x itemsize);
 * **per-step latency**: a block that walks ``serial`` dependent steps (the factored kernels' C steps of a chunk;
   one product per block in the Blelloch kernels) takes at least ``serial`` x the step's latency per wave of
   blocks (:data:`STEP_S`: a global load of the step's factors, the barriers, the H-long chain of dependent
-  multiply-adds);
+  multiply-adds).  The register up kernel's step is its issue chain instead (:func:`_issue_latency`: NW H² NC
+  multiply-adds at ``ISSUE_PER_FMA`` instructions, one a clock per scheduler, ``SCHEDULERS_PER_SM`` shared by the
+  SM's warps) -- assumptions, since no GPU has run it;
 * **per-launch host latency**: each CuPy launch (:data:`HOST_LAUNCH_S`: packing pointers and np.int64 arguments)
   and each torch kernel (:data:`HOST_TORCH_S`) costs the host time, and the backward's Python glue
   (:data:`HOST_FIXED_S`, :data:`GLUE_TORCH_OPS`) comes first; the device runs a step once the host has issued it
   and the previous step is done, so at small shapes the host's time is the backward's time.
 
 Those constants are fit to the H200 run (``results/reference/nvidia-h200/``): ``tests/test_gpu_model.py`` holds
-the expected times of today's kernels to those measurements within 1.5x.  They describe today's kernels and
-host code; a kernel that issues fewer shared loads per FMA, or a backward captured in a CUDA graph (no host work
-per launch), is expected with its own numbers (``lds_per_fma``, ``host=False``).
+the expected times of the kernels it ran to those measurements within 1.5x (planning as that run did: the
+shared-memory up kernel, its chunk rule).  A backward captured in a CUDA graph (no host work per launch) is
+``host=False`` (:func:`graphed`: ``graph_s``, each phase's time, the dominant phase).
+
+The same model chooses the factored plan's chunk size (:func:`chunk_size`: the least expected device time of the
+plan's kernels, :func:`chunk_cost`), so what it predicts is what the backend runs.
 """
 from __future__ import annotations
 
