@@ -191,7 +191,7 @@ class CupyFactoredBackend(CupyBackend):
 
 def _model_gpu(dev: torch.device):
     """The cost model's entry for this GPU (the chunk size is planned for it); None (an H100) where it has none."""
-    if dev.type != "cuda":
+    if dev.type != "cuda" or not torch.cuda.is_available():  # (a stand-in device in the tests without a GPU)
         return None
     key = cost_model.key_for_device_name(torch.cuda.get_device_name(dev))
     return cost_model.GPUS[key] if key else None
