@@ -105,6 +105,12 @@ def test_one_model_predicts_and_chooses():
         assert r["graph_s"] == pytest.approx(sum(phases.values()))
         assert r["dominant"] == max(phases, key=phases.get)
         assert r["predicted_s"] <= r["graph_s"] <= r["expected_s"] + 1e-12  # the floor stays below
+    # each GPU of the table is predicted with the chunk size the backend plans for it; any other as an H100
+    h200, custom = cost_model.GPUS["h200"], cost_model.parse_gpu("4800:67:34:132")
+    assert cost_model.steps("factored", "rnn", 1000, 16, 20, 1, 4, h200)[1].serial == cost_model.chunk_size(
+        "rnn", 1000, 16, 20, 1, 4, h200) - 1
+    assert cost_model.steps("factored", "rnn", 30000, 16, 20, 1, 4, custom) == cost_model.steps(
+        "factored", "rnn", 30000, 16, 20, 1, 4)
 
 
 def test_the_readmes_predictions_are_the_models():

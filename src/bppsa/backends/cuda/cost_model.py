@@ -194,9 +194,11 @@ def _gates(T: int, B: int, H: int, I: int) -> Step:
                 2 * rows * 3 * H * (I + H) + rows * 10 * H)
 
 
-def steps(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int = 4) -> list[Step]:
+def steps(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int = 4, gpu: Gpu | None = None
+          ) -> list[Step]:
     """What one backward runs on the GPU for ``layout`` ("faithful" or "factored"); see the module docstring.  The
-    factored plan's chunk size is :func:`chunk_size`'s, its up kernel the one the plan takes for ``itemsize``."""
+    factored plan's chunk size is :func:`chunk_size`'s for ``gpu`` as the backend plans it (a GPU of :data:`GPUS`;
+    any other as an H100), its up kernel the one the plan takes for ``itemsize``."""
     NA, NR = _cell(cell, H, I)
     rows = T * B
     grads_cols = I + 1 + H
@@ -227,7 +229,7 @@ def steps(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int 
         else:
             out.append(_gates(T, B, H, I))
             out.append(Step("torch.gru_factors", 8, 0, rows * (12 * H + NR + I + H), rows * 12 * H))
-        C = chunk_size(cell, T, B, H, I, itemsize)
+        C = chunk_size(cell, T, B, H, I, itemsize, gpu if gpu in GPUS.values() else None)
         out += [Step.of(launch, itemsize) for launch in plan.factored_plan(cell, T, B, H, I, C, itemsize=itemsize)[1]]
         return out
     raise ValueError(f"layout must be 'faithful' or 'factored', got {layout!r}")
@@ -243,7 +245,7 @@ LAYOUT_OF = {("bppsa-paper", "cupy"): "faithful", ("bppsa-paper", "cupy-factored
 def predict(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int, gpu: Gpu,
             launch_s: float = LAUNCH_S) -> dict:
     """One layout's totals and predicted seconds on ``gpu`` (the keys ``bppsa gpu-model --json`` prints)."""
-    st = steps(layout, cell, T, B, H, I, itemsize)
+    st = steps(layout, cell, T, B, H, I, itemsize, gpu)
     bw, peak = gpu.bandwidth_GBps * 1e9, gpu.peak_flops(itemsize)
     seconds = 0.0
     for s in st:
@@ -287,7 +289,7 @@ def graphed(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: in
     """The backward replayed as one CUDA graph (no host time per launch): ``graph_s``, each phase's device seconds
     (``<phase>_s``, :func:`phase`) and the ``dominant`` phase."""
     per = dict.fromkeys(PHASES, 0.0)
-    for s in steps(layout, cell, T, B, H, I, itemsize):
+    for s in steps(layout, cell, T, B, H, I, itemsize, gpu):
         per[phase(s.name)] += _device_s(s, H, itemsize, gpu, launch_s)
     return {"graph_s": sum(per.values()), **{f"{k}_s": v for k, v in per.items()},
             "dominant": max(per, key=per.get)}
@@ -350,7 +352,7 @@ def expected(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: i
     starts once the host has issued it and the previous step is done.  ``host=False``: no host time per launch
     (a backward replayed as one CUDA graph).  ``lds_per_fma``: one figure for every kernel instead of each
     kernel's own."""
-    st = steps(layout, cell, T, B, H, I, itemsize)
+    st = steps(layout, cell, T, B, H, I, itemsize, gpu)
     t_host = (HOST_FIXED_S + GLUE_TORCH_OPS[(layout, cell)] * HOST_TORCH_S) if host else 0.0
     t_dev = 0.0
     device = 0.0
