@@ -27,6 +27,8 @@ tolerance against the torch scan).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...jacobians.recurrent import num_jacobians
@@ -189,6 +191,7 @@ class CupyFactoredBackend(CupyBackend):
         return out if mode else P
 
 
+@functools.lru_cache(maxsize=16)  # once per device: a backward's host time is what the GPU runs wait on
 def _model_gpu(dev: torch.device):
     """The cost model's entry for this GPU (the chunk size is planned for it); None (an H100) where it has none."""
     if dev.type != "cuda" or not torch.cuda.is_available():  # (a stand-in device in the tests without a GPU)

@@ -295,7 +295,6 @@ def graphed(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: in
             "dominant": max(per, key=per.get)}
 
 
-
 def _device_s(s: Step, H: int, itemsize: int, gpu: Gpu, launch_s: float, lds_per_fma: float | None = None) -> float:
     """One step's device time: the floor's bound, the shared-load ceiling (at the step's own loads per FMA, or
     ``lds_per_fma`` for every kernel), the latency of its blocks' dependent steps, and the launch overhead per
