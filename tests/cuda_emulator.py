@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bppsa.backends.cuda import plan, runtime
+from bppsa.backends.cuda import cost_model, plan, runtime
 from bppsa.scan import tree_levels
 
 KERNEL_NAMES = {
@@ -388,7 +388,8 @@ def emulated_factored(lib, chain, g: np.ndarray, C: int | None = None, grads: bo
     n, B, H, _ = chain.shape
     dt = g.dtype
     Wt, f = chain.Wt.numpy().astype(dt), chain.f.numpy().astype(dt)
-    C, launches = plan.factored_plan(chain.kind, n, B, H, chain.I, C, grads=grads, L_m=L_m, itemsize=dt.itemsize)
+    C, launches = cost_model.factored_plan(chain.kind, n, B, H, chain.I, C, grads=grads, L_m=L_m,
+                                           itemsize=dt.itemsize)
     K = -(-n // C)
     mode = launches[-1].kernel == "torch.sum"
     NA, NBV = (H if chain.kind == "rnn" else 4 * H), chain.I + 1 + H

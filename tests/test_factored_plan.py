@@ -4,39 +4,46 @@ from __future__ import annotations
 
 import pytest
 
-from bppsa.backends.cuda import plan
+from bppsa.backends.cuda import cost_model, plan
 
 
 @pytest.mark.parametrize("B", [1, 3, 16, 256])
 @pytest.mark.parametrize("H", [7, 20])
 def test_chunk_size_leaves_at_least_eight_chunks(H, B):
-    """C is the power of two that minimises the estimate among those leaving >= 8 chunks; below 8 steps, C = 1."""
+    """C is the power of two that minimises the cost model's estimate among those leaving >= 8 chunks; below 8 steps,
+    C = 1."""
     for n in (1, 2, 5, 7, 8, 9, 15, 16, 37, 100, 1000, 1034, 30000, 10**6):
         for kind in ("rnn", "gru"):
-            C = plan.chunk_size(n, B, H, kind)
+            C = cost_model.chunk_size(kind, n, B, H)
             assert C >= 1 and C & (C - 1) == 0, (n, B, C)
             if n < plan.MIN_CHUNKS:
                 assert C == 1, (n, C)
                 continue
             assert -(-n // C) >= plan.MIN_CHUNKS and C <= n // plan.MIN_CHUNKS, (n, B, C)
             cands = [1 << e for e in range(20) if 1 << e <= min(plan.CHUNK_MAX, n // plan.MIN_CHUNKS)]
-            best = min(plan.chunk_cost(kind, n, B, H, c) for c in cands)
-            assert plan.chunk_cost(kind, n, B, H, C) == best, (n, B, C)
-    assert plan.chunk_size(37, B, H) == 4 and plan.chunk_size(7, B, H) == 1  # 9 chunks (the last one short); 7 of 1
+            assert plan.chunk_candidates(n) == cands
+            best = min(cost_model.chunk_cost(kind, n, B, H, 1, c) for c in cands)
+            assert cost_model.chunk_cost(kind, n, B, H, 1, C) == best, (n, B, C)
+    assert cost_model.chunk_size("rnn", 7, B, H) == 1  # 7 chunks of 1
 
 
 def test_chunk_cost_balances_the_phases():
     """At the paper's T = 30000, B = 16, H = 20 neither end is best: C = 1 makes the middle scan as long as a full
     Blelloch scan, C = n / 8 makes a chunk's chain the sequential limit."""
     n, B, H = 30000, 16, 20
-    C = plan.chunk_size(n, B, H)
+    C = cost_model.chunk_size("rnn", n, B, H)
     assert 1 < C < n // 8
-    cost = lambda c: plan.chunk_cost("rnn", n, B, H, c)  # noqa: E731
+    cost = lambda c: cost_model.chunk_cost("rnn", n, B, H, 1, c)  # noqa: E731
     assert cost(C) < cost(1) and cost(C) < cost(2048)
     # more sequences spread the same work over more pairs: the chunks may grow
-    assert plan.chunk_size(1000, 256, H) >= plan.chunk_size(1000, 16, H) >= plan.chunk_size(1000, 1, H)
-    # the default plan uses it
-    assert plan.factored_plan("rnn", n, B, H, 1)[0] == C
+    assert (cost_model.chunk_size("rnn", 1000, 256, H) >= cost_model.chunk_size("rnn", 1000, 16, H)
+            >= cost_model.chunk_size("rnn", 1000, 1, H))
+    # the backend's plan uses it, for the GPU it runs on
+    assert cost_model.factored_plan("rnn", n, B, H, 1)[0] == C
+    h200 = cost_model.GPUS["h200"]
+    assert cost_model.factored_plan("rnn", n, B, H, 1, gpu=h200)[0] == cost_model.chunk_size("rnn", n, B, H, 1, 4, h200)
+    with pytest.raises(ValueError, match="chunk size"):
+        plan.factored_plan("rnn", n, B, H, 1, None)
 
 
 def test_up_columns_and_geometry():
@@ -114,13 +121,13 @@ def test_scan_only_plan_and_one_chunk():
     _, launches = plan.factored_plan("rnn", 16, 2, 3, 0, 16)  # n == C, no x: down alone, writing P
     assert [x.kernel for x in launches] == ["bppsa_factored_down_rnn"]
     with pytest.raises(ValueError, match="unknown chain kind"):
-        plan.factored_plan("lstm", 5, 1, 2, 1)
+        plan.factored_plan("lstm", 5, 1, 2, 1, 2)
 
 
 def test_shared_memory_fits_without_opt_in_at_the_papers_sizes():
     for kind, I in (("rnn", 1), ("gru", 12)):
         for itemsize in (4, 8):
-            _, launches = plan.factored_plan(kind, 30000, 16, 20, I)
+            _, launches = cost_model.factored_plan(kind, 30000, 16, 20, I, itemsize=itemsize)
             assert max(x.smem_elems for x in launches) * itemsize <= 48 * 1024, (kind, itemsize)
     up, down = plan.factored_smem("rnn", 20, 1, True)
     P = plan.smem_pitch(20)

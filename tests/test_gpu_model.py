@@ -24,10 +24,11 @@ def h200_plan(monkeypatch):
     rule), so its tests plan as that run did; the register up kernel and today's chunk rule (issue 32) await a GPU."""
     real = plan.factored_plan
 
-    def measured(kind, n, B, H, I, C=None, **kw):
-        return real(kind, n, B, H, I, _h200_chunk_size(n, B) if C is None else C, register_up=False, **kw)
+    def measured(kind, n, B, H, I, C, **kw):
+        return real(kind, n, B, H, I, C, **{**kw, "register_up": False})
 
     monkeypatch.setattr(cost_model.plan, "factored_plan", measured)
+    monkeypatch.setattr(cost_model, "chunk_size", lambda kind, n, B, *a, **kw: _h200_chunk_size(n, B))
 
 
 def test_fill_launch_counts_by_hand():

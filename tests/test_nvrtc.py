@@ -243,14 +243,14 @@ def _factored_launches() -> dict[str, tuple[int, int]]:
     paper's sizes: T = 30000, B = 16, H = 20, the RNN with I = 1 and the GRU with the IRMAS MFCCs' I = 12, training
     step; the shared-memory up kernels (which the plan takes only above H = 40 in fp32, 20 in fp64) as they would
     launch at H = 20."""
-    from bppsa.backends.cuda import plan
+    from bppsa.backends.cuda import cost_model, plan
     from bppsa.models import SPECS
 
     out = {}
     for kind in ("rnn", "gru"):
         H, I = SPECS[kind].hidden, SPECS[kind].input_size
         for itemsize, suffix in ((4, "f32"), (8, "f64")):
-            _, launches = plan.factored_plan(kind, 30000, 16, H, I, itemsize=itemsize)
+            _, launches = cost_model.factored_plan(kind, 30000, 16, H, I, itemsize=itemsize)
             out.update({f"{x.kernel}_{suffix}": (x.block, x.smem_elems) for x in launches
                         if x.kernel.startswith("bppsa_factored_")})
             smem_up = plan.factored_smem(kind, H, I, True)[0]

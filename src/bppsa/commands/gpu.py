@@ -95,7 +95,8 @@ def gpu_model(args) -> int:
         print(f"{r['gpu']:>16} {r['cell']} T={r['seq_len']:<6} B={r['batch']:<4} {r['layout']:>9}: "
               f"{r['bytes'] / 1e6:10.1f} MB {r['flop'] / 1e9:8.2f} GFLOP {r['launches']:4d} launches "
               f"({r['min_threads_per_launch']}-{r['max_threads_per_launch']} threads) -> "
-              f"{r['predicted_s'] * 1e3:8.3f} ms")
+              f"{r['predicted_s'] * 1e3:8.3f} ms floor, expected {r['expected_s'] * 1e3:.3f} ms "
+              f"(graphed {r['graph_s'] * 1e3:.3f} ms, most in {r['dominant']})")
     return 0
 
 

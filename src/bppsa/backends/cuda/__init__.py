@@ -27,6 +27,8 @@ tolerance against the torch scan).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...jacobians.recurrent import num_jacobians
@@ -34,7 +36,7 @@ from ...scan import tree_levels
 from ..base import check_operands, grad_of
 from ..chain import FactoredChain, GruChain, RnnChain
 from ..twin import TorchBackend
-from . import plan, runtime
+from . import cost_model, plan, runtime
 
 __all__ = ["CupyBackend", "CupyFactoredBackend"]
 
@@ -148,8 +150,8 @@ class CupyFactoredBackend(CupyBackend):
         if n == 0:
             return g.new_empty((0, B, H))
         dev = runtime.check_cuda(g.dtype, g, chain.f, chain.Wt)
-        C, launches = plan.factored_plan(chain.kind, n, B, H, chain.I, C, grads=grads, L_m=L_m,
-                                          itemsize=g.dtype.itemsize)
+        C, launches = cost_model.factored_plan(chain.kind, n, B, H, chain.I, C, gpu=_model_gpu(dev), grads=grads,
+                                               L_m=L_m, itemsize=g.dtype.itemsize)
         optin = runtime.smem_optin(dev)
         need = max(x.smem_elems for x in launches) * g.dtype.itemsize
         if need > optin:
@@ -187,6 +189,15 @@ class CupyFactoredBackend(CupyBackend):
                 runtime.launch(src, step, g.dtype, dev, (wt_p, f_p, carries_p, runtime.pointer(P),
                                                          runtime.pointer(accs)), s)
         return out if mode else P
+
+
+@functools.lru_cache(maxsize=16)  # once per device: a backward's host time is what the GPU runs wait on
+def _model_gpu(dev: torch.device):
+    """The cost model's entry for this GPU (the chunk size is planned for it); None (an H100) where it has none."""
+    if dev.type != "cuda" or not torch.cuda.is_available():  # (a stand-in device in the tests without a GPU)
+        return None
+    key = cost_model.key_for_device_name(torch.cuda.get_device_name(dev))
+    return cost_model.GPUS[key] if key else None
 
 
 def _factored(J) -> bool:

@@ -26,25 +26,32 @@ against predicted.
 The expected time (``expected_s``, :func:`expected`) adds what the floor leaves out and what the first GPU run
 (H200, 2026-11-26) showed to dominate today's kernels:
 
-* **a shared-load ceiling**: a kernel that reads its operands from shared memory issues ``LDS_PER_FMA`` loads per
-  multiply-add (2 in every kernel today: both operands of each FMA come from shared memory), and an SM serves
-  ``SMEM_BYTES_PER_CLK`` bytes of shared loads a clock, so FLOP/s <= 2 x that rate / (loads per FMA x itemsize);
+* **a shared-load ceiling**: a kernel issues ``Step.lds_per_fma`` shared loads per multiply-add (``LDS_PER_FMA`` = 2
+  in the kernels that read both operands from shared memory; itemsize / (16 NC) in the register up kernel, whose
+  16-byte loads of W^T feed NC columns, :meth:`Step.of`), and an SM serves ``SMEM_BYTES_PER_CLK`` bytes of shared
+  loads a clock, so FLOP/s <= 2 x that rate / (loads per FMA x itemsize);
 * **per-step latency**: a block that walks ``serial`` dependent steps (the factored kernels' C steps of a chunk;
   one product per block in the Blelloch kernels) takes at least ``serial`` x the step's latency per wave of
   blocks (:data:`STEP_S`: a global load of the step's factors, the barriers, the H-long chain of dependent
-  multiply-adds);
+  multiply-adds).  The register up kernel's step is its issue chain instead (:func:`_issue_latency`: NW H² NC
+  multiply-adds at ``ISSUE_PER_FMA`` instructions, one a clock per scheduler, ``SCHEDULERS_PER_SM`` shared by the
+  SM's warps) -- assumptions, since no GPU has run it;
 * **per-launch host latency**: each CuPy launch (:data:`HOST_LAUNCH_S`: packing pointers and np.int64 arguments)
   and each torch kernel (:data:`HOST_TORCH_S`) costs the host time, and the backward's Python glue
   (:data:`HOST_FIXED_S`, :data:`GLUE_TORCH_OPS`) comes first; the device runs a step once the host has issued it
   and the previous step is done, so at small shapes the host's time is the backward's time.
 
 Those constants are fit to the H200 run (``results/reference/nvidia-h200/``): ``tests/test_gpu_model.py`` holds
-the expected times of today's kernels to those measurements within 1.5x.  They describe today's kernels and
-host code; a kernel that issues fewer shared loads per FMA, or a backward captured in a CUDA graph (no host work
-per launch), is expected with its own numbers (``lds_per_fma``, ``host=False``).
+the expected times of the kernels it ran to those measurements within 1.5x (planning as that run did: the
+shared-memory up kernel, its chunk rule).  A backward captured in a CUDA graph (no host work per launch) is
+``host=False`` (:func:`graphed`: ``graph_s``, each phase's time, the dominant phase).
+
+The same model chooses the factored plan's chunk size (:func:`chunk_size`: the least expected device time of the
+plan's kernels, :func:`chunk_cost`), so what it predicts is what the backend runs.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -56,7 +63,12 @@ LAUNCH_S = 3e-6  # assumed per-kernel launch overhead on a busy stream (not a pu
 # The expected time's terms (see the module docstring).  SMEM_BYTES_PER_CLK is the hardware's (32 banks of 4 bytes
 # a clock per SM, Volta to Hopper); the rest are fit to the H200 run of 2026-11-26 (tests/test_gpu_model.py).
 SMEM_BYTES_PER_CLK = 128
-LDS_PER_FMA = 2.0  # today's kernels: both operands of every multiply-add loaded from shared memory
+LDS_PER_FMA = 2.0  # the shared-memory kernels: both operands of every multiply-add loaded from shared memory
+# The register up kernel (factored_up.cu), not yet run on a GPU: assumptions, not fits.
+LDS_BYTES = 16  # its shared loads are 16-byte vectors of W^T, each feeding 16 / itemsize rows of its NC columns
+SCHEDULERS_PER_SM = 4  # warp schedulers per SM, each issuing one warp instruction a clock (Volta to Hopper)
+ISSUE_PER_FMA = 1.35  # instructions a warp issues per multiply-add of its step loop (the FMAs, the LDS.128 of
+#                       W^T, the streamed factor loads and their addresses), read from its SASS, not timed
 STEP_S = {"mm": 4.0e-6, "mv": 2.0e-6}  # latency of one dependent step of a block at H = 20 (scales with H / 20)
 HOST_LAUNCH_S = 25e-6  # host time of one CuPy RawKernel launch from Python
 HOST_TORCH_S = 25e-6  # host time of one eager torch op (Python, dispatch, launch)
@@ -142,18 +154,27 @@ class Step:
     serial: int = 0  # dependent steps each block walks one after the other (0: none, element-wise)
     step: str = ""  # their kind: "mm" (an H x H product a step) or "mv" (a mat-vec a step)
     block: int = 0  # threads per block
+    lds_per_fma: float = LDS_PER_FMA  # shared loads per multiply-add of its inner loop
+    fma_per_step: int = 0  # multiply-adds one thread issues per dependent step (0: the step takes STEP_S[step])
 
     @classmethod
-    def of(cls, launch: plan.Launch) -> Step:
+    def of(cls, launch: plan.Launch, itemsize: int = 4) -> Step:
         if launch.kernel.startswith("torch."):
             return cls(launch.kernel, 1, 0, launch.moved, launch.flop)
-        serial, step = 0, ""
-        if launch.kernel.startswith("bppsa_factored_"):  # ints: n, B, H, I, C, ...: a block walks C steps
+        serial, step, lds, fma_step = 0, "", LDS_PER_FMA, 0
+        if launch.consts:  # the register up kernel (factored_up.cu): ints n, B, H, I, C, ...
+            H, C = launch.ints[2], launch.ints[4]
+            nc = dict(launch.consts)["BPPSA_NC64" if itemsize == 8 else "BPPSA_NC32"]
+            nw = plan.FACTORED_KINDS[launch.kernel.rsplit("_", 1)[1]][0]
+            # a thread's chunk: its first step builds the Jacobian's columns, each later one multiplies them,
+            # NW·H² multiply-adds per column; one 16-byte load of W^T feeds (16 / itemsize) rows of its NC columns
+            serial, step, lds, fma_step = C - 1, "mm", itemsize / (LDS_BYTES * nc), nw * H * H * nc
+        elif launch.kernel.startswith("bppsa_factored_"):  # ints: n, B, H, I, C, ...: a block walks C steps
             serial, step = launch.ints[4], "mm" if "_up_" in launch.kernel else "mv"
         elif launch.kernel in ("bppsa_up_sweep", "bppsa_down_sweep", "bppsa_middle_scan"):
             serial, step = 1, "mm" if launch.kernel == "bppsa_up_sweep" else "mv"
         return cls(launch.kernel, 1, launch.grid * launch.block, launch.moved, launch.flop, serial, step,
-                   launch.block)
+                   launch.block, lds, fma_step)
 
 
 def _cell(cell: str, H: int, I: int) -> tuple[int, int]:
@@ -173,8 +194,11 @@ def _gates(T: int, B: int, H: int, I: int) -> Step:
                 2 * rows * 3 * H * (I + H) + rows * 10 * H)
 
 
-def steps(layout: str, cell: str, T: int, B: int, H: int, I: int) -> list[Step]:
-    """What one backward runs on the GPU for ``layout`` ("faithful" or "factored"); see the module docstring."""
+def steps(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int = 4, gpu: Gpu | None = None
+          ) -> list[Step]:
+    """What one backward runs on the GPU for ``layout`` ("faithful" or "factored"); see the module docstring.  The
+    factored plan's chunk size is :func:`chunk_size`'s for ``gpu`` as the backend plans it (a GPU of :data:`GPUS`;
+    any other as an H100), its up kernel the one the plan takes for ``itemsize``."""
     NA, NR = _cell(cell, H, I)
     rows = T * B
     grads_cols = I + 1 + H
@@ -205,7 +229,8 @@ def steps(layout: str, cell: str, T: int, B: int, H: int, I: int) -> list[Step]:
         else:
             out.append(_gates(T, B, H, I))
             out.append(Step("torch.gru_factors", 8, 0, rows * (12 * H + NR + I + H), rows * 12 * H))
-        out += [Step.of(launch) for launch in plan.factored_plan(cell, T, B, H, I)[1]]
+        C = chunk_size(cell, T, B, H, I, itemsize, gpu if gpu in GPUS.values() else None)
+        out += [Step.of(launch, itemsize) for launch in plan.factored_plan(cell, T, B, H, I, C, itemsize=itemsize)[1]]
         return out
     raise ValueError(f"layout must be 'faithful' or 'factored', got {layout!r}")
 
@@ -220,12 +245,11 @@ LAYOUT_OF = {("bppsa-paper", "cupy"): "faithful", ("bppsa-paper", "cupy-factored
 def predict(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int, gpu: Gpu,
             launch_s: float = LAUNCH_S) -> dict:
     """One layout's totals and predicted seconds on ``gpu`` (the keys ``bppsa gpu-model --json`` prints)."""
-    st = steps(layout, cell, T, B, H, I)
+    st = steps(layout, cell, T, B, H, I, itemsize, gpu)
     bw, peak = gpu.bandwidth_GBps * 1e9, gpu.peak_flops(itemsize)
-    resident = gpu.sms * gpu.threads_per_sm
     seconds = 0.0
     for s in st:
-        fill = 1.0 if s.threads == 0 or resident == 0 else min(1.0, s.threads / resident)
+        fill = _fill(s, gpu)
         seconds += max(s.moved * itemsize / bw, s.flop / peak) / fill + s.kernels * launch_s
     kernel_steps = [s for s in st if s.threads]
     return {
@@ -238,33 +262,96 @@ def predict(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: in
         "min_threads_per_launch": min((s.threads for s in kernel_steps), default=0),
         "predicted_s": seconds,
         **expected(layout, cell, T, B, H, I, itemsize, gpu, launch_s),
+        **graphed(layout, cell, T, B, H, I, itemsize, gpu, launch_s),
     }
 
 
+def phase(step: str) -> str:
+    """The phase of the backward a step belongs to: ``torch`` (torch's passes: the factors, the GRU's gates, the
+    faithful path's GEMMs, the sum over the blocks), ``jacobians`` (the faithful fill), ``up`` (the factored up
+    kernel), ``scan`` (the Blelloch kernels: the middle scan of the factored path), ``down`` (the factored down)."""
+    if step.startswith("torch."):
+        return "torch"
+    if step.startswith("bppsa_rnn_jacobians"):
+        return "jacobians"
+    if step.startswith("bppsa_factored_up"):
+        return "up"
+    if step.startswith("bppsa_factored_down"):
+        return "down"
+    return "scan"
 
-def _device_s(s: Step, H: int, itemsize: int, gpu: Gpu, launch_s: float, lds_per_fma: float) -> float:
-    """One step's device time: the floor's bound, the shared-load ceiling, the latency of its blocks' dependent
-    steps per wave of resident blocks, and the launch overhead per kernel."""
+
+PHASES = ("torch", "jacobians", "up", "scan", "down")
+
+
+def graphed(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int, gpu: Gpu,
+            launch_s: float = LAUNCH_S) -> dict:
+    """The backward replayed as one CUDA graph (no host time per launch): ``graph_s``, each phase's device seconds
+    (``<phase>_s``, :func:`phase`) and the ``dominant`` phase."""
+    per = dict.fromkeys(PHASES, 0.0)
+    for s in steps(layout, cell, T, B, H, I, itemsize, gpu):
+        per[phase(s.name)] += _device_s(s, H, itemsize, gpu, launch_s)
+    return {"graph_s": sum(per.values()), **{f"{k}_s": v for k, v in per.items()},
+            "dominant": max(per, key=per.get)}
+
+
+def _device_s(s: Step, H: int, itemsize: int, gpu: Gpu, launch_s: float, lds_per_fma: float | None = None) -> float:
+    """One step's device time: the floor's bound, the shared-load ceiling (at the step's own loads per FMA, or
+    ``lds_per_fma`` for every kernel), the latency of its blocks' dependent steps, and the launch overhead per
+    kernel."""
     resident = gpu.sms * gpu.threads_per_sm
-    fill = 1.0 if s.threads == 0 or resident == 0 else min(1.0, s.threads / resident)
+    fill = _fill(s, gpu)
     bound = max(s.moved * itemsize / (gpu.bandwidth_GBps * 1e9), s.flop / gpu.peak_flops(itemsize))
-    if s.serial and gpu.clock_GHz and gpu.sms:
+    lds = s.lds_per_fma if lds_per_fma is None else lds_per_fma
+    if (s.serial or s.fma_per_step) and gpu.clock_GHz and gpu.sms:
         smem_Bps = gpu.sms * SMEM_BYTES_PER_CLK * gpu.clock_GHz * 1e9
-        bound = max(bound, s.flop / 2 * lds_per_fma * itemsize / smem_Bps)
+        bound = max(bound, s.flop / 2 * lds * itemsize / smem_Bps)
     latency = 0.0
-    if s.serial and resident:
+    if s.fma_per_step:
+        latency = _issue_latency(s, itemsize, gpu)
+    elif s.serial and resident:
         waves = -(-s.threads // resident)
         latency = waves * s.serial * STEP_S[s.step] * H / 20
     return max(bound / fill, latency) + s.kernels * launch_s
 
 
+def _fill(s: Step, gpu: Gpu) -> float:
+    """The fraction of the GPU a launch occupies: its threads over the resident threads, or for the register up kernel
+    (a thread does a pair's NC columns, ILP instead of threads) the warp schedulers its warps reach."""
+    if s.threads == 0 or gpu.sms == 0:
+        return 1.0
+    if s.fma_per_step and s.block:
+        blocks = s.threads // s.block
+        warps_per_sm = -(-blocks // gpu.sms) * s.block / 32
+        return min(blocks, gpu.sms) * min(SCHEDULERS_PER_SM, warps_per_sm) / (gpu.sms * SCHEDULERS_PER_SM)
+    return min(1.0, s.threads / (gpu.sms * gpu.threads_per_sm))
+
+
+def _issue_latency(s: Step, itemsize: int, gpu: Gpu) -> float:
+    """The register up kernel's chain: a warp issues its ``fma_per_step`` multiply-adds per step at
+    ISSUE_PER_FMA instructions each (or at its dtype's pipe rate where that is slower: fp64 on most parts), one
+    instruction a clock per scheduler, and the warps an SM holds share its SCHEDULERS_PER_SM schedulers whether
+    they are resident together or in waves.  Assumed: enough independent multiply-adds in a step (the NC·H
+    accumulators) to issue every clock, and the factor loads' latency hidden (unknown at 10 warps per SM).
+    0 for a GPU of unknown clock."""
+    if not (gpu.clock_GHz and gpu.sms and s.block):
+        return 0.0
+    clock = gpu.clock_GHz * 1e9
+    lanes = gpu.peak_flops(itemsize) / 2 / clock / (gpu.sms * SCHEDULERS_PER_SM)  # FMA lanes per scheduler
+    clocks_per_fma = max(ISSUE_PER_FMA, 32 / lanes)
+    blocks_per_sm = -(-(s.threads // s.block) // gpu.sms)
+    share = max(1.0, blocks_per_sm * s.block / 32 / SCHEDULERS_PER_SM)
+    return s.serial * s.fma_per_step * clocks_per_fma * share / clock
+
+
 def expected(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int, gpu: Gpu,
-             launch_s: float = LAUNCH_S, lds_per_fma: float = LDS_PER_FMA, host: bool = True) -> dict:
+             launch_s: float = LAUNCH_S, lds_per_fma: float | None = None, host: bool = True) -> dict:
     """The expected time of one backward (module docstring): ``host_s`` (the host's time to issue it),
     ``device_s`` (the sum of the steps' device times) and ``expected_s``, the device's finish when each step
     starts once the host has issued it and the previous step is done.  ``host=False``: no host time per launch
-    (a backward replayed as one CUDA graph)."""
-    st = steps(layout, cell, T, B, H, I)
+    (a backward replayed as one CUDA graph).  ``lds_per_fma``: one figure for every kernel instead of each
+    kernel's own."""
+    st = steps(layout, cell, T, B, H, I, itemsize, gpu)
     t_host = (HOST_FIXED_S + GLUE_TORCH_OPS[(layout, cell)] * HOST_TORCH_S) if host else 0.0
     t_dev = 0.0
     device = 0.0
@@ -275,3 +362,31 @@ def expected(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: i
         device += d
         t_dev = max(t_dev, t_host) + d
     return {"host_s": t_host, "device_s": device, "expected_s": max(t_dev, t_host)}
+
+
+# -- the chunk size: the model that predicts also chooses ----------------------------------------------------------
+CHUNK_GPU = "h100"  # the machine chunk_size plans for where none is named
+
+
+def chunk_cost(kind: str, n: int, B: int, H: int, I: int, C: int, itemsize: int = 4, gpu: Gpu | None = None) -> float:
+    """Expected device seconds of the factored kernels with chunks of ``C`` steps (:func:`_device_s` of each launch of
+    :func:`.plan.factored_plan`, as a replayed graph runs them: no host time; torch's factor passes, which C does
+    not change, left out).  Large C lengthens the up and down chains, small C the middle scan."""
+    gpu = GPUS[CHUNK_GPU] if gpu is None else gpu
+    launches = plan.factored_plan(kind, n, B, H, I, C, itemsize=itemsize)[1]
+    return sum(_device_s(Step.of(x, itemsize), H, itemsize, gpu, LAUNCH_S) for x in launches)
+
+
+@functools.lru_cache(maxsize=1024)
+def chunk_size(kind: str, n: int, B: int, H: int, I: int = 1, itemsize: int = 4, gpu: Gpu | None = None) -> int:
+    """The factored plan's default chunk: among :func:`.plan.chunk_candidates` (powers of two leaving at least 8
+    chunks), the one of least :func:`chunk_cost` (the larger on a tie)."""
+    return min(plan.chunk_candidates(n), key=lambda C: (chunk_cost(kind, n, B, H, I, C, itemsize, gpu), -C))
+
+
+def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int | None = None, *, gpu: Gpu | None = None,
+                  **kw) -> tuple[int, tuple[plan.Launch, ...]]:
+    """:func:`.plan.factored_plan` with C = :func:`chunk_size`'s where ``C`` is None (what the backend runs)."""
+    if C is None:
+        C = chunk_size(kind, n, B, H, I, kw.get("itemsize", 4), gpu)
+    return plan.factored_plan(kind, n, B, H, I, C, **kw)

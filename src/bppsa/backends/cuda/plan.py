@@ -109,52 +109,14 @@ MIN_CHUNKS = 8           # the backward stays a scan: at least this many chunks 
 CHUNK_MAX = 512
 INT32_MAX = 2**31 - 1    # the register up kernel indexes with 32-bit integers
 
-# The chunk-size estimate's machine, in clocks of one SM-like unit (an H100: 132 SMs of 128 fp32 lanes).  These are
-# assumptions that rank chunk sizes against each other, not a prediction of time (that is the cost model's job).
-EST_SMS, EST_LANES = 132, 128
-EST_LEVEL_CLOCKS = 6000       # one launch of the middle scan: its launch and an H x H product's dependent chain
-EST_DOWN_STEP_CLOCKS = 700    # one step of a down block: a global load of the step's factors and its barriers
-EST_ISSUE_PER_FMA = 1.35      # instructions a thread issues per multiply-add of the up kernel (its SASS loop)
-EST_BYTES_PER_CLOCK = 1700    # global memory: 3.35 TB/s at 1.98 GHz
-EST_MIDDLE_FMA_PER_SM = 16    # the Blelloch kernels' shared-load ceiling: 2 fp32 loads per FMA, 128 bytes a clock
 
-
-def chunk_cost(kind: str, n: int, B: int, H: int, C: int) -> float:
-    """Estimated clocks of the factored backward with chunks of ``C`` steps (:func:`chunk_size` minimises it):
-
-    * up: the n·B·NW·H³ multiply-adds spread over the machine, or one thread's chain of C - 1 steps of NW·H²·NC
-      multiply-adds (its NC columns, :func:`up_columns`), whichever is longer;
-    * middle: 2·ceil(log2(K + 1)) dependent launches of the Blelloch scan over K = ceil(n / C) aggregates, and its
-      multiply-adds at its shared-load ceiling or the fp32 bytes it moves with the K·B·H² aggregates the up phase
-      writes (:func:`scan_plan`'s counts), whichever is longer;
-    * down: C dependent steps per block.
-
-    Large C lengthens the up and down chains, small C the middle scan; the paper's shapes land in between."""
-    NW = FACTORED_KINDS[kind][0]
-    K = -(-n // C)
-    rate = EST_SMS * EST_LANES
-    nc = max(1, up_columns(H, 4))
-    up = max(n * B * NW * H ** 3 / rate, (C - 1) * NW * H * H * nc * EST_ISSUE_PER_FMA)
-    middle = 0.0
-    if K > 1:
-        scan = scan_plan(K + 1, B, H)[1]
-        moved = sum(x.moved for x in scan) + K * B * H * H
-        fma = sum(x.flop for x in scan) / 2
-        middle = len(scan) * EST_LEVEL_CLOCKS + max(fma / (EST_SMS * EST_MIDDLE_FMA_PER_SM),
-                                                    4 * moved / EST_BYTES_PER_CLOCK)
-    return up + middle + C * EST_DOWN_STEP_CLOCKS
-
-
-@functools.lru_cache(maxsize=1024)
-def chunk_size(n: int, B: int, H: int = 20, kind: str = "rnn") -> int:
-    """The default chunk of consecutive chain steps: the power of two that minimises :func:`chunk_cost`, among
-    those that leave at least MIN_CHUNKS = 8 chunks (C <= n // 8), so the backward stays a scan and no chunk
-    becomes the sequential limit; C = 1 below 8 steps (one chunk per step)."""
+def chunk_candidates(n: int) -> list[int]:
+    """The chunk sizes a factored plan may take for a chain of ``n`` steps: the powers of two up to CHUNK_MAX that
+    leave at least MIN_CHUNKS = 8 chunks (C <= n // 8), so the backward stays a scan and no chunk becomes the
+    sequential limit; [1] below 8 steps (one chunk per step).  The cost model picks among them
+    (:func:`.cost_model.chunk_size`)."""
     top = min(CHUNK_MAX, n // MIN_CHUNKS)
-    if top < 1:
-        return 1
-    cands = [1 << e for e in range(top.bit_length()) if 1 << e <= top]
-    return min(cands, key=lambda C: (chunk_cost(kind, n, B, H, C), -C))
+    return [1 << e for e in range(max(top, 1).bit_length())]
 
 
 UP_REGISTER_WORDS = 160  # 32-bit registers a thread of the register up kernel may give its arrays
@@ -262,7 +224,7 @@ def factored_smem(kind: str, H: int, I: int, grads: bool) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=256)
-def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int | None = None, *, grads: bool = True,
+def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: bool = True,
                   L_m: int | None = None, itemsize: int = 4,
                   register_up: bool = True) -> tuple[int, tuple[Launch, ...]]:
     """The launches of the factored backward over a chain of ``n`` steps (``kind`` "rnn": J_k = W^T diag(d_k);
@@ -281,15 +243,15 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int | None = Non
       parameter gradients [NA, I + 1 + H] (the CPU kernel's ``acc``) for every block, [K·B, NA, I + 1 + H];
     * with the gradients, ``torch.sum`` over the blocks.
 
-    C defaults to :func:`chunk_size`.  K = 1 (n <= C) is the down launch alone, from g.  Every kernel takes the
-    pointers ``(Wt, f, carries, P, acc)`` (up: ``(Wt, f, aggregates)``) and the integers
+    C is the caller's: the cost model's :func:`.cost_model.chunk_size` picks it where none is given (it evaluates
+    this plan, so the plan cannot ask it back).  K = 1 (n <= C) is the down launch alone, from g.  Every kernel takes
+    the pointers ``(Wt, f, carries, P, acc)`` (up: ``(Wt, f, aggregates)``) and the integers
     ``(n, B, H, I, C, pitch, G, mode)``, mode 1 = gradients."""
     if kind not in FACTORED_KINDS:
         raise ValueError(f"unknown chain kind {kind!r} (choose from {', '.join(FACTORED_KINDS)})")
     if n < 1:
         raise ValueError(f"a factored plan needs n >= 1 steps, got {n}")
-    C = chunk_size(n, B, H, kind) if C is None else C
-    if C < 1:
+    if C is None or C < 1:
         raise ValueError(f"chunk size must be >= 1, got {C}")
     if itemsize not in (4, 8):
         raise ValueError(f"itemsize must be 4 or 8, got {itemsize}")
@@ -297,7 +259,10 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int | None = Non
     NW, NF = FACTORED_KINDS[kind]
     HH, P = H * H, smem_pitch(H)
     K = -(-n // C)
-    lens = [C] * (K - 1) + [n - (K - 1) * C]  # the steps of each chunk (the last one may be short)
+    last = n - (K - 1) * C  # the steps of the last chunk (it may be short); the K - 1 others have C
+
+    def chunks(per_chunk) -> int:  # a count summed over the chunks, each an affine function of its length
+        return (K - 1) * per_chunk(C) + per_chunk(last)
     mode = 1 if grads else 0
     ints = (n, B, H, I, C, P, FACTORED_GROUP, mode)
     smem_up, smem_down = factored_smem(kind, H, I, grads)
@@ -307,8 +272,8 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int | None = Non
         build = HH if kind == "rnn" else 5 * HH + H  # W^T d (one product per element), or 3 products, 2 sums, + z
         # Per block: W^T staged once, nfu·H factors per step read, the aggregate written; the first step's
         # Jacobian is the aggregate, every later one costs its build and a matrix-matrix product.
-        moved = B * sum(NW * HH + L * nfu * H + HH for L in lens)
-        flop = B * sum(L * build + (L - 1) * 2 * HH * H for L in lens)
+        moved = B * chunks(lambda L: NW * HH + L * nfu * H + HH)
+        flop = B * chunks(lambda L: L * build + (L - 1) * 2 * HH * H)
         if register_up and up_columns(H, itemsize):  # register_up=False: the shared-memory kernel (the first GPU run's)
             NR = NF * H + I + H
             for what, value in (("n", n), ("K * B", K * B), ("NR * B", NR * B)):
@@ -327,15 +292,15 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int | None = Non
     # RNN 2H² (W^T t), GRU 6H² + H (three W^T t and z ⊙ v).
     t_flop = NW * H
     mv = 2 * HH if kind == "rnn" else 6 * HH + H
-    moved = B * sum(NW * HH + H + L * nfd * H for L in lens)
-    flop = B * sum(L * t_flop + (L - 1) * mv for L in lens)
+    moved = B * chunks(lambda L: NW * HH + H + L * nfd * H)
+    flop = B * chunks(lambda L: L * t_flop + (L - 1) * mv)
     if grads:
         NA, NBV = (H if kind == "rnn" else 4 * H), I + 1 + H
         entries = grad_entries(kind, H, I)
         # per step the x and h' columns read, the NA gradient rows formed (one product each) and every
         # accumulated entry updated (a multiply-add); per block the sums written
-        moved += B * sum(L * (I + H) + NA * NBV for L in lens)
-        flop += B * sum(L * (NA + 2 * entries) for L in lens)
+        moved += B * chunks(lambda L: L * (I + H) + NA * NBV)
+        flop += B * chunks(lambda L: L * (NA + 2 * entries))
     else:
         moved += n * B * H  # P written
     launches.append(Launch(f"bppsa_factored_down_{kind}", K * B, down_threads(H, grads), smem_down, ints,
