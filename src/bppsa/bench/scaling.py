@@ -20,7 +20,8 @@ import pandas as pd
 import torch
 
 from .protocol import StopRule, median_ci
-from .speed import AUTOGRAD, SEQUENTIAL, backward_methods, backward_seconds, measure, setup
+from .speed import AUTOGRAD, SEQUENTIAL, backward_methods, measure, setup
+from .timing import backward_seconds
 
 BPPSA = "bppsa-cpu-fused"
 

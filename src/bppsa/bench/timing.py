@@ -1,5 +1,7 @@
-"""Phase timing like a systems paper: the device is synchronised around every timed region.
+"""Timing like a systems paper: the device is synchronised around every timed region.
 
+The one timer of the harness, in three sizes: :func:`timed` (one call on the host), :class:`PhaseTimer`
+(the phases of one iteration) and :func:`backward_seconds` (the backward metric every benchmark reports).
 On CUDA each phase is bracketed by CUDA events on the current stream (the kernels' own time,
 unaffected by Python-side queueing); on CPU by ``time.perf_counter`` (torch CPU ops are synchronous).
 """
@@ -10,6 +12,22 @@ import time
 from collections import defaultdict
 
 import torch
+
+
+def timed(fn):
+    """``(seconds, fn())``: the wall-clock seconds of one call of ``fn`` on the host and what it returned (CPU
+    work; a caller timing CUDA work synchronises around it, as :class:`PhaseTimer` does)."""
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def backward_seconds(phases) -> float | None:
+    """The backward as the paper counts it, from one iteration's phases: BPPSA's includes its Jacobian
+    generation (phase ``jacobian``); None for an iteration without a backward (a forward-only run)."""
+    if "backward" not in phases:
+        return None
+    return phases["backward"] + phases.get("jacobian", 0.0)
 
 
 class PhaseTimer:
