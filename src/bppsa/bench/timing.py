@@ -31,10 +31,16 @@ def backward_seconds(phases) -> float | None:
 
 
 class PhaseTimer:
+    """Seconds per phase of one iteration (:meth:`phase`, read by :meth:`collect`).
+
+    Phases nest, and each counts only its own time: a phase opened inside another (the layers' ``jacobian``
+    inside the step's ``backward``, :func:`bppsa.nn.backward.stepping`) is subtracted from it, so the phases of an
+    iteration add up to its time."""
+
     def __init__(self, device: torch.device):
         self.cuda = torch.device(device).type == "cuda"
-        self._pending: list[tuple[str, object, object]] = []
-        self.seconds: dict[str, float] = defaultdict(float)
+        self._spans: list[tuple[str, str | None, object]] = []  # (name, enclosing phase, seconds or CUDA events)
+        self._open: list[str] = []
 
     def sync(self) -> None:
         if self.cuda:
@@ -42,22 +48,34 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def phase(self, name: str):
+        outer = self._open[-1] if self._open else None
+        self._open.append(name)
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            yield
-            end.record()
-            self._pending.append((name, start, end))
+            try:
+                yield
+            finally:
+                end.record()
+                self._open.pop()
+                self._spans.append((name, outer, (start, end)))
         else:
             t0 = time.perf_counter()
-            yield
-            self.seconds[name] += time.perf_counter() - t0
+            try:
+                yield
+            finally:
+                t = time.perf_counter() - t0
+                self._open.pop()
+                self._spans.append((name, outer, t))
 
     def collect(self) -> dict[str, float]:
         """Seconds per phase since the last collect (synchronises the device)."""
         self.sync()
-        for name, start, end in self._pending:
-            self.seconds[name] += start.elapsed_time(end) / 1e3
-        self._pending.clear()
-        out, self.seconds = dict(self.seconds), defaultdict(float)
-        return out
+        out: dict[str, float] = defaultdict(float)
+        for name, outer, t in self._spans:
+            secs = t[0].elapsed_time(t[1]) / 1e3 if isinstance(t, tuple) else t
+            out[name] += secs
+            if outer is not None:
+                out[outer] -= secs
+        self._spans.clear()
+        return dict(out)
