@@ -90,7 +90,9 @@ def per_step_backend(backend, device: torch.device) -> TorchBackend:
 
 def no_autocast(device: torch.device):
     """The layers run in their tensors' dtype (fp32 under autocast): no matmul inside may be downcast."""
-    return torch.autocast(device.type, enabled=False) if device.type in ("cpu", "cuda") else contextlib.nullcontext()
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()  # autocast off already: no context to build on every call
 
 
 def check_layer(cell: str, x, h0, w_ih, w_hh, b_ih, b_hh, lengths) -> None:
