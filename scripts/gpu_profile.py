@@ -1,6 +1,7 @@
 """Where one BPPSA training step's time goes on a GPU: host (cProfile) and device (torch.profiler).
 
-For each case (model, T, B, layout) it times the step's phases with CUDA events, then profiles the backward: the
+For each case (model, T, B, layout) it times the step's phases with CUDA events (``jacobian`` runs inside
+``backward``, whose time here includes it), then profiles the backward: the
 torch/CUDA kernels by device time, the host functions by their own time, and the launches per backward.
 Usage: python scripts/gpu_profile.py OUT_DIR [CASE ...]   CASE: rnn:1000:16:fused (model:T:B:layout)
 """

@@ -172,3 +172,44 @@ def test_isolated_points_along_a_sweep():
 def test_an_interval_missing_for_lack_of_samples_counts_as_noisy():
     sp = speedups.speedups(_bench(4e-3 * np.ones(4), 1e-3 * np.ones(4), 1e-3 * np.ones(4), 0.5e-3 * np.ones(4)))
     assert sp["noisy"].all() and sp["ci_low"].isna().all()
+
+
+def test_phases_nest_and_the_bppsa_step_reports_its_jacobians_inside_the_backward():
+    """A phase opened inside another counts only in itself (the phases add up to the whole), and the BPPSA step
+    through the bppsa.nn layer times its chain's construction as ``jacobian`` inside ``backward``:
+    ``backward_seconds`` is the step's whole backward, whichever backend runs it."""
+    import time
+
+    from bppsa.bench.timing import PhaseTimer, backward_seconds, timed
+
+    timer = PhaseTimer(torch.device("cpu"))
+    t_all, _ = timed(lambda: _nested(timer))
+    ph = timer.collect()
+    assert set(ph) == {"outer", "inner"} and ph["inner"] >= 0.02 and ph["outer"] >= 0.01
+    assert ph["outer"] + ph["inner"] == pytest.approx(t_all, rel=0.1)
+    assert timer.collect() == {}
+    secs, out = timed(lambda: time.sleep(0.01) or 7)
+    assert out == 7 and secs >= 0.01
+
+    torch.manual_seed(0)
+    net = build("rnn").double()
+    x, y = torch.rand(50, 3, 1, dtype=torch.float64).round(), torch.tensor([1, 2, 3])
+    for be in (get_backend("torch"), get_backend("cpu")):
+        net.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        net.bppsa_step(x, y, be, phase=timer.phase)
+        whole = time.perf_counter() - t0
+        ph = timer.collect()
+        assert set(ph) == {"forward", "jacobian", "backward"}
+        assert 0 < ph["jacobian"] < backward_seconds(ph) and ph["backward"] > 0
+        assert sum(ph.values()) == pytest.approx(whole, rel=0.25)
+        assert all(p.grad is not None for p in net.parameters())
+
+
+def _nested(timer):
+    import time
+
+    with timer.phase("outer"):
+        time.sleep(0.01)
+        with timer.phase("inner"):
+            time.sleep(0.02)

@@ -15,16 +15,13 @@ from hypothesis import strategies as st
 
 from bppsa import backends, scan
 from bppsa.backends import cpu
-from bppsa.backends.base import Head
 from bppsa.backends.chain import FactoredChain
 from bppsa.backends.cpu import native, plan, pool
 from bppsa.backends.cpu.chain import native_chain_scan
 from bppsa.backends.cpu.plan import lane_slices
-from bppsa.backends.twin import TorchBackend
 from bppsa.jacobians.gru import gru_gate_grads, gru_gates, gru_jacobians_t, gru_param_grads
 from bppsa.jacobians.recurrent import rnn_grad_preact, rnn_jacobians_t
 from bppsa.models import build
-from bppsa.models.rnn import RNNClassifier
 from bppsa.verify import verify
 
 
@@ -107,16 +104,25 @@ def _factored(kind, T, B, H, seed, dtype, scale=1.0, I=2):
     W = scale * torch.randn(H, H, generator=gen, dtype=dtype) / math.sqrt(H)
     layout = "fused" if kind == "rnn" else "paper"
     chain = cpu.CpuBackend().rnn_jacobians_t(h, W, layout, x)
-    model = RNNClassifier(I, H)
 
     def exact():
         out = scan.linear_scan(g.double(), rnn_jacobians_t(h.double(), W.double(), layout))
         ga = rnn_grad_preact(out, h.double(), layout)
-        return (model.cell_param_grads(x.double(), h.double(), ga),
-                model.cell_param_grads(x.double().abs(), h.double().abs(), ga.abs()))
+        return (_rnn_param_grads(x.double(), h.double(), ga),
+                _rnn_param_grads(x.double().abs(), h.double().abs(), ga.abs()))
 
     return (g, chain, rnn_jacobians_t(h, W, layout),
-            lambda out: model.cell_param_grads(x, h, rnn_grad_preact(out, h, layout)), exact)
+            lambda out: _rnn_param_grads(x, h, rnn_grad_preact(out, h, layout)), exact)
+
+
+def _rnn_param_grads(x, h, grad_a):
+    """The RNN cell's parameter gradients from ∇a_t: sums over every step and batch element, as single GEMMs over
+    the T·B rows (h_0 = 0 adds nothing to W_hh's)."""
+    T, B, H = h.shape
+    ga = grad_a.reshape(T * B, H)
+    gb = ga.sum(0)
+    return {"weight_ih_l0": ga.t() @ x.reshape(T * B, -1), "weight_hh_l0": ga[B:].t() @ h[:-1].reshape((T - 1) * B, H),
+            "bias_ih_l0": gb, "bias_hh_l0": gb.clone()}
 
 
 def _assert_identical(got, want) -> None:
@@ -231,27 +237,6 @@ def test_the_rnn_scanned_from_its_states_equals_the_scan_of_its_written_factors(
 
 
 @pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("B, C", [(1, 2), (16, 2), (40, 10)])
-def test_the_head_in_closed_form_equals_autograd(dtype, B, C):
-    """The head's backward in closed form (softmax cross-entropy through the linear head), torch's reference
-    and the compiled twin the CPU backend uses, equals autograd's on the same weights and batch; a label out
-    of range is an error."""
-    gen = torch.Generator().manual_seed(B * C)
-    W, b = torch.randn(C, 20, generator=gen, dtype=dtype), torch.randn(C, generator=gen, dtype=dtype)
-    h, y = torch.randn(B, 20, generator=gen, dtype=dtype), torch.randint(0, C, (B,), generator=gen)
-    Wa, ba, ha = (t.clone().requires_grad_(True) for t in (W, b, h))
-    torch.nn.functional.cross_entropy(torch.nn.functional.linear(ha, Wa, ba), y).backward()
-    logits = torch.nn.functional.linear(h, W, b)
-    tol = 1e-12 if dtype == torch.float64 else 1e-5
-    for backend in (TorchBackend(), cpu.CpuBackend()):
-        for got, want in zip(backend.head_grads(logits, y, W, h), (Wa.grad, ba.grad, ha.grad)):
-            assert _rel(got, want) <= tol, type(backend).__name__
-    with pytest.raises(IndexError, match="out of range"):
-        native.head_grads(logits, torch.full((B,), C), W, h)
-
-
-@pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
 @pytest.mark.parametrize("B", [2, 16, 40])
 def test_the_gru_gate_pass_written_by_the_scans_threads_equals_the_pass_before_it(B):
     """The GRU's gate pass left to the scan's threads (units of steps any thread claims; every up unit waits
@@ -276,48 +261,6 @@ def test_the_gru_gate_pass_written_by_the_scans_threads_equals_the_pass_before_i
         chain._fill = broken
         with pytest.raises(RuntimeError, match="the gate pass failed"):
             native_chain_scan(lambda: g, chain, L, scan.Workspace(), "slices", grads=True)
-    finally:
-        torch.set_num_threads(old)
-
-
-@pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
-@pytest.mark.parametrize("kind", ["rnn", "gru"])
-@pytest.mark.parametrize("split", ["slices", "blocks"])
-def test_the_head_run_in_the_scans_call_gives_the_same_gradients(kind, split):
-    """∇h_T as the head's backward (a :class:`Head`, which the kernel runs in the scan's own call, or any other
-    callable, run first) gives what the tensor gives, bit for bit: the cell's gradients and the head's; a label
-    out of range is an error that leaves the same workspace's next scan right; a head that fails stops the
-    scan with its error."""
-    g, chain, _, _, _ = _factored(kind, 517, 40, 20, 4, torch.float64, I=3)
-    gen = torch.Generator().manual_seed(7)
-    linear = torch.nn.Linear(20, 5, dtype=torch.float64)
-    h_last, y = torch.randn(40, 20, generator=gen, dtype=torch.float64), torch.randint(0, 5, (40,), generator=gen)
-    with torch.no_grad():
-        logits = linear(h_last)
-    L = scan.tree_levels(chain.shape[0] + 1, None)
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        be, ws = cpu.CpuBackend(), scan.Workspace()
-        gW, gb, gh = be.head_grads(logits, y, linear.weight.detach(), h_last)
-        for grads in (True, False):
-            want = native_chain_scan(gh, chain, L, scan.Workspace(), split, grads=grads)
-            for head in (Head(linear, h_last, logits, y, be), lambda: gh):
-                linear.zero_grad(set_to_none=True)
-                _assert_identical(native_chain_scan(head, chain, L, ws, split, grads=grads), want)
-                if isinstance(head, Head):
-                    torch.testing.assert_close(linear.weight.grad, gW, rtol=0, atol=0)
-                    torch.testing.assert_close(linear.bias.grad, gb, rtol=0, atol=0)
-        with pytest.raises(IndexError, match="out of range"):
-            native_chain_scan(Head(linear, h_last, logits, torch.full((40,), 5), be), chain, L, ws, split, grads=True)
-        again = native_chain_scan(Head(linear, h_last, logits, y, be), chain, L, ws, split, grads=True)
-        _assert_identical(again, native_chain_scan(gh, chain, L, scan.Workspace(), split, grads=True))
-
-        def failing_head():
-            raise RuntimeError("the head failed")
-        with pytest.raises(RuntimeError, match="the head failed"):
-            native_chain_scan(failing_head, chain, L, scan.Workspace(), split, grads=True)
-        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(old)
 
@@ -469,7 +412,7 @@ def test_sequential_rival_equals_autograd(chunking, model, T, B):
 @pytest.mark.parametrize("L_m", [None, 0, 3])
 def test_gradients_equal_autograd_through_the_fast_path(model, layouts, dtype, L_m):
     for layout in layouts:
-        for T, B in ((37, 5), (300, 3), (131, 16)):  # B = 16: blocks in fp32, slices in fp64 (the head beside)
+        for T, B in ((37, 5), (300, 3), (131, 16)):  # B = 16: blocks in fp32, slices in fp64
             r = verify(model=model, seq_len=T, batch=B, dtype=dtype, backend="cpu", layout=layout, L_m=L_m, seed=T)
             assert r["backend"] == "cpu"
             assert r["ok"], (layout, T, B, r["rel_err"])

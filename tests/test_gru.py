@@ -102,8 +102,11 @@ def test_only_the_fused_layout_and_no_gate_cache_left_behind():
     with pytest.raises(ValueError, match="GRU has no Jacobian layout 'paper'"):
         got.bppsa_step(x, y, get_backend("torch"), layout="paper")
     got.zero_grad()
-    got.bppsa_step(x, y, get_backend("torch"))
-    assert got._gates is None
+    loss = got.bppsa_step(x, y, get_backend("torch"))
+    # nothing of the step outlives it: no graph behind the loss, no tensor kept on the model or its layer
+    assert loss.grad_fn is None and not loss.requires_grad
+    for m in got.modules():
+        assert not [k for k, v in vars(m).items() if torch.is_tensor(v)], type(m).__name__
 
 
 def test_bppsa_and_baseline_train_identically():

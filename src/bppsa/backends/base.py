@@ -22,10 +22,7 @@ class Backend(Protocol):
       for the parameter gradients; ``gates()`` gives the GRU's recomputed gates to a backend that builds
       from them);
     * :meth:`cell_grads`: the cell's parameter gradients, ``from_scan(scan(g, J, L_m))`` unless the backend
-      accumulates them as it scans.  ``g`` is ∇h_T, or a callable that returns it (:func:`grad_of`; a
-      training step passes its :class:`Head`, whose gradients a backend may compute in its own way);
-    * :meth:`head_grads`: the head's backward in closed form (softmax cross-entropy through a linear map):
-      the gradients w.r.t. its weight, its bias and its input.
+      accumulates them as it scans.  ``g`` is ∇h_T, or a callable that returns it (:func:`grad_of`).
     """
 
     name: str
@@ -39,31 +36,6 @@ class Backend(Protocol):
 
     def cell_grads(self, g: torch.Tensor | Callable[[], torch.Tensor], J: Any, L_m: int | None,
                    from_scan: Callable[[torch.Tensor], dict]) -> dict[str, torch.Tensor]: ...
-
-    def head_grads(self, logits: torch.Tensor, y: torch.Tensor, W: torch.Tensor,
-                   h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-
-class Head:
-    """A training step's head backward (softmax cross-entropy of ``logits`` = ``linear(h)`` against labels
-    ``y``), handed to :meth:`Backend.cell_grads` as ∇h_T: calling it runs ``backend.head_grads``, adds the
-    weight's and the bias's gradients to their ``.grad`` (:meth:`apply`) and returns ∇h_T.  A backend may
-    compute the same gradients its own way from the operands (the CPU backend: in its scan's call) and hand
-    the first two to :meth:`apply`."""
-
-    def __init__(self, linear: torch.nn.Linear, h: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, backend):
-        self.linear, self.h, self.logits, self.y, self.backend = linear, h, logits, y, backend
-
-    def __call__(self) -> torch.Tensor:
-        with torch.no_grad():
-            gW, gb, gh = self.backend.head_grads(self.logits, self.y, self.linear.weight.detach(), self.h)
-        self.apply(gW, gb)
-        return gh
-
-    def apply(self, gW: torch.Tensor, gb: torch.Tensor) -> None:
-        for p, g in ((self.linear.weight, gW), (self.linear.bias, gb)):
-            if p is not None:
-                p.grad = g if p.grad is None else p.grad + g
 
 
 def grad_of(g: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:

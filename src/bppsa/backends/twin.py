@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import scan as _scan
 from ..jacobians import gru as _gru
@@ -52,10 +51,3 @@ class TorchBackend:
         """The cell's parameter gradients where the loss reads every state (:meth:`affine_scan`'s ``c``), from that
         scan's output; a backend may accumulate them as it scans instead (the CPU kernel)."""
         return from_scan(self.affine_scan(g, J, c, L_m))
-
-    def head_grads(self, logits: torch.Tensor, y: torch.Tensor, W: torch.Tensor, h: torch.Tensor):
-        """A training step's head in closed form: for the mean softmax cross-entropy of ``logits`` = h Wᵀ + b
-        [B, C] against labels ``y``, the gradient w.r.t. the logits is d = (softmax - onehot(y)) / B, and
-        through the linear map (W, b and h) -> (dᵀ h, d summed over the batch, d W)."""
-        d = torch.softmax(logits, 1).sub_(F.one_hot(y, logits.shape[1])).div_(logits.shape[0])
-        return d.t() @ h, d.sum(0), d @ W

@@ -139,8 +139,8 @@ def _run_recurrent(job: dict, rounds: int, fp64: bool) -> dict:
     import torch
 
     from ..backends import get_backend
-    from ..bench.recurrent import backward_seconds, train_step
-    from ..bench.timing import PhaseTimer
+    from ..bench.recurrent import train_step
+    from ..bench.timing import PhaseTimer, backward_seconds
     from ..models import build, copy_model
     from ..precision import DTYPES
     from ..verify import verify

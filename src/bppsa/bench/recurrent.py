@@ -10,7 +10,7 @@ round by round, under the shared protocol (``bench.protocol``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ from ..jacobians.recurrent import LAYOUTS
 from ..models import copy_model
 from ..models.recurrent import no_phase
 from .protocol import TOTAL, Measurement, StopRule, interleave
-from .timing import PhaseTimer
+from .timing import PhaseTimer, backward_seconds
 
 METHODS = ("baseline", "bppsa")
 BASELINES = ("baseline", "baseline-packed")
@@ -41,16 +41,6 @@ def baseline_backend_name(device: torch.device, packed: bool = False) -> str:
     if torch.device(device).type == "cuda" and torch.backends.cudnn.is_available():
         return "cudnn-per-step" if packed else "cudnn"
     return "autograd-packed" if packed else "autograd"
-
-
-def backward_seconds(phases: Mapping[str, float]) -> float | None:
-    """The backward as the paper counts it: BPPSA's includes its Jacobian generation."""
-    if "backward" not in phases:
-        return None
-    return phases["backward"] + phases.get("jacobian", 0.0)
-
-
-backward_seconds.__name__ = "backward"
 
 
 def train_step(model, x, y, method: str, backend=None, layout: str = "fused", L_m=None,

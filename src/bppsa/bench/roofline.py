@@ -24,13 +24,13 @@
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import torch
 
 from .. import scan as _scan
 from ..stats import median_ci
+from .timing import timed
 
 
 def scan_cost(n: int, B: int, H: int, L_m: int | None = None, itemsize: int = 4) -> dict:
@@ -97,12 +97,7 @@ def chain_scan_cost(n: int, B: int, H: int, L_m: int | None = None, itemsize: in
 
 def _median_time(fn, reps: int) -> float:
     fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+    return float(np.median([timed(fn)[0] for _ in range(reps)]))
 
 
 def peak_gemm_flops(dtype=torch.float32, n: int = 2048, reps: int = 5) -> float:
@@ -126,13 +121,7 @@ def fma_latency(dtype=torch.float32, n: int = 20_000_000) -> float | None:
     if lib is None:
         return None
     lib.fma_chain(1000)
-    return min(_timed_call(lambda: lib.fma_chain(n)) for _ in range(3)) / n
-
-
-def _timed_call(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    return min(timed(lambda: lib.fma_chain(n))[0] for _ in range(3)) / n
 
 
 def roofline_rows(scan_seconds: dict[str, list[float]], n: int, B: int, H: int, L_m, dtype, peak: float,

@@ -21,7 +21,8 @@ import torch
 
 from ..stats import median_ci
 from .protocol import StopRule
-from .speed import AUTOGRAD, SEQUENTIAL, backward_methods, backward_seconds, measure, setup
+from .speed import AUTOGRAD, SEQUENTIAL, backward_methods, measure, setup
+from .timing import backward_seconds
 
 BPPSA = "bppsa-cpu-fused"
 

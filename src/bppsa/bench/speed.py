@@ -21,7 +21,6 @@ its ``noisy`` flag; :func:`summary` turns them into paired ratios with intervals
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pandas as pd
@@ -34,20 +33,10 @@ from ..models import build, copy_model
 from ..scan import linear_scan
 from ..stats import ratio_ci
 from .protocol import StopRule, interleave
-from .timing import PhaseTimer
+from .timing import PhaseTimer, backward_seconds, timed
 
 SEQUENTIAL, AUTOGRAD = "sequential", "autograd"
 SCAN_SEQUENTIAL = "scan-sequential"
-
-
-def backward_seconds(phases) -> float | None:
-    """The backward as BPPSA sees it: its Jacobian generation plus the backward phase."""
-    if "backward" not in phases:
-        return None
-    return phases.get("jacobian", 0.0) + phases["backward"]
-
-
-backward_seconds.__name__ = "bwd"
 
 
 def bppsa_name(backend: str, layout: str, L_m) -> str:
@@ -94,15 +83,6 @@ def _phased(step):
     def run(i: int) -> dict:
         step(timer.phase)
         return timer.collect()
-
-    return run
-
-
-def _timed(fn):
-    def run(i: int) -> dict:
-        t0 = time.perf_counter()
-        fn()
-        return {"total": time.perf_counter() - t0}
 
     return run
 
@@ -160,7 +140,7 @@ def scan_methods(model, x, y, backends=("cpu",), L_m=None, check_tol: float = 1e
         err = ((fn() - ref).abs().max() / scale).item()
         if not err <= check_tol:
             raise RuntimeError(f"{name} disagrees with the sequential torch scan (rel. err {err:.2e} > {check_tol})")
-    return {name: (_timed(fn), attrs) for name, (fn, attrs) in fns.items()}
+    return {name: (lambda i, fn=fn: {"total": timed(fn)[0]}, attrs) for name, (fn, attrs) in fns.items()}
 
 
 def measure(methods: dict, rule: StopRule, reference: str, metric, **labels) -> list[dict]:

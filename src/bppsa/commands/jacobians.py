@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import platform
-import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -12,6 +11,7 @@ import torch
 
 from .. import io
 from ..bench.protocol import StopRule, interleave
+from ..bench.timing import timed
 from .common import add_runtime_args, setup
 
 # VGG-11's first conv, ReLU and max-pool on a 32x32 image (the paper's Table 1 examples)
@@ -73,12 +73,6 @@ def _operators(seed: int) -> list[Operator]:
     ]
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def _measure(args) -> int:
     from ..jacobians import sparse as sparse_jacobians
 
@@ -98,15 +92,14 @@ def _measure(args) -> int:
                       dense_mb=M.shape[0] * M.shape[1] * 4 / 2**20, **meta)
         # the shared protocol: at least the requested repeats, more (up to 10x, 10 s) until the median is
         # known to +-5 %; the warm-up generation above is not timed
-        m = interleave({"analytic": lambda i, analytic=analytic: {"analytic": _timed(analytic)}},
+        m = interleave({"analytic": lambda i, analytic=analytic: {"analytic": timed(analytic)[0]}},
                        StopRule(warmup=0, min_iters=args.repeats_analytic, min_seconds=0.0,
                                 max_iters=10 * args.repeats_analytic, max_seconds=10.0))
         rows += [dict(common, method="analytic", repeat=r["iter"], seconds=r["seconds"]) for r in m.rows]
         with torch.backends.mkldnn.flags(enabled=args.mkldnn):
             for i in range(args.repeats_autograd):
-                t0 = time.perf_counter()
-                A = sparse_jacobians.autograd_jacobian_t_columns(f, x)
-                rows.append(dict(common, method="autograd-columns", repeat=i, seconds=time.perf_counter() - t0))
+                secs, A = timed(lambda f=f, x=x: sparse_jacobians.autograd_jacobian_t_columns(f, x))
+                rows.append(dict(common, method="autograd-columns", repeat=i, seconds=secs))
                 if i == 0:
                     # autograd drops the explicit zeros the analytic CSR keeps, so compare values
                     err = abs(A - M).max() if A.nnz or M.nnz else 0.0

@@ -1,11 +1,10 @@
-"""Shared machinery of the recurrent classifiers: the BPPSA training step, phase by phase.
+"""Shared machinery of the recurrent classifiers: a BPPSA layer (:mod:`bppsa.nn`), a linear head on its last
+state, and the two training steps, phase by phase.
 
-A subclass supplies the cell (``self.cell``, a torch.nn.RNN/GRU with one layer, time-major), the
-head (``self.head``), and three methods: ``jacobians_t`` (the transposed Jacobians from the
-forward's states and inputs, built by the backend), ``grads_from_scan`` (turn the scan's output into the
-per-step gradients the parameters need, in time order: ∇a_t for the RNN, the gates' gradients for the
-GRU) and ``cell_param_grads`` (every cell parameter's gradient from those, by GEMMs over the T·B rows).
-A backend that accumulates the parameter gradients as it scans (the CPU fast path) calls neither.
+A subclass sets ``self.cell`` (a one-layer, time-major :class:`bppsa.nn.RNN` or :class:`bppsa.nn.GRU`, whose
+parameters have torch.nn's names, so state dicts are those of a torch.nn cell) and ``self.head``.  The autograd
+baseline runs torch's own recurrent kernel (cuDNN on a GPU) on the cell's weights; the BPPSA step is the layer's
+forward, the head and ``loss.backward()``, whose layer backward is the scan.
 """
 from __future__ import annotations
 
@@ -16,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..backends.base import Head
+from ..nn import backward as layer_backward
+from . import check_layout
 
 Phase = Callable[[str], contextlib.AbstractContextManager]
 
@@ -26,36 +26,35 @@ def no_phase(name: str):
 
 
 class RecurrentClassifier(nn.Module):
-    cell: nn.RNNBase
+    model: str  # the name in bppsa.models.SPECS
+    cell: nn.Module  # bppsa.nn.RNN or bppsa.nn.GRU, one layer, time-major
     head: nn.Linear
 
     def forward(self, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
-        """Baseline forward (autograd; cuDNN on GPU): logits from the last hidden state.
+        """Baseline forward (autograd through torch's own kernel, as torch.nn.RNN/GRU run it; cuDNN on GPU):
+        logits from the last hidden state.
 
         ``packed`` feeds the same batch as a PackedSequence (every length T): cuDNN then runs its
         per-step algorithm, the one the paper's 2020 baseline had, instead of the persistent
         small-hidden-size kernels current PyTorch picks for dense input.
         """
+        T, B, _ = x.shape
+        hx = x.new_zeros(1, B, self.cell.hidden_size)
+        w = self.cell.layer_weights(0)
         if packed:
-            lengths = torch.full((x.shape[1],), x.shape[0], dtype=torch.int64)  # on the CPU, as torch requires
-            x = nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=True)
-        _, h_n = self.cell(x)
+            lengths = torch.full((B,), T, dtype=torch.int64)  # on the CPU, as torch requires
+            seq = nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=True)
+            _, h_n = layer_backward.torch_layer(self.cell.cell, seq.data, hx, *w, seq.batch_sizes)
+        else:
+            _, h_n = layer_backward.torch_layer(self.cell.cell, x, hx, *w)
         return self.head(h_n[-1])
 
-    # -- subclass hooks ---------------------------------------------------------------------------
-    def jacobians_t(self, x, h, layout, backend):  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def grads_from_scan(self, scan_out, x, h, layout):  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def cell_param_grads(self, x, h, step_grads) -> dict[str, torch.Tensor]:  # pragma: no cover
-        raise NotImplementedError
-
-    def head_backward(self, h_last: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, backend) -> torch.Tensor:
-        """The head's backward in closed form (``backend.head_grads``): its weight's and bias's gradients
-        added to their ``.grad``, and ∇h_T returned."""
-        return Head(self.head, h_last, logits, y, backend)()
+    def jacobians_t(self, x: torch.Tensor, h: torch.Tensor, layout: str, backend):
+        """The chain the layer's backward builds on ``backend`` from the states ``h`` [T, B, H]: the transposed
+        Jacobians in scan order, dense or kept as factors (with the inputs, for the weights' gradients)."""
+        check_layout(self.model, layout)
+        return layer_backward.layer_chain(backend, self.cell.cell, x, h, *self.cell.layer_weights(0), None, layout,
+                                          with_x=True)
 
     # -- the two training steps -------------------------------------------------------------------
     def baseline_step(self, x, y, phase: Phase = no_phase, backward: bool = True,
@@ -69,24 +68,24 @@ class RecurrentClassifier(nn.Module):
 
     def bppsa_step(self, x, y, backend, layout: str = "fused", L_m: int | None = None,
                    phase: Phase = no_phase, backward: bool = True) -> torch.Tensor:
-        """Forward without autograd, then the scan backward; fills every parameter's ``.grad``."""
-        with torch.no_grad():  # once for the whole step (a mode switch costs ~10 µs on caches the forward evicted)
-            with phase("forward"):
-                h, _ = self.cell(x)  # [T, B, H]: h_1 .. h_T
-                h_last = h[-1]
-                logits = self.head(h_last)
-                loss = F.cross_entropy(logits, y)
-            with phase("jacobian"):
-                J = self.jacobians_t(x, h, layout, backend)
-            if not backward:
-                return loss
-            with phase("backward"):
-                head = Head(self.head, h_last, logits, y, backend)  # ∇h_T, which a backend may compute its own way
-                from_scan = lambda out: self.cell_param_grads(x, h, self.grads_from_scan(out, x, h, layout))  # noqa: E731
-                grads = backend.cell_grads(head, J, L_m, from_scan)
-                del J
-                for name, g in grads.items():
-                    p = getattr(self.cell, name)
-                    p.grad = g if p.grad is None else p.grad + g
-        return loss
-
+        """One BPPSA training step through the layer: its forward, the head, ``loss.backward()`` (every
+        parameter's ``.grad``), with the layer's backward on ``backend`` (a Backend instance) over ``layout``'s
+        chain and the scan of ``L_m``.  Phases: ``forward``, ``jacobian`` (the chain's construction, inside the
+        backward, which does not count it again) and ``backward``.  ``backward=False`` is the paper's forward-only
+        run: the forward and the chain."""
+        check_layout(self.model, layout)
+        self.cell.layout, self.cell.L_m = layout, L_m
+        if not backward:
+            with torch.no_grad():
+                with phase("forward"):
+                    h, h_n = self.cell(x)
+                    loss = F.cross_entropy(self.head(h_n[-1]), y)
+                with phase("jacobian"):
+                    self.jacobians_t(x, h, layout, backend)
+            return loss
+        with phase("forward"):
+            _, h_n = self.cell(x)
+            loss = F.cross_entropy(self.head(h_n.squeeze(0)), y)  # views back to the op's h_n: nothing copied
+        with phase("backward"), layer_backward.stepping(backend, phase):
+            loss.backward()
+        return loss.detach()

@@ -14,6 +14,11 @@ The backward is the scan of :mod:`bppsa.scan` with ∇h_T first:
 
 Either way the scan yields the total ∇h_t, from which the gates' gradients, every weight's, ∇x and ∇h0 are
 GEMMs over the T·B rows.
+
+A training step that measures itself (the harness's :meth:`bppsa.models.recurrent.RecurrentClassifier.bppsa_step`)
+wraps its ``loss.backward()`` in :func:`stepping`: the layers' backward then runs on the step's own backend instance
+(the sequential rival, an emulated kernel: any :class:`~bppsa.backends.base.Backend`) and times the building of
+its chain as the phase ``jacobian``.
 """
 from __future__ import annotations
 
@@ -31,6 +36,34 @@ CELLS = ("rnn", "gru")
 GATES = {"rnn": 1, "gru": 3}
 
 _backends: dict[tuple[str, str], object] = {}
+
+
+class _Step:
+    """What :func:`stepping` hands the layers' backward.  Process-wide, not thread-local: on a GPU autograd runs
+    an op's backward on its own device thread, not on the thread that called ``loss.backward()``."""
+
+    backend = None  # a Backend instance that runs every layer's backward instead of the op's backend name
+    phase = None  # name -> context manager, timing the chain's construction as "jacobian"
+
+
+_step = _Step()
+
+
+@contextlib.contextmanager
+def stepping(backend=None, phase=None):
+    """Within: every layer's backward runs on ``backend`` (a :class:`~bppsa.backends.base.Backend` instance,
+    whatever the layer's ``backend`` option names; None: the option) and times the construction of its chain
+    (Jacobians or factors) as ``phase("jacobian")``, a phase inside the caller's backward."""
+    prev = _step.backend, _step.phase
+    _step.backend, _step.phase = backend, phase
+    try:
+        yield
+    finally:
+        _step.backend, _step.phase = prev
+
+
+def _jacobian_phase():
+    return _step.phase("jacobian") if _step.phase is not None else contextlib.nullcontext()
 
 
 def backend_for(name: str, device: torch.device):
@@ -57,7 +90,9 @@ def per_step_backend(backend, device: torch.device) -> TorchBackend:
 
 def no_autocast(device: torch.device):
     """The layers run in their tensors' dtype (fp32 under autocast): no matmul inside may be downcast."""
-    return torch.autocast(device.type, enabled=False) if device.type in ("cpu", "cuda") else contextlib.nullcontext()
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()  # autocast off already: no context to build on every call
 
 
 def check_layer(cell: str, x, h0, w_ih, w_hh, b_ih, b_hh, lengths) -> None:
@@ -96,6 +131,17 @@ def valid_steps(lengths: torch.Tensor | None, T: int, device) -> torch.Tensor | 
     return torch.arange(T, device=device)[:, None] < lengths.to(device)[None, :]
 
 
+def torch_layer(cell: str, x, hx, w_ih, w_hh, b_ih, b_hh, batch_sizes=None):
+    """``(output, h_n)`` of one layer by torch's own recurrent kernel (cuDNN on a GPU), as torch.nn.RNN/GRU call it:
+    ``x`` [T, B, I] (or a PackedSequence's data with its ``batch_sizes``), ``hx`` [1, B, H].  Differentiable by
+    autograd: the harness's baseline trains through it, the layers' forward runs it without a graph."""
+    params = [w_ih, w_hh] + ([b_ih, b_hh] if b_ih is not None else [])
+    run = torch.rnn_tanh if cell == "rnn" else torch.gru
+    if batch_sizes is None:
+        return run(x, hx, params, b_ih is not None, 1, 0.0, False, False, False)
+    return run(x, batch_sizes, hx, params, b_ih is not None, 1, 0.0, False, False)
+
+
 @torch.no_grad()
 def layer_forward(cell: str, x, h0, w_ih, w_hh, b_ih, b_hh, lengths) -> torch.Tensor:
     """The states h_1 .. h_T [T, B, H] by torch's own recurrent kernels (cuDNN on a GPU), the steps past each
@@ -103,16 +149,13 @@ def layer_forward(cell: str, x, h0, w_ih, w_hh, b_ih, b_hh, lengths) -> torch.Te
     T, B, _ = x.shape
     H = w_hh.shape[1]
     hx = (h0 if h0 is not None else x.new_zeros(B, H)).unsqueeze(0).contiguous()
-    params = [w_ih, w_hh] + ([b_ih, b_hh] if b_ih is not None else [])
-    run = torch.rnn_tanh if cell == "rnn" else torch.gru
     if lengths is None or bool((lengths == T).all()):
-        h, _ = run(x, hx, params, b_ih is not None, 1, 0.0, False, False, False)
-        return h.contiguous()
+        return torch_layer(cell, x, hx, w_ih, w_hh, b_ih, b_hh)[0].contiguous()
     # the packed path, as torch.nn.RNN/GRU runs a PackedSequence: the same kernels, the same numbers
     nn_rnn = torch.nn.utils.rnn
     packed = nn_rnn.pack_padded_sequence(x, lengths.cpu(), enforce_sorted=False)
-    data, _ = run(packed.data, packed.batch_sizes, hx.index_select(1, packed.sorted_indices), params,
-                  b_ih is not None, 1, 0.0, False, False)
+    data, _ = torch_layer(cell, packed.data, hx.index_select(1, packed.sorted_indices), w_ih, w_hh, b_ih, b_hh,
+                          packed.batch_sizes)
     out, _ = nn_rnn.pad_packed_sequence(packed._replace(data=data), total_length=T)
     last = torch.minimum(torch.arange(T, device=x.device)[:, None], (lengths.to(x.device) - 1)[None, :])
     return out.gather(0, last.unsqueeze(-1).expand(T, B, H)).contiguous()
@@ -143,7 +186,7 @@ def layer_backward(cell: str, x, h0, w_ih, w_hh, b_ih, b_hh, lengths, h, grad_h,
     are None unless asked for, the biases' where there are none."""
     T, B, _ = x.shape
     dev = x.device
-    be = backend_for(backend, dev)
+    be = _step.backend if _step.backend is not None else backend_for(backend, dev)
     seed = grad_h[-1] if grad_h is not None else None
     if grad_h_n is not None:
         seed = grad_h_n if seed is None else seed + grad_h_n
@@ -159,16 +202,20 @@ def layer_backward(cell: str, x, h0, w_ih, w_hh, b_ih, b_hh, lengths, h, grad_h,
     if _single_seed(grad_h, lengths, T, dev):
         if not need_x and not need_h0 and h0 is None:
             # the harness's training step: the backend may accumulate the weights' gradients as it scans
-            J = _chain(be, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, layout, with_x=True)
+            with _jacobian_phase():
+                J = layer_chain(be, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, layout, with_x=True)
             grads = be.cell_grads(seed, J, L_m, lambda out: _grads(cell, x, h0, w_ih, w_hh, h, gates, None,
                                                                    _dh(cell, out, layout), layout, out)[2])
             return None, None, *_weights(grads, b_ih is not None)
-        scan = be.scan(seed, _chain(be, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, layout), L_m)
+        with _jacobian_phase():
+            J = layer_chain(be, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, layout)
+        scan = be.scan(seed, J, L_m)
         dh = _dh(cell, scan, layout)
     elif valid is None and not need_x and not need_h0 and h0 is None:
         # a loss on every state, full lengths: the backend may accumulate the weights' gradients as it scans
         ps = per_step_backend(be, dev)
-        J = _chain(ps, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused", with_x=True)
+        with _jacobian_phase():
+            J = layer_chain(ps, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused", with_x=True)
         grads = ps.affine_cell_grads(seed, J, _direct(grad_h, h), L_m, lambda out: _grads(
             cell, x, h0, w_ih, w_hh, h, gates, None, _dh(cell, out, "fused"), "fused", out)[2])
         return None, None, *_weights(grads, b_ih is not None)
@@ -185,8 +232,11 @@ def _weights(grads: dict, bias: bool):
             grads["bias_ih_l0"] if bias else None, grads["bias_hh_l0"] if bias else None)
 
 
-def _chain(be, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, layout, with_x=False):
-    """The backend's transposed Jacobians in scan order (dense, or kept as factors by the fast paths)."""
+def layer_chain(be, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, layout, with_x=False):
+    """The backend's transposed Jacobians in scan order (dense, or kept as factors by the fast paths), from the
+    forward's states ``h`` [T, B, H]; ``with_x``: a factored chain also keeps the inputs, for the weights'
+    gradients accumulated as it scans.  ``gates``: a callable that gives the GRU's recomputed gates (None: the
+    backend recomputes them with h0 = 0)."""
     if cell == "rnn":
         return be.rnn_jacobians_t(h, w_hh, layout, x if with_x else None)
     return be.gru_jacobians_t(x, h, _gru_cell(w_ih, w_hh, b_ih, b_hh), gates)
@@ -200,7 +250,8 @@ def _dh(cell: str, scan: torch.Tensor, layout: str) -> torch.Tensor:
 def per_step_scan(be, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, valid, seed, grad_h, L_m):
     """∇h_t (time order) where a gradient enters at every step or the sequences end apart: the affine scan of
     ``be`` (:func:`per_step_backend`) over its fused chain, identities at the steps past a sequence's end."""
-    J = _chain(be, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused")
+    with _jacobian_phase():
+        J = layer_chain(be, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused")
     past = None if valid is None else ~valid.flip(0)  # scan order: J[k] is step T - k
     return be.affine_scan(seed, J, _direct(grad_h, h), L_m, past).flip(0)
 

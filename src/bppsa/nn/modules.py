@@ -148,7 +148,7 @@ class _Recurrent(nn.Module):
                 if self.dropout and self.training and k < self.num_layers - 1:
                     x = F.dropout(x, self.dropout, True)
                 finals.append(h_n)
-        return x, torch.stack(finals)
+        return x, (finals[0].unsqueeze(0) if len(finals) == 1 else torch.stack(finals))  # a view: no copy back
 
     # -- conversions --------------------------------------------------------------------------------
     def _torch_kwargs(self) -> dict:

@@ -13,6 +13,7 @@ registration only makes the tensors' device current; the CuPy backends launch on
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from . import backward as _bw
 
@@ -35,13 +36,15 @@ def _define(cell: str):
             h = _bw.layer_forward(cell, x, h0, w_ih, w_hh, b_ih, b_hh, lengths)
         return h, h[-1].clone()
 
-    def backward(x, h0, w_ih, w_hh, b_ih, b_hh, lengths, h, grad_h, grad_h_n, need_x, need_h0, backend, layout,
-                 L_m):
+    def gradients(x, h0, w_ih, w_hh, b_ih, b_hh, lengths, h, grad_h, grad_h_n, need_x, need_h0, backend, layout,
+                  L_m):
         with _bw.no_autocast(x.device):
-            out = _bw.layer_backward(cell, x, h0, w_ih, w_hh, b_ih, b_hh, lengths, h, grad_h, grad_h_n, need_x,
-                                     need_h0, backend, layout, L_m)
+            return _bw.layer_backward(cell, x, h0, w_ih, w_hh, b_ih, b_hh, lengths, h, grad_h, grad_h_n, need_x,
+                                      need_h0, backend, layout, L_m)
+
+    def backward(*args):
         # an op returns tensors: an empty one stands for "no gradient" (see _fake_backward)
-        return tuple(t.contiguous() if t is not None else x.new_empty(0) for t in out)
+        return tuple(t.contiguous() if t is not None else args[0].new_empty(0) for t in gradients(*args))
 
     fwd = torch.library.custom_op(f"bppsa::{cell}", forward, mutates_args=(), schema=_FWD)
     bwd = torch.library.custom_op(f"bppsa::{cell}_backward", backward, mutates_args=(), schema=_BWD)
@@ -54,6 +57,7 @@ def _define(cell: str):
 
     fwd.register_kernel("cuda", on_device(forward))
     bwd.register_kernel("cuda", on_device(backward))
+    gradients_on_device = on_device(gradients)
 
     @fwd.register_fake
     def _fake_forward(x, h0, w_ih, w_hh, b_ih, b_hh, lengths, backend, layout, L_m):
@@ -81,7 +85,11 @@ def _define(cell: str):
             return (None,) * 10
         x, h0, w_ih, w_hh, b_ih, b_hh, lengths, h = ctx.saved_tensors
         need_h0 = need[1] and h0 is not None
-        grads = bwd(x, h0, w_ih, w_hh, b_ih, b_hh, lengths, h, grad_h, grad_h_n, need[0], need_h0, *ctx.options)
+        args = (x, h0, w_ih, w_hh, b_ih, b_hh, lengths, h, grad_h, grad_h_n, need[0], need_h0, *ctx.options)
+        if torch.is_grad_enabled() or is_in_torch_dispatch_mode():
+            grads = bwd(*args)  # a trace (torch.compile) or a graph of the backward (whose own backward raises)
+        else:  # eager: the implementation itself, without the dispatcher's layers of Python around a custom op
+            grads = (gradients_on_device if x.is_cuda else gradients)(*args)  # None where no gradient
         keep = (need[0], need_h0, need[2], need[3], need[4] and b_ih is not None, need[5] and b_hh is not None)
         return (*(g if k else None for g, k in zip(grads, keep)), None, None, None, None)
 

@@ -136,11 +136,3 @@ class CpuBackend(TorchBackend):
         if isinstance(J, FactoredChain):
             return param_grads(g, J, self._L_m(L_m), self.workspace, from_scan, self._split)
         return from_scan(self.scan(grad_of(g), J, L_m))
-
-    def head_grads(self, logits, y, W, h):
-        ts = (logits, W, h)
-        if (all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == W.dtype for t in ts)
-                and y.dtype == torch.int64 and y.is_contiguous() and native.available()
-                and native.library("rnn", W.shape[1], 0, 1, W.dtype) is not None):
-            return native.head_grads(logits, y, W, h)
-        return super().head_grads(logits, y, W, h)

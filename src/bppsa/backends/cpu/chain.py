@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ... import scan as _scan
-from ..base import Head, grad_of
+from ..base import grad_of
 from ..chain import FactoredChain, GruChain, PaperChain, RnnChain, factor_buffer
 from . import native, plan, pool
 from .dense import dense_tree_scan
@@ -80,8 +80,7 @@ def synthetic(kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype):
 def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, split: str = "auto",
                       grads: bool = False, c: torch.Tensor | None = None):
     """The scan over a :class:`FactoredChain` by the compiled kernel (:mod:`.native`); None where it is
-    unavailable.  ``g``: ∇h_T, or the callable that returns it (a :class:`~bppsa.backends.base.Head` the kernel
-    runs itself, in the scan's call; another callable first).  ``grads``: instead of the scan, the cell's
+    unavailable.  ``g``: ∇h_T, or the callable that returns it.  ``grads``: instead of the scan, the cell's
     parameter gradients (a dict), accumulated by the kernel as the prefixes come out (the chain must have been
     built with x).
 
@@ -101,10 +100,8 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     if team is None:
         return None
     dtype = chain.dtype
-    head = g if isinstance(g, Head) and native.head_fits(g, dtype) else None
-    if head is None:
-        g = grad_of(g)
-        g = g if g.is_contiguous() else g.contiguous()
+    g = grad_of(g)
+    g = g if g.is_contiguous() else g.contiguous()
     out = None if grads else torch.empty((n, B, H), dtype=dtype)
     if n == 0:
         return out
@@ -117,8 +114,7 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
             raise ValueError(f"per-step gradients: expected [{n}, {B}, {H}] {dtype} on the CPU, got "
                              f"{list(c.shape)} {c.dtype} on {c.device}")
         c = c if c.is_contiguous() else c.contiguous()
-    sums = team.go(chain._W, chain.states if chain.states is not None else chain._f, team.g if head else g, out,
-                   head, fill, c)
+    sums = team.go(chain._W, chain.states if chain.states is not None else chain._f, g, out, fill, c)
     return sums if grads else out
 
 

@@ -878,37 +878,6 @@ void chain_down_lanes(const real *Wt, const chain_src *f, real *out, int mode, l
     grp_flush(&gp, acc);
 }
 
-/* -- a training step's head: the gradients of the mean softmax cross-entropy of logits = h W^T + b ------ */
-/* logits [B][C], labels y [B], W [C][Hh], h [B][Hh] (any sizes): d = (softmax(logits) - onehot(y)) / B, then
- * gW = d^T h [C][Hh], gb = the sums of d's columns [C], gh = d W [B][Hh].  Returns 0, or 1 where a label is
- * out of range (nothing written). */
-int xent_head_grads(const real *logits, const int64_t *y, const real *W, const real *h, long B, long C, long Hh,
-                    real *gW, real *gb, real *gh) {
-    for (long b = 0; b < B; ++b)
-        if (y[b] < 0 || y[b] >= C) return 1;
-    real d[C > 0 ? C : 1];
-    memset(gW, 0, sizeof(real) * C * Hh);
-    memset(gb, 0, sizeof(real) * C);
-    for (long b = 0; b < B; ++b) {
-        const real *l = logits + b * C;
-        real m = l[0], s = 0;
-        for (long c = 1; c < C; ++c) m = l[c] > m ? l[c] : m;
-        for (long c = 0; c < C; ++c) s += d[c] = REALBITS == 32 ? expf(l[c] - m) : exp(l[c] - m);
-        for (long c = 0; c < C; ++c) d[c] = (d[c] / s - (c == y[b])) / B;
-        const real *hb = h + b * Hh;
-        real *ghb = gh + b * Hh;
-        for (long j = 0; j < Hh; ++j) ghb[j] = 0;
-        for (long c = 0; c < C; ++c) {
-            gb[c] += d[c];
-            for (long j = 0; j < Hh; ++j) {
-                gW[c * Hh + j] += d[c] * hb[j];
-                ghb[j] += d[c] * W[c * Hh + j];
-            }
-        }
-    }
-    return 0;
-}
-
 /* A chain of n dependent multiply-adds: times one multiply-add's latency (the sequential scan's roof). */
 real fma_chain(long n) {
     volatile real seed = 1;
@@ -1124,7 +1093,7 @@ void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, c
  * host) costs the team a share of its work, not all of it.  A slice's middle runs on the first thread free once
  * the slice's up units are done (its owner, unless that one is held up).  Which thread runs a
  * unit changes no result: a unit writes only its own blocks (or sums), and each runs in the same order on any
- * thread.  The calling thread leads (team_go): it wakes the pool's threads, runs the head's backward,
+ * thread.  The calling thread leads (team_go): it wakes the pool's threads,
  * takes its share, waits for every slice, adds the sums into the parameter gradients and returns once no
  * other thread is inside.  The pool's threads are plain pthreads parked on a condition variable, in the
  * caller's floating-point mode (subnormals flushed or not) for each scan. */
@@ -1227,14 +1196,6 @@ typedef struct {
     long state; /* 0: up; 1: middle claimed; 2: middle done (down units open) */
 } team_slice;
 
-/* The head's backward (xent_head_grads' operands; logits NULL: none, g is given). */
-typedef struct {
-    const real *logits, *W, *h;
-    const int64_t *y;
-    long B, C, Hh;
-    real *gW, *gb, *gh;
-} team_head;
-
 /* The parameter gradients: dst[out] + off .. = the segment's values (rows a0 .. a1 - 1, columns c0 .. c1 - 1 of
  * the sums, row by row), each the sum over the sum blocks (in order) of their parts and lanes (in order). */
 typedef struct {
@@ -1252,22 +1213,21 @@ typedef struct {
     team_units pre;     /* before every up unit */
     team_slice *sl;
     long ns, nthreads;
-    team_head head;
     const team_acc *acc;
     long nacc;
     const team_seg *seg;
     long nseg;
     real **dst;         /* the parameters' gradients (NULL: none) */
     /* state, reset by team_go */
-    int stop, g_ready, closed, inside;
+    int stop, closed, inside;
     int ev, parked;     /* the event word (bumped by every change a thread may wait for), its sleepers */
     unsigned csr;
     long gen;
 } team;
 
 /* -- waiting: spin for a bounded time, then park ---------------------------------------------------------
- * A thread that waits for another (units claimed elsewhere, a slice's middle, the head's gradient, the pool's
- * threads leaving) spins with the CPU's pause hint for at most SPIN_NS of wall-clock time, then parks on the
+ * A thread that waits for another (units claimed elsewhere, a slice's middle, the pool's threads
+ * leaving) spins with the CPU's pause hint for at most SPIN_NS of wall-clock time, then parks on the
  * team's event word (a futex on Linux; elsewhere short sleeps) until something changes: every change a thread
  * may wait for bumps the word and wakes the sleepers, if any.  Spinning covers a quiet machine's waits (the
  * tree between the phases: tens of microseconds); parking gives the core back on a busy one, where a spinning
@@ -1355,11 +1315,6 @@ static int wait_units(team *t, team_units *u, int nu) {
     return 1;
 }
 
-static int head_done(team *t, const void *arg) {
-    (void)arg;
-    return __atomic_load_n(&t->g_ready, __ATOMIC_ACQUIRE);
-}
-
 static int mid_done(team *t, const void *s) {
     (void)t;
     return __atomic_load_n(&((team_slice *)s)->state, __ATOMIC_ACQUIRE) >= 2;
@@ -1386,7 +1341,7 @@ static int run_slices_up(team *t, int me, int own) {
  * has run out of work of its own: an owner held up by a busy host costs the team no wait). */
 static int take_mid(team *t, team_slice *s) {
     if (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE)) return 1;
-    if (!wait_units(t, s->up, TEAM_PHASES) || !await(t, head_done, 0, 0)) return 0;
+    if (!wait_units(t, s->up, TEAM_PHASES)) return 0;
     long zero = 0;
     if (!__atomic_compare_exchange_n(&s->state, &zero, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) return 1;
     s->mid(s->mid_args, 0, 0, 0);
@@ -1491,8 +1446,7 @@ static void reduce(team *t) {
 
 static void reset_units(team_units *u) { u->next = u->done = 0; }
 
-/* The whole scan, led by the calling thread.  Returns 0; 1 where a label is out of range (the head); 2 where
- * a pool thread could not be started. */
+/* The whole scan, led by the calling thread.  Returns 0; 2 where a pool thread could not be started. */
 int team_go(team *t) {
     real *Wt = (real *)t->call.Wt;
     for (int g = 0; g < NW; ++g)
@@ -1506,7 +1460,6 @@ int team_go(team *t) {
     }
     long nt = t->nthreads < 64 ? t->nthreads : 64;
     t->stop = 0;
-    t->g_ready = t->head.logits == 0;
     t->inside = t->parked = 0;
 #if defined(__SSE__) || defined(__x86_64__)
     t->csr = _mm_getcsr();
@@ -1527,23 +1480,14 @@ int team_go(team *t) {
     } else {
         t->closed = 0;
     }
-    int rc = 0;
-    if (t->head.logits) {
-        const team_head *h = &t->head;
-        rc = xent_head_grads(h->logits, h->y, h->W, h->h, h->B, h->C, h->Hh, h->gW, h->gb, h->gh);
-        __atomic_store_n(rc ? &t->stop : &t->g_ready, 1, __ATOMIC_RELEASE);
-        notify(t);
-    }
-    if (!rc) {
-        team_work(t, 0);
-        /* every slice's down units done: those another thread claimed may still run */
-        for (long i = 0; i < t->ns; ++i) wait_units(t, t->sl[i].down, TEAM_PHASES);
-    }
+    team_work(t, 0);
+    /* every slice's down units done: those another thread claimed may still run */
+    for (long i = 0; i < t->ns; ++i) wait_units(t, t->sl[i].down, TEAM_PHASES);
     pthread_mutex_lock(&pool_mx); /* no thread takes t after this; those that did are counted in inside */
     __atomic_store_n(&t->closed, 1, __ATOMIC_SEQ_CST);
     if (pool_job == t) pool_job = 0;
     pthread_mutex_unlock(&pool_mx);
     await(t, nobody_inside, 0, 1);
-    if (!rc && t->dst) reduce(t);
-    return rc;
+    if (t->dst) reduce(t);
+    return 0;
 }

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "library", "Team", "GruFill", "head_fits", "KINDS", "ISAS",
-           "target", "lane_width", "rnn_factors", "head_grads", "reset", "isa", "build_key"]
+__all__ = ["available", "unavailable_reason", "library", "Team", "GruFill", "KINDS", "ISAS",
+           "target", "lane_width", "rnn_factors", "reset", "isa", "build_key"]
 
 _REAL = {torch.float32: "float", torch.float64: "double"}
 # The chains the kernel runs (chain_scan.c's KIND): the RNN's fused and paper layouts, the GRU.
@@ -226,10 +226,10 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     factors = ({"gru_factors": [p, p, p, p, p, p, l, l, l, l, p]} if kind == KINDS["gru"]
                else {"rnn_factors": [p, p, l, l, l, l, p]})
-    for name, args in {"team_go": [p], "xent_head_grads": [p, p, p, p, l, l, l, p, p, p],
+    for name, args in {"team_go": [p],
                        "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i], "fma_chain": [l], **factors}.items():
         f = getattr(lib, name)
-        f.argtypes, f.restype = args, {"chain_scan_work": l, "chain_blocks": l, "team_go": i, "xent_head_grads": i,
+        f.argtypes, f.restype = args, {"chain_scan_work": l, "chain_blocks": l, "team_go": i,
                                        "fma_chain": ctypes.c_float if real == "float" else ctypes.c_double}.get(name)
     return lib
 
@@ -273,18 +273,6 @@ def rnn_factors(h: torch.Tensor, x: torch.Tensor, out: torch.Tensor, k0: int, k1
     library("rnn", H, x.shape[2], 1, h.dtype).rnn_factors(h.data_ptr(), x.data_ptr(), T, B, k0, k1, out.data_ptr())
 
 
-def head_grads(logits: torch.Tensor, y: torch.Tensor, W: torch.Tensor, h: torch.Tensor):
-    """The compiled twin of :meth:`bppsa.backends.twin.TorchBackend.head_grads` (contiguous CPU tensors of one
-    dtype, int64 labels): one call where torch's handful of small ops took ~0.2 ms inside a training step."""
-    B, C = logits.shape
-    gW, gb, gh = W.new_empty(W.shape), W.new_empty((C,)), h.new_empty(h.shape)
-    lib = library("rnn", W.shape[1], 0, 1, W.dtype)
-    if lib.xent_head_grads(logits.data_ptr(), y.data_ptr(), W.data_ptr(), h.data_ptr(), B, C, W.shape[1],
-                           gW.data_ptr(), gb.data_ptr(), gh.data_ptr()):
-        raise IndexError(f"a label is out of range for {C} classes")
-    return gW, gb, gh
-
-
 _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
 
@@ -308,11 +296,6 @@ class _Slice(ctypes.Structure):
                 ("state", _l)]
 
 
-class _Head(ctypes.Structure):
-    _fields_ = [("logits", _p), ("W", _p), ("h", _p), ("y", _p), ("B", _l), ("C", _l), ("Hh", _l), ("gW", _p),
-                ("gb", _p), ("gh", _p)]
-
-
 class _Acc(ctypes.Structure):
     _fields_ = [("p", _p), ("parts", _l), ("lanes", _l)]
 
@@ -322,10 +305,9 @@ class _Seg(ctypes.Structure):
 
 
 class _Team(ctypes.Structure):
-    _fields_ = [("call", _Call), ("W", _p), ("pre", _Units), ("sl", _p), ("ns", _l), ("nthreads", _l), ("head", _Head),
-                ("acc", _p), ("nacc", _l), ("seg", _p), ("nseg", _l), ("dst", _p), ("stop", _i), ("g_ready", _i),
-                ("closed", _i), ("inside", _i), ("ev", _i), ("parked", _i), ("csr", ctypes.c_uint),
-                ("gen", _l)]
+    _fields_ = [("call", _Call), ("W", _p), ("pre", _Units), ("sl", _p), ("ns", _l), ("nthreads", _l), ("acc", _p),
+                ("nacc", _l), ("seg", _p), ("nseg", _l), ("dst", _p), ("stop", _i), ("closed", _i), ("inside", _i),
+                ("ev", _i), ("parked", _i), ("csr", ctypes.c_uint), ("gen", _l)]
 
 
 class _FillArgs(ctypes.Structure):
@@ -420,7 +402,7 @@ class Team:
         self.acc = (_Acc * max(1, len(accs)))(*[(a_.data_ptr(), p, ln) for a_, p, ln in accs])
         t.acc, t.nacc = ctypes.addressof(self.acc), len(accs)
         nw = 3 if kind == "gru" else 1
-        self.Wt, self.g = torch.empty(nw * H * H, dtype=dtype), torch.empty((B, H), dtype=dtype)
+        self.Wt = torch.empty(nw * H * H, dtype=dtype)
         self.call.Wt = self.Wt.data_ptr()
         self.layout = [] if not mode else [shape for _, shape, _ in layout]
         self.names = [] if not mode else [name for name, _, _ in layout]
@@ -435,11 +417,10 @@ class Team:
             t.seg, t.nseg = ctypes.addressof(self.seg), len(segs)
             self.dst = (_p * len(layout))()
 
-    def go(self, W: torch.Tensor, src, g: torch.Tensor, out: torch.Tensor | None = None, head=None,
+    def go(self, W: torch.Tensor, src, g: torch.Tensor, out: torch.Tensor | None = None,
            fill: GruFill | None = None, direct: torch.Tensor | None = None):
         """One scan: the recurrent weights ``W`` [NW·H, H] (transposed here), ``src`` (the factors f, or the RNN's
-        states (h, x)), ∇h_T in ``g`` (or ``head``, a :class:`~bppsa.backends.base.Head` the kernel runs: then
-        pass :attr:`g`, which receives ∇h_T), ``out`` [n, B, H] (mode 0), ``fill``: the factors' writer left to
+        states (h, x)), ∇h_T in ``g``, ``out`` [n, B, H] (mode 0), ``fill``: the factors' writer left to
         the team; ``direct``: the loss's direct gradients c [n, B, H] in scan order, c[k] entering after J_k
         (contiguous; a team built ``affine``), making the scan the affine recurrence out[k+1] = J_k out[k] + c[k].
         Returns the parameter gradients (mode 1: a dict of new tensors)."""
@@ -453,16 +434,6 @@ class Team:
         else:
             c.f, c.h, c.x = None, src[0].data_ptr(), src[1].data_ptr()
         c.out = None if out is None else out.data_ptr()
-        if head is not None:
-            Wh = head.linear.weight
-            C, Hh = Wh.shape
-            gW, gb = torch.empty((C, Hh), dtype=dtype), torch.empty(C, dtype=dtype)
-            hd = t.head
-            hd.logits, hd.W, hd.h, hd.y = head.logits.data_ptr(), Wh.data_ptr(), head.h.data_ptr(), head.y.data_ptr()
-            hd.B, hd.C, hd.Hh = head.logits.shape[0], C, Hh
-            hd.gW, hd.gb, hd.gh = gW.data_ptr(), gb.data_ptr(), g.data_ptr()
-        else:
-            t.head.logits = None
         if fill is not None:
             fill.units(t.pre, t.nthreads)
         else:
@@ -471,19 +442,7 @@ class Team:
         if grads:
             self.dst[:] = [a.data_ptr() for a in grads]
         t.dst = ctypes.addressof(self.dst) if grads else None
-        rc = self.lib.team_go(ctypes.byref(t))
-        if rc == 1:
-            raise IndexError(f"a label is out of range for {head.logits.shape[1]} classes")
-        if rc:
+        if self.lib.team_go(ctypes.byref(t)):
             raise RuntimeError("the scan could not start its threads")
-        if head is not None:
-            head.apply(gW, gb)
         return dict(zip(self.names, grads)) if self.mode else None
 
-
-def head_fits(head, dtype: torch.dtype) -> bool:
-    """Whether the kernel can run this :class:`~bppsa.backends.base.Head` in a scan of ``dtype`` (contiguous
-    CPU tensors of that dtype, int64 labels)."""
-    y = head.y
-    return (all(t.dtype == dtype and t.is_cpu and t.is_contiguous() for t in (head.logits, head.linear.weight, head.h))
-            and y.dtype == torch.int64 and y.is_cpu and y.is_contiguous() and head.logits.dim() == 2)
