@@ -3,9 +3,8 @@
 :func:`openmp_policy` runs when :mod:`bppsa` is imported (so for a library user, the tests and every ``bppsa``
 command alike): after each parallel region torch's OpenMP workers spin-wait for the next one (GNU libgomp:
 300,000 rounds by default; Intel's and LLVM's runtimes: 200 ms), holding cores the fast path's own team of
-threads needs -- on a 2-core machine that added ~3.5 ms to a 6 ms scan and ~1.5 ms to the compiled sequential
-backward, and changed neither autograd's forward nor its backward.  A short spin removes it.  The runtimes read
-these variables once, when they load: where torch was imported before bppsa, they come too late and
+threads needs (measured: docs/measurements.md, "Measurements the code cites").  A short spin removes it.
+The runtimes read these variables once, when they load: where torch was imported before bppsa, they come too late and
 :func:`openmp_report` (``bppsa doctor``) says so.  A value the user set wins.
 
 :func:`keep_large_blocks` (the ``bppsa`` commands only) tunes glibc's allocator for the benchmarks.
@@ -60,9 +59,9 @@ def keep_large_blocks() -> None:
     """Let glibc keep freed blocks of up to 32 MiB in the heap instead of returning them to the kernel.
 
     By default a block above ~128 KiB-32 MiB (a dynamic threshold) is mmap'd and unmapped on free, so a
-    tensor of that size made every iteration is page-faulted and zeroed anew: at T = 1034, B = 64 the
-    GRU's gate recomputation took 31 ms that way against 10 ms with blocks reused (2-core machine,
-    measured).  Every method in a process gets the same allocator, so comparisons stay fair."""
+    tensor of that size made every iteration is page-faulted and zeroed anew (measured: docs/measurements.md,
+    "Measurements the code cites").  Every method in a process gets the same allocator, so comparisons stay
+    fair."""
     try:
         import ctypes
 

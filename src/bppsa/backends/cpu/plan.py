@@ -82,8 +82,8 @@ def fused_levels(n: int) -> int:
     """Up-sweep levels the kernel computes per block in cache for a chain of ``n`` Jacobians (blocks of 2^c,
     see chain_scan.c): from 4 up to 6, the most that leave at least 8 blocks to the tree above them.  Each
     level fused saves storing and re-reading a level; the tree's products over the blocks cost as much as a
-    block's, so fewer, longer blocks do less work (measured, paired, whole backward at T = 1000: 6 against 4
-    levels 1.07x faster for the RNN at B = 16, 1.11x at B = 64, 1.06x for the GRU at B = 16)."""
+    block's, so fewer, longer blocks do less work (measured: docs/measurements.md, "Measurements the code
+    cites")."""
     return max(4, min(6, n.bit_length() - 4))
 
 
@@ -113,9 +113,8 @@ def _widest(kind: str, dtype: torch.dtype) -> int:
 def estimate(kind: str, n: int, B: int, H: int, dtype: torch.dtype, split: str, threads: int) -> Plan:
     """The plan by rule, without measuring.  Slices for every thread where each gets a whole vector register of
     lanes, or one batch element (whose blocks then fill the lanes); narrower ones waste the vector units, so the
-    threads share the blocks of full-width slices instead (measured on a 2-core Zen 4, the RNN's training-step
-    backward at T = 1000: B = 16 as one 16-lane slice split by blocks 1.00-1.05 ms against 1.43-1.44 in two 8-lane
-    slices; B = 2 one element each 0.53 against 1.5).  The sequential rival's chains cannot share blocks: it takes
+    threads share the blocks of full-width slices instead (measured: docs/measurements.md, "Measurements the code
+    cites").  The sequential rival's chains cannot share blocks: it takes
     slices of at least 32 bytes, or one thread.  ``split``: ``auto``, or ``slices`` / ``blocks`` only."""
     min_flop = KERNEL_SPEEDUP * MIN_CHUNK_FLOP  # the same hand-off, repaid only by more of the kernel's FLOP
     threads = min(threads, MAX_THREADS)

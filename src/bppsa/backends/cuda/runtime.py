@@ -2,9 +2,9 @@
 :class:`cupy.RawModule`, once per process and device), and launch them on torch's current stream.
 
 A launch hands the kernel torch's raw device pointers and the handle of torch's current stream; CuPy
-only compiles, loads and launches.  The first GPU run (docs/measurements.md, H200) found the DLPack
-hand-over of the earlier design costing ~60 µs of host time per tensor, 48 a backward: ~3 ms of a 4 ms
-backward whose kernels ran for 0.2 ms.  A pointer costs nothing, and since every kernel runs on the
+only compiles, loads and launches.  The first GPU run found the DLPack hand-over of the earlier design
+costing most of a backward's host time (docs/measurements.md, "Measurements the code cites").  A pointer
+costs nothing, and since every kernel runs on the
 stream torch allocated its operands on, torch's caching allocator orders their reuse as for any torch
 op.  CuPy is imported lazily (:func:`import_cupy`): importing this module never needs it.
 """
