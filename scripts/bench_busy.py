@@ -52,16 +52,18 @@ def load_copy(src: str, name: str):
 
 
 def instrument(pkg, box: dict):
-    """Time ``pkg``'s kernel call (Team.go) into box["kernel"]."""
+    """Time ``pkg``'s kernel call (Team.go) into box["kernel"], its units run again into box["reruns"]."""
     native = importlib.import_module(pkg.__name__ + ".backends.cpu.native")
     go = native.Team.go
 
     def timed(self, *a, **k):
+        r0 = getattr(self.t, "reruns", 0)  # units run again for a held-up thread (where the team has them)
         t0 = time.perf_counter()
         try:
             return go(self, *a, **k)
         finally:
             box["kernel"] += time.perf_counter() - t0
+            box["reruns"] += getattr(self.t, "reruns", 0) - r0
 
     native.Team.go = timed
 
@@ -75,15 +77,15 @@ def method(pkg, B: int, T: int, H: int, dtype, seed: int):
     backend = backends.get_backend("cpu", torch.device("cpu"))
     if backend.name != "cpu":
         raise SystemExit(f"{pkg.__name__}: the CPU fast path is unavailable here")
-    timer, box = timing.PhaseTimer(torch.device("cpu")), {"kernel": 0.0}
+    timer, box = timing.PhaseTimer(torch.device("cpu")), {"kernel": 0.0, "reruns": 0}
     instrument(pkg, box)
 
     def run() -> dict:
         model.zero_grad(set_to_none=True)
-        box["kernel"] = 0.0
+        box["kernel"], box["reruns"] = 0.0, 0
         model.bppsa_step(x, y, backend, "fused", phase=timer.phase)
         ph = timer.collect()
-        return {**ph, "bwd": ph["jacobian"] + ph["backward"], "kernel": box["kernel"]}
+        return {**ph, "bwd": ph["jacobian"] + ph["backward"], "kernel": box["kernel"], "reruns": box["reruns"]}
 
     def plan_of() -> str:
         plan = importlib.import_module(pkg.__name__ + ".backends.cpu.plan")
@@ -121,9 +123,16 @@ class Busy:
         self.p.wait()
 
 
+def host_busy() -> float:
+    """CPU seconds every CPU of the host has spent outside idle and iowait since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def usage() -> np.ndarray:
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return np.array([r.ru_utime, r.ru_stime, r.ru_nvcsw, r.ru_nivcsw, time.perf_counter()])
+    return np.array([r.ru_utime, r.ru_stime, r.ru_nvcsw, r.ru_nivcsw, time.perf_counter(), host_busy()])
 
 
 def measure(methods: dict, seconds: float, period: float, settle: float, busy: Busy | None, warmup: int) -> tuple:
@@ -133,7 +142,7 @@ def measure(methods: dict, seconds: float, period: float, settle: float, busy: B
     for _ in range(warmup):
         for k in names:
             methods[k]()
-    rows, use = [], {"quiet": np.zeros(5), "busy": np.zeros(5)}
+    rows, use = [], {"quiet": np.zeros(6), "busy": np.zeros(6)}
     busy_cpu = {"quiet": 0.0, "busy": 0.0}
     t_start = time.perf_counter()
     period_no, t_period = 0, t_start
@@ -188,7 +197,8 @@ def report(df: pd.DataFrame, use: dict, busy_cpu: dict, names: list[str], has_bu
             d = df[(df.method == k) & (df.state == state) & df.settled]
             print(f"{k:6s} {state:5s} n={len(d):4d}  " + "  ".join(f"{c} {ms(median_ci(d[c].to_numpy()))}"
                                                                 for c in cols[:3]))
-            print(" " * 19 + "  ".join(f"{c} {ms(median_ci(d[c].to_numpy()))}" for c in cols[3:]))
+            print(" " * 19 + "  ".join(f"{c} {ms(median_ci(d[c].to_numpy()))}" for c in cols[3:])
+                  + f"  units run again {d.reruns.mean():.2f}/call")
         if has_busy:
             for c in ("bwd", "kernel", "around"):
                 q, b = paired(df, c, k)
@@ -199,9 +209,11 @@ def report(df: pd.DataFrame, use: dict, busy_cpu: dict, names: list[str], has_bu
         if u[4] <= 0:
             continue
         cpu = u[0] + u[1]
+        others = (u[5] - cpu - busy_cpu[state]) / u[4]
         print(f"{state:5s}: {u[4]:.1f} s, process CPU {cpu:.2f} s ({cpu / u[4]:.2f} cores), system "
               f"{100 * u[1] / cpu:.1f} % of it; context switches {u[2] / u[4]:.0f}/s voluntary, "
-              f"{u[3] / u[4]:.0f}/s involuntary; the busy loop {busy_cpu[state] / u[4]:.2f} cores")
+              f"{u[3] / u[4]:.0f}/s involuntary; the busy loop {busy_cpu[state] / u[4]:.2f} cores; everything else "
+              f"{others:.2f} cores" + ("  (NOT QUIET: another job ran)" if others > 0.1 else ""))
     if len(names) == 2:
         a, b = names
         for state in (("quiet", "busy") if has_busy else ("quiet",)):
