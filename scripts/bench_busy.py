@@ -135,27 +135,38 @@ def usage() -> np.ndarray:
     return np.array([r.ru_utime, r.ru_stime, r.ru_nvcsw, r.ru_nivcsw, time.perf_counter(), host_busy()])
 
 
-def measure(methods: dict, seconds: float, period: float, settle: float, busy: Busy | None, warmup: int) -> tuple:
-    """Rounds of every method (order rotated) for ``seconds``, the busy loop on in odd periods; rows and per-state
-    resource use."""
+def measure(methods: dict, seconds: float, max_seconds: float, period: float, settle: float, busy: Busy | None,
+            warmup: int, max_other: float) -> tuple:
+    """Rounds of every method (order rotated), the busy loop on in odd periods, until the clean periods add up to
+    ``seconds`` (or ``max_seconds`` have passed).  A period is clean where the rest of the host (neither this
+    process nor the busy loop) used at most ``max_other`` cores in it (and in its partner: a quiet period and the
+    busy one after it are kept or dropped together).  Rows (``clean`` marks theirs) and the clean periods'
+    resource use per state."""
     names = list(methods)
     for _ in range(warmup):
         for k in names:
             methods[k]()
-    rows, use = [], {"quiet": np.zeros(6), "busy": np.zeros(6)}
-    busy_cpu = {"quiet": 0.0, "busy": 0.0}
+    rows, periods = [], []
     t_start = time.perf_counter()
     period_no, t_period = 0, t_start
     u0, b0 = usage(), busy.cpu_seconds() if busy else 0.0
     rnd = 0
+
+    def clean_flags() -> list[bool]:
+        ok = [p[3] <= max_other for p in periods]
+        if busy:  # pairs (2k, 2k + 1)
+            ok = [ok[i] and (ok[i ^ 1] if (i ^ 1) < len(ok) else False) for i in range(len(ok))]
+        return ok
+
     while True:
         now = time.perf_counter()
-        if now - t_period >= period or now - t_start >= seconds:
+        if now - t_period >= period:
             state = "busy" if busy and busy.on else "quiet"
             u1, b1 = usage(), busy.cpu_seconds() if busy else 0.0
-            use[state] += u1 - u0
-            busy_cpu[state] += b1 - b0
-            if now - t_start >= seconds:
+            d, db = u1 - u0, b1 - b0
+            periods.append((state, d, db, (d[5] - d[0] - d[1] - db) / d[4]))
+            ok = clean_flags()
+            if sum(p[1][4] for p, c in zip(periods, ok) if c) >= seconds or now - t_start >= max_seconds:
                 break
             period_no, t_period = period_no + 1, now
             if busy:
@@ -169,7 +180,18 @@ def measure(methods: dict, seconds: float, period: float, settle: float, busy: B
             rows.append({"method": k, "round": rnd, "period": period_no, "state": state, "settled": settled,
                          **ph})
         rnd += 1
-    return pd.DataFrame(rows), use, busy_cpu
+    ok = clean_flags()
+    use, busy_cpu = {"quiet": np.zeros(6), "busy": np.zeros(6)}, {"quiet": 0.0, "busy": 0.0}
+    for (state, d, db, _), c in zip(periods, ok):
+        if c:
+            use[state] += d
+            busy_cpu[state] += db
+    print(f"{sum(ok)} of {len(periods)} periods clean (the rest of the host at most {max_other} cores); "
+          f"the others' load per period: {' '.join(f'{p[3]:.2f}' for p in periods)}")
+    df = pd.DataFrame(rows)
+    df["clean"] = df.period.map(lambda p: ok[p] if p < len(ok) else False)
+    df["settled"] &= df["clean"]
+    return df, use, busy_cpu
 
 
 def paired(df: pd.DataFrame, col: str, method: str) -> tuple[np.ndarray, np.ndarray]:
@@ -213,7 +235,7 @@ def report(df: pd.DataFrame, use: dict, busy_cpu: dict, names: list[str], has_bu
         print(f"{state:5s}: {u[4]:.1f} s, process CPU {cpu:.2f} s ({cpu / u[4]:.2f} cores), system "
               f"{100 * u[1] / cpu:.1f} % of it; context switches {u[2] / u[4]:.0f}/s voluntary, "
               f"{u[3] / u[4]:.0f}/s involuntary; the busy loop {busy_cpu[state] / u[4]:.2f} cores; everything else "
-              f"{others:.2f} cores" + ("  (NOT QUIET: another job ran)" if others > 0.1 else ""))
+              f"{others:.2f} cores")
     if len(names) == 2:
         a, b = names
         for state in (("quiet", "busy") if has_busy else ("quiet",)):
@@ -230,7 +252,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=20)
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seconds", type=float, default=60.0, help="per batch size")
+    ap.add_argument("--seconds", type=float, default=60.0, help="clean seconds per batch size")
+    ap.add_argument("--max-seconds", type=float, default=300.0, help="per batch size, clean or not")
+    ap.add_argument("--max-other", type=float, default=0.1,
+                    help="a period counts only where the rest of the host used at most this many cores")
     ap.add_argument("--period", type=float, default=2.0, help="seconds the busy loop stays on, then off")
     ap.add_argument("--settle", type=float, default=0.1, help="rounds this soon after a switch are not counted")
     ap.add_argument("--no-busy", action="store_true", help="no busy loop: quiet rounds only (an A/B)")
@@ -258,7 +283,8 @@ def main() -> None:
             print(f"B = {B} {k}: plan {plan_of()}")
         busy = None if a.no_busy else Busy(a.busy_session == "new", a.pin)
         try:
-            df, use, busy_cpu = measure(methods, a.seconds, a.period, a.settle, busy, a.warmup)
+            df, use, busy_cpu = measure(methods, a.seconds, a.max_seconds, a.period, a.settle, busy, a.warmup,
+                                        a.max_other)
         finally:
             if busy:
                 busy.close()
