@@ -11,8 +11,8 @@ compiled team's one call (``native.Team.go``), so ``bwd - kernel`` is the Python
 (quiet, busy): the process's user and system CPU time and context switches (``getrusage``) over the rounds in that
 state, and the busy loop's own CPU time (``/proc/<pid>/stat``), so a "busy" that was not busy shows.
 
-``--against SRC``: a second copy of the package (another checkout's ``src``, e.g. main's) is imported beside this
-one under another name, with its own kernel build; the two run alternately, round by round, on copies of the same
+``--against SRC``: another checkout's package (its ``src``, e.g. main's) and this one are each imported as a copy
+under another name, with its own kernel build; the two run alternately, round by round, on copies of the same
 model, batch and load, and the report gives their paired ratio.  ``--busy-session new`` (the default) starts the
 busy loop in a session of its own, as another user's job is (with the kernel's autogroups the scheduler then shares
 a core between the two sessions, not between the threads); ``same`` keeps it in this one.
@@ -25,6 +25,7 @@ from bppsa import process
 # isort: on
 
 import argparse
+import contextlib
 import importlib
 import os
 import resource
@@ -68,7 +69,7 @@ def instrument(pkg, box: dict):
     native.Team.go = timed
 
 
-def method(pkg, B: int, T: int, H: int, dtype, seed: int):
+def method(pkg, B: int, T: int, H: int, dtype, seed: int, forward_threads: int):
     """One round of ``pkg``'s training-step backward: seconds per phase."""
     speed = importlib.import_module(pkg.__name__ + ".bench.speed")
     timing = importlib.import_module(pkg.__name__ + ".bench.timing")
@@ -80,10 +81,21 @@ def method(pkg, B: int, T: int, H: int, dtype, seed: int):
     timer, box = timing.PhaseTimer(torch.device("cpu")), {"kernel": 0.0, "reruns": 0}
     instrument(pkg, box)
 
+    @contextlib.contextmanager
+    def phase(name: str):
+        threads = torch.get_num_threads()
+        if name == "forward":
+            torch.set_num_threads(forward_threads)
+        try:
+            with timer.phase(name):
+                yield
+        finally:
+            torch.set_num_threads(threads)
+
     def run() -> dict:
         model.zero_grad(set_to_none=True)
         box["kernel"], box["reruns"] = 0.0, 0
-        model.bppsa_step(x, y, backend, "fused", phase=timer.phase)
+        model.bppsa_step(x, y, backend, "fused", phase=phase)
         ph = timer.collect()
         return {**ph, "bwd": ph["jacobian"] + ph["backward"], "kernel": box["kernel"], "reruns": box["reruns"]}
 
@@ -263,6 +275,9 @@ def main() -> None:
     ap.add_argument("--pin", type=int, default=None, help="pin the busy loop to this CPU")
     ap.add_argument("--against", default=None, help="another checkout's src: its package runs as 'base'")
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--forward-threads", type=int, default=None,
+                    help="torch's threads in the forward only (default --threads): with a busy core torch's own "
+                         "threads wait for each other at every op, and a T = 1000 forward takes ~1 s")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     process.keep_large_blocks()
@@ -270,15 +285,16 @@ def main() -> None:
     torch.set_flush_denormal(True)  # as the bppsa commands do: the long products underflow
     dtype = getattr(torch, a.dtype)
     pkgs = {"new": bppsa}
-    if a.against:
-        pkgs = {"base": load_copy(a.against, "bppsa_base"), "new": bppsa}
+    if a.against:  # both sides copies, set up alike (the package imported first and a copy were not: A/A 0.97x)
+        here = os.path.dirname(os.path.dirname(os.path.abspath(bppsa.__file__)))
+        pkgs = {"base": load_copy(a.against, "bppsa_base"), "new": load_copy(here, "bppsa_new")}
     print(f"torch {torch.__version__}, threads {a.threads}, {os.cpu_count()} CPUs, OpenMP "
           f"{process.openmp_report()['value']}; {', '.join(f'{k}: {p.__file__}' for k, p in pkgs.items())}")
     frames = []
     for B in a.batch:
         methods = {}
         for k, pkg in pkgs.items():
-            run, plan_of = method(pkg, B, a.seq_len, a.hidden, dtype, 0)
+            run, plan_of = method(pkg, B, a.seq_len, a.hidden, dtype, 0, a.forward_threads or a.threads)
             methods[k] = run
             print(f"B = {B} {k}: plan {plan_of()}")
         busy = None if a.no_busy else Busy(a.busy_session == "new", a.pin)
