@@ -224,6 +224,9 @@ def ms(t: tuple) -> str:
 
 
 def report(df: pd.DataFrame, use: dict, busy_cpu: dict, names: list[str], has_busy: bool) -> None:
+    if not df.settled.any():
+        print("no clean period: nothing to report (another job kept the host busy)")
+        return
     cols = ["bwd", "kernel", "around", "jacobian", "backward", "forward"]
     df = df.assign(around=df.bwd - df.kernel)
     for k in names:
