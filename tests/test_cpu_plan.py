@@ -161,3 +161,29 @@ def test_a_unit_run_again_for_a_held_up_thread_changes_no_bit(kind, B, monkeypat
                     assert torch.equal(r, got[0]), (p, affine)
     if any(pl.threads > 1 for pl in plan.candidates(kind, n, B, H, L, torch.float64, "auto", 2)):
         assert reruns > 0  # the test ran what it is about
+
+
+def test_a_forked_child_runs_the_parents_team(monkeypatch):
+    """The call may return while a held-up thread is still inside it (native.Team); a child forked then has none
+    of the parent's threads, and its first call must not wait for them."""
+    import multiprocessing as mp
+
+    n, B, H = 200, 16, 20
+    chain, gT = synthetic("rnn", n, B, H, 1, torch.float64)
+    L = scan.tree_levels(n + 1, None)
+    p = plan.Plan(native.lane_width("rnn", torch.float64), True, 2, 4, 5)
+    team = plan._team(chain, L, p, True)
+    ref = team.go(chain._W, chain.states, gT)
+    team.t.inside = 1  # as if a straggler of the parent's last call were still inside
+
+    def child(q):
+        got = team.go(chain._W, chain.states, gT)
+        q.put(all(torch.equal(got[k], ref[k]) for k in ref))
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    proc = ctx.Process(target=child, args=(q,))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0 and q.get(timeout=5)
+    team.t.inside = 0

@@ -1656,7 +1656,11 @@ static void reset_units(team_units *u) {
 /* Wait until no thread of the team's last call is inside it (a straggler, off its core when the call
  * returned): before its scratch, its units' states or its operands are used again or freed. */
 void team_drain(team *t) {
-    if (t->nthreads > 1) await(t, nobody_inside, 0, 1);
+    if (t->nthreads <= 1) return;
+    if (pool_pid && pool_pid != getpid()) /* a forked child: the parent's threads, stragglers included, are not here */
+        __atomic_store_n(&t->inside, 0, __ATOMIC_SEQ_CST);
+    else
+        await(t, nobody_inside, 0, 1);
 }
 
 /* The whole scan, led by the calling thread.  Returns 0; 1 where a label is out of range (the head); 2 where
