@@ -129,3 +129,62 @@ def test_every_candidate_plan_gives_the_reference_scan_and_gradients(kind, B, mo
         grads_ref = grads_ref or grads
         for name, v in grads.items():
             assert ((v - grads_ref[name]).abs().max() / grads_ref[name].abs().max()).item() <= 1e-12, (p, name)
+
+
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+@pytest.mark.parametrize("B", [1, 8, 16])
+def test_a_unit_run_again_for_a_held_up_thread_changes_no_bit(kind, B, monkeypatch):
+    """A thread that finds a unit's thread off its core runs the unit itself (native.Team): with a stall time of
+    0 every wait does so, and the scan and the parameter gradients are still bit for bit those of the plain
+    team, for every candidate plan (and the per-step gradients' affine scan)."""
+    n, H, I = 333, 20, (12 if kind == "gru" else 1)
+    chain, gT = synthetic(kind, n, B, H, I, torch.float64)
+    L = scan.tree_levels(n + 1, None)
+    src = chain.states if chain.states is not None else chain._f
+    c = torch.randn(n, B, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    reruns = 0
+    for p in plan.candidates(kind, n, B, H, L, torch.float64, "auto", 2):
+        for grads, affine in ((False, False), (True, False), (False, True)):
+            got = []
+            for stall in (None, 0):
+                team = plan._team(chain, L, p, grads, affine)
+                if stall is not None:
+                    team.t.stall_ns = stall
+                for _ in range(5 if stall is not None else 1):
+                    out = None if grads else torch.empty((n, B, H), dtype=torch.float64)
+                    r = team.go(chain._W, src, gT, out, direct=c if affine else None)
+                    got.append(r if grads else out)
+                reruns += team.t.reruns
+            for r in got[1:]:
+                if grads:
+                    assert all(torch.equal(r[k], got[0][k]) for k in r), (p, grads)
+                else:
+                    assert torch.equal(r, got[0]), (p, affine)
+    if any(pl.threads > 1 for pl in plan.candidates(kind, n, B, H, L, torch.float64, "auto", 2)):
+        assert reruns > 0  # the test ran what it is about
+
+
+def test_a_forked_child_runs_the_parents_team(monkeypatch):
+    """The call may return while a held-up thread is still inside it (native.Team); a child forked then has none
+    of the parent's threads, and its first call must not wait for them."""
+    import multiprocessing as mp
+
+    n, B, H = 200, 16, 20
+    chain, gT = synthetic("rnn", n, B, H, 1, torch.float64)
+    L = scan.tree_levels(n + 1, None)
+    p = plan.Plan(native.lane_width("rnn", torch.float64), True, 2, 4, 5)
+    team = plan._team(chain, L, p, True)
+    ref = team.go(chain._W, chain.states, gT)
+    team.t.inside = 1  # as if a straggler of the parent's last call were still inside
+
+    def child(q):
+        got = team.go(chain._W, chain.states, gT)
+        q.put(all(torch.equal(got[k], ref[k]) for k in ref))
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    proc = ctx.Process(target=child, args=(q,))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0 and q.get(timeout=5)
+    team.t.inside = 0

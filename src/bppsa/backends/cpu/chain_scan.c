@@ -455,6 +455,12 @@ static void take(real *out, int mode, group *gp, real *acc, long B, long b0, lon
     if (++gp->np == GRP) grp_flush(gp, acc);
 }
 
+/* A thread's heartbeat: bumped at every step of a unit, so that a thread waiting for the unit can tell a
+ * thread that is running it from one the host has taken off its core (the team: re-executable units). */
+static inline void beat_once(long *beat) {
+    if (beat) __atomic_store_n(beat, *beat + 1, __ATOMIC_RELAXED);
+}
+
 /* -- the dense tree above the fused levels (bppsa.backends.cpu.dense._tree, per lane) -------------- */
 
 /* Scratch a tree over n entries with L levels uses (reals). */
@@ -472,13 +478,14 @@ static void add_vec(real *restrict v, const real *restrict u) {
 /* out[k] = A[k-1] out[k-1] (+ Bo[k-1], the affine maps' offsets, where Bo is given) from out[0] = spine, for
  * k = 0 .. n-1, with L up-sweep levels, then the linear middle.  The pairs combine as (A2, b2) o (A1, b1) =
  * (A2 A1, A2 b1 + b2): the scan of the affine recurrence out[k+1] = A[k] out[k] + Bo[k]. */
-static void tree(const real *spine, const real *A, const real *Bo, real *out, long n, int L, real *work) {
+static void tree(const real *spine, const real *A, const real *Bo, real *out, long n, int L, real *work, long *beat) {
     if (n == 0) return;
     memcpy(out, spine, sizeof(real) * VEC);
     if (L == 0) {
         for (long k = 1; k < n; ++k) {
             mat_vec(A + (k - 1) * MAT, out + (k - 1) * VEC, out + k * VEC);
             if (Bo) add_vec(out + k * VEC, Bo + (k - 1) * VEC);
+            beat_once(beat);
         }
         return;
     }
@@ -487,6 +494,7 @@ static void tree(const real *spine, const real *A, const real *Bo, real *out, lo
     /* the level's last entry, like A's, is never read: the prefixes out[k] reach A[n - 2] at most */
     for (long j = 0; j + 1 < m; ++j) {
         mat_mat(A + (2 * j + 2) * MAT, A + (2 * j + 1) * MAT, nxt + j * MAT);
+        beat_once(beat);
         if (Bo) {
             mat_vec(A + (2 * j + 2) * MAT, Bo + (2 * j + 1) * VEC, nb + j * VEC);
             add_vec(nb + j * VEC, Bo + (2 * j + 2) * VEC);
@@ -496,11 +504,12 @@ static void tree(const real *spine, const real *A, const real *Bo, real *out, lo
         mat_vec(A, spine, sp);
         if (Bo) add_vec(sp, Bo);
     }
-    tree(sp, nxt, nb, Q, m, L - 1, Q + 2 * m * VEC);
+    tree(sp, nxt, nb, Q, m, L - 1, Q + 2 * m * VEC, beat);
     for (long j = 0; j < pairs; ++j) {
         memcpy(out + (2 * j + 1) * VEC, Q + j * VEC, sizeof(real) * VEC);
         mat_vec(A + (2 * j + 1) * MAT, Q + j * VEC, out + (2 * j + 2) * VEC);
         if (Bo) add_vec(out + (2 * j + 2) * VEC, Bo + (2 * j + 1) * VEC);
+        beat_once(beat);
     }
     if (carry) memcpy(out + (n - 1) * VEC, Q + pairs * VEC, sizeof(real) * VEC);
 }
@@ -693,11 +702,12 @@ static void block_range(long j, long n, int c, long *lo, long *hi) {
  * the last split into independent ranges of blocks [j0, j1) (the team's units), the middle is serial.
  * work (chain_scan_work reals) holds the blocks' products A, their prefixes Q and the tree's scratch. */
 
-/* Up: A[j] = J_hi ... J_lo for the blocks j0 .. j1 - 1, accumulated in cache from the factors.  The last
- * block's product is never read (an exclusive scan needs no total: the tree's prefixes reach only the
- * blocks before it), so it is not computed. */
+/* Up: A[j] = J_hi ... J_lo for the blocks j0 .. j1 - 1, accumulated in cache from the factors, into
+ * A[(j - j0) * MAT] (and the affine offsets into Bo[(j - j0) * VEC]).  The last block's product is never read
+ * (an exclusive scan needs no total: the tree's prefixes reach only the blocks before it), so it is not
+ * computed. */
 void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int L, int c, long j0, long j1,
-              real *work) {
+              real *A, real *Bo, long *beat) {
     if (c > L) c = L;
     TILE;
     WCOLS(wc);
@@ -706,12 +716,13 @@ void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int L
     for (long j = j0; j < j1; ++j) {
         long lo, hi;
         block_range(j, n, c, &lo, &hi);
-        real *M = work + j * MAT;
+        real *M = A + (j - j0) * MAT;
         const real *fs = ROWS(hi, H);
         jac_set(Wt, hi, fs, ld, M);
         for (long s = hi - 1; s >= lo; --s) {
             fs = ROWS(s, H);
             mul_jac(M, Wt, s, fs, ld);
+            beat_once(beat);
         }
         if (S->c) { /* the block's offset: its positions replayed from 0 with the direct gradients injected */
             real vu[2][H * NL] __attribute__((aligned(64))), *v = vu[0], *u = vu[1], *t;
@@ -722,16 +733,19 @@ void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int L
                 jac_vec(Wt, wc, s, fs, ld, v, u);
                 add_direct(S, B, b0, s, u);
                 t = v, v = u, u = t;
+                beat_once(beat);
             }
-            memcpy(work + nc * MAT + nc * VEC + j * VEC, v, sizeof(real) * VEC);
+            memcpy(Bo + (j - j0) * VEC, v, sizeof(real) * VEC);
         }
     }
 }
 
-/* Middle: positions 0 .. 2^c - 1 (g, then the spine's mat-vecs) and the tree above level c: Q[j], the
- * prefix at each block's first position.  Without blocks the spine is the whole (sequential) scan. */
+/* Middle: positions 0 .. 2^c - 1 (g, then the spine's mat-vecs) and the tree above level c over the blocks'
+ * products A (and offsets Bo): Q[j], the prefix at each block's first position; twork: the spine's prefix and
+ * the tree's scratch (chain_scan_work's layout puts them after Bo).  Without blocks the spine is the whole
+ * (sequential) scan. */
 void chain_tree(const real *Wt, const chain_src *S, const real *g, real *out, int mode, long n, long B, long b0,
-                int L, int c, real *work, real *acc) {
+                int L, int c, const real *A, const real *Bo, real *Q, real *twork, real *acc, long *beat) {
     if (n <= 0) return;
     if (c > L) c = L;
     TILE;
@@ -748,6 +762,7 @@ void chain_tree(const real *Wt, const chain_src *S, const real *g, real *out, in
         jac_vec(Wt, wc, s, fs, ld, v, u);
         if (S->c) add_direct(S, B, b0, s, u);
         t = v, v = u, u = t; /* the next position's prefix: the buffers swap, nothing copied */
+        beat_once(beat);
     }
     if (nc == 0) {
         const real *fs = ROWS(n - 1, NR);
@@ -755,14 +770,14 @@ void chain_tree(const real *Wt, const chain_src *S, const real *g, real *out, in
     }
     grp_flush(&gp, acc);
     if (nc == 0) return;
-    real *A = work, *Q = A + nc * MAT, *Bo = Q + nc * VEC, *sp = Bo + nc * VEC;
+    real *sp = twork;
     memcpy(sp, v, sizeof(real) * VEC); /* the prefix at position 2^c - 1, the first block's, taken by chain_down */
-    tree(sp, A, S->c ? Bo : 0, Q, nc, L - c, sp + VEC);
+    tree(sp, A, S->c ? Bo : 0, Q, nc, L - c, sp + VEC, beat);
 }
 
 /* Down: each block j0 .. j1 - 1 from its prefix, by the factored mat-vecs out[s+1] = J_s out[s]. */
 void chain_down(const real *Wt, const chain_src *S, real *out, int mode, long n, long B, long b0, int L, int c,
-                long j0, long j1, real *work, real *acc) {
+                long j0, long j1, const real *work, real *acc, long *beat) {
     if (c > L) c = L;
     TILE;
     const real *Q = work + chain_blocks(n, L, c) * MAT;
@@ -781,6 +796,7 @@ void chain_down(const real *Wt, const chain_src *S, real *out, int mode, long n,
             jac_vec(Wt, wc, s, fs, ld, v, u);
             if (S->c) add_direct(S, B, b0, s, u);
             t = v, v = u, u = t;
+            beat_once(beat);
         }
         const real *fs = ROWS(hi, NR);
         take(out, mode, &gp, acc, B, b0, hi, v, fs, ld, NL, ALL);
@@ -824,7 +840,7 @@ static void gather_f(const chain_src *S, long n, long B, long b0, long j, long l
 }
 
 void chain_up_lanes(const real *Wt, const chain_src *f, long n, long B, long b0, int L, int c, long j0, long j1,
-                    real *work1) {
+                    real *A1, long *beat) {
     if (c > L) c = L;
     real M[H * H * NL] __attribute__((aligned(64))), fs[NR * NL] __attribute__((aligned(64)));
     long size = 1L << c, nc = chain_blocks(n, L, c);
@@ -836,14 +852,15 @@ void chain_up_lanes(const real *Wt, const chain_src *f, long n, long B, long b0,
         for (long off = size - 2; off >= 0; --off) {
             gather_f(f, n, B, b0, j, j1 - 1, c, off, fs);
             mul_jac(M, Wt, size - 1 + off, fs, NL);
+            beat_once(beat);
         }
-        for (int q = 0; q < NL && j + q < j1; ++q)
-            for (int e = 0; e < H * H; ++e) work1[(j + q) * H * H + e] = M[e * NL + q];
+        for (int q = 0; q < NL && j + q < j1; ++q) /* A1: the one-lane layout's blocks from j0 on */
+            for (int e = 0; e < H * H; ++e) A1[(j - j0 + q) * H * H + e] = M[e * NL + q];
     }
 }
 
 void chain_down_lanes(const real *Wt, const chain_src *f, real *out, int mode, long n, long B, long b0, int L, int c,
-                      long j0, long j1, real *work1, real *acc) {
+                      long j0, long j1, const real *work1, real *acc, long *beat) {
     if (c > L) c = L;
     long nc = chain_blocks(n, L, c), size = 1L << c;
     const real *Q = work1 + nc * H * H; /* the one-lane kernel's prefixes, [nc][H] */
@@ -873,6 +890,7 @@ void chain_down_lanes(const real *Wt, const chain_src *f, real *out, int mode, l
                 jac_vec(Wt, wc, size - 1 + off, fs, NL, v, u);
                 t = v, v = u, u = t;
             }
+            beat_once(beat);
         }
     }
     grp_flush(&gp, acc);
@@ -1086,17 +1104,26 @@ void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, c
 
 /* -- the team: every thread of one scan over claimable units -----------------------------------------------
  * A scan is a list of slices (lane slices of the batch, or one slice whose blocks the threads share).  Each
- * slice runs an up phase of units (ranges of blocks), a middle on one thread, and a down phase of units (each
+ * slice runs an up phase of units (ranges of blocks), a middle (one unit), and a down phase of units (each
  * with its own parameter-gradient sums, part u); before them all, the team may have units of the factors to
  * write (the GRU's gate pass).  Units are claimed by whichever thread comes: a thread takes its own slices'
- * units first, then those left in the others', so a thread that starts late (a wake-up) or is held up (a busy
- * host) costs the team a share of its work, not all of it.  A slice's middle runs on the first thread free once
- * the slice's up units are done (its owner, unless that one is held up).  Which thread runs a
- * unit changes no result: a unit writes only its own blocks (or sums), and each runs in the same order on any
- * thread.  The calling thread leads (team_go): it wakes the pool's threads,
- * takes its share, waits for every slice, adds the sums into the parameter gradients and returns once no
- * other thread is inside.  The pool's threads are plain pthreads parked on a condition variable, in the
- * caller's floating-point mode (subnormals flushed or not) for each scan. */
+ * units first, then those left in the others', so a thread that starts late (a wake-up) costs the team a share
+ * of its work, not all of it.  A slice's middle runs on the first thread free once the slice's up units are done.
+ *
+ * No thread waits for one the host has taken off its core.  A unit of the up phase, a middle or (for the
+ * parameter gradients) a down unit computes into its thread's own scratch and is *published*: the first
+ * thread to finish it copies its result into place (a compare-and-swap on the unit's state picks it).  So a
+ * unit can be run again: a thread that would wait for a unit another thread claimed watches that thread's
+ * heartbeat (bumped at every step), and where it has not moved for the team's stall time (the host took the
+ * thread away: its slices are milliseconds, a unit 0.05-0.15 ms) it runs the unit itself; the other's run,
+ * when it resumes, finds it published and is dropped.  The call returns as soon as every unit is published,
+ * without waiting for such a straggler: it touches only its own scratch and what the caller keeps alive until
+ * the team's next call (which first waits for it).  Units that write the caller's output directly (the scan's
+ * down phase and middle, mode 0; the GRU's gate pass) are not run twice: their waiters spin, then park.
+ * Which thread runs a unit, and how often, changes no result: each runs in the same order on any thread, and a
+ * published result is a run's whole result.  The calling thread leads (team_go): it wakes the pool's threads,
+ * takes its share, waits for every slice and adds the sums into the parameter gradients.  The pool's threads are plain pthreads parked on a condition variable, in the caller's
+ * floating-point mode (subnormals flushed or not) for each scan. */
 #include <limits.h>
 #include <pthread.h>
 #include <time.h>
@@ -1109,7 +1136,11 @@ void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, c
 #include <sys/syscall.h>
 #endif
 
-typedef void (*team_fn)(const void *args, long j0, long j1, long part);
+/* A unit's function: compute units j0 .. j1 - 1 into priv (the running thread's scratch; NULL for a unit that
+ * writes its results in place), bumping beat at every step; and where priv was given, its publisher: copy the
+ * run's results from priv into place. */
+typedef void (*team_fn)(const void *args, long j0, long j1, long part, real *priv, long *beat);
+typedef void (*team_pub)(const void *args, long j0, long j1, long part, const real *priv);
 
 /* One call's operands, shared by its slices: the weights, where the factors come from, ∇h_T and the scan's
  * output (mode 0). */
@@ -1129,71 +1160,150 @@ typedef struct {
     int L, c, mode;
 } slice_args;
 
-void team_up(const void *args, long j0, long j1, long part) {
+static inline long nblocks(const slice_args *a) { return chain_blocks(a->n, a->L, a->c); }
+static inline long up_end(const slice_args *a, long j1) { return j1 < nblocks(a) - 1 ? j1 : nblocks(a) - 1; }
+
+/* Up: the blocks' products into priv ([j1 - j0][MAT], then their offsets [j1 - j0][VEC]), or in place. */
+void team_up(const void *args, long j0, long j1, long part, real *priv, long *beat) {
     const slice_args *a = args;
     (void)part;
-    chain_up(a->call->Wt, &a->call->S, a->n, a->B, a->b0, a->L, a->c, j0, j1, a->work);
+    long nc = nblocks(a);
+    real *A = priv ? priv : a->work + j0 * MAT, *Bo = priv ? priv + (j1 - j0) * MAT : a->work + nc * (MAT + VEC) + j0 * VEC;
+    chain_up(a->call->Wt, &a->call->S, a->n, a->B, a->b0, a->L, a->c, j0, j1, A, Bo, beat);
 }
 
-void team_up_lanes(const void *args, long j0, long j1, long part) {
+void team_up_pub(const void *args, long j0, long j1, long part, const real *priv) {
     const slice_args *a = args;
     (void)part;
-    chain_up_lanes(a->call->Wt, &a->call->S, a->n, a->B, a->b0, a->L, a->c, j0, j1, a->work);
+    long nc = nblocks(a), m = up_end(a, j1) - j0;
+    if (m <= 0) return;
+    memcpy(a->work + j0 * MAT, priv, sizeof(real) * m * MAT);
+    if (a->call->S.c) memcpy(a->work + nc * (MAT + VEC) + j0 * VEC, priv + (j1 - j0) * MAT, sizeof(real) * m * VEC);
 }
 
-/* The middle; first the slice's sums zeroed (mode 1), every part of both builds. */
-void team_mid(const void *args, long j0, long j1, long part) {
+/* The wide build's up units of a one-lane slice: its blocks in the one-lane layout ([H][H] each). */
+void team_up_lanes(const void *args, long j0, long j1, long part, real *priv, long *beat) {
+    const slice_args *a = args;
+    (void)part;
+    chain_up_lanes(a->call->Wt, &a->call->S, a->n, a->B, a->b0, a->L, a->c, j0, j1,
+                   priv ? priv : a->work + j0 * H * H, beat);
+}
+
+void team_up_lanes_pub(const void *args, long j0, long j1, long part, const real *priv) {
+    const slice_args *a = args;
+    (void)part;
+    long m = up_end(a, j1) - j0;
+    if (m > 0) memcpy(a->work + j0 * H * H, priv, sizeof(real) * m * H * H);
+}
+
+/* The middle.  In place (mode 0: it writes the spine's outputs): first the slice's sums zeroed.  Into priv (mode
+ * 1): [the prefixes Q: nc][the spine's prefix and the tree's scratch][the spine's sums: NA * NBV * NL]. */
+void team_mid(const void *args, long j0, long j1, long part, real *priv, long *beat) {
     const slice_args *a = args;
     (void)j0, (void)j1, (void)part;
-    if (a->mode && a->acc_size) memset(a->acc, 0, sizeof(real) * a->acc_size);
-    if (a->mode && a->wacc_size) memset(a->wacc, 0, sizeof(real) * a->wacc_size);
-    chain_tree(a->call->Wt, &a->call->S, a->call->g, a->call->out, a->mode, a->n, a->B, a->b0, a->L, a->c, a->work,
-               a->acc);
+    long nc = nblocks(a);
+    real *A = a->work, *Q = A + nc * MAT, *Bo = Q + nc * VEC, *acc = a->acc, *tw = Bo + nc * VEC;
+    if (priv) {
+        Q = priv, tw = priv + nc * VEC, acc = tw + VEC + tree_work(nc, a->L - (a->c < a->L ? a->c : a->L));
+        if (a->mode) memset(acc, 0, sizeof(real) * NA * NBV * NL);
+    } else {
+        if (a->mode && a->acc_size) memset(a->acc, 0, sizeof(real) * a->acc_size);
+        if (a->mode && a->wacc_size) memset(a->wacc, 0, sizeof(real) * a->wacc_size);
+    }
+    chain_tree(a->call->Wt, &a->call->S, a->call->g, a->call->out, a->mode, a->n, a->B, a->b0, a->L, a->c, A, Bo, Q,
+               tw, acc, beat);
 }
 
-void team_down(const void *args, long j0, long j1, long part) {
+void team_mid_pub(const void *args, long j0, long j1, long part, const real *priv) {
     const slice_args *a = args;
-    chain_down(a->call->Wt, &a->call->S, a->call->out, a->mode, a->n, a->B, a->b0, a->L, a->c, j0, j1, a->work,
-               a->mode ? a->acc + part * (long)NA * NBV * NL : 0);
+    (void)j0, (void)j1, (void)part;
+    long nc = nblocks(a), sz = (long)NA * NBV * NL;
+    memcpy(a->work + nc * MAT, priv, sizeof(real) * nc * VEC);
+    if (!a->mode) return;
+    const real *acc = priv + nc * VEC + VEC + tree_work(nc, a->L - (a->c < a->L ? a->c : a->L));
+    if (a->acc_size) {
+        memcpy(a->acc, acc, sizeof(real) * sz);
+        memset(a->acc + sz, 0, sizeof(real) * (a->acc_size - sz));
+    }
+    if (a->wacc_size) memset(a->wacc, 0, sizeof(real) * a->wacc_size);
 }
 
-void team_down_lanes(const void *args, long j0, long j1, long part) {
+/* Down: its part's sums, as the middle left them, added into in priv (mode 1) or in place. */
+static void down_run(const slice_args *a, long j0, long j1, real *sums, real *priv, long *beat, int wide) {
+    long sz = (long)NA * NBV * NL;
+    if (priv && a->mode) memcpy(priv, sums, sizeof(real) * sz);
+    real *acc = !a->mode ? 0 : priv ? priv : sums;
+    if (wide)
+        chain_down_lanes(a->call->Wt, &a->call->S, a->call->out, a->mode, a->n, a->B, a->b0, a->L, a->c, j0, j1,
+                         a->work, acc, beat);
+    else
+        chain_down(a->call->Wt, &a->call->S, a->call->out, a->mode, a->n, a->B, a->b0, a->L, a->c, j0, j1, a->work,
+                   acc, beat);
+}
+
+void team_down(const void *args, long j0, long j1, long part, real *priv, long *beat) {
     const slice_args *a = args;
-    chain_down_lanes(a->call->Wt, &a->call->S, a->call->out, a->mode, a->n, a->B, a->b0, a->L, a->c, j0, j1,
-                     a->work, a->mode ? a->wacc + part * (long)NA * NBV * NL : 0);
+    down_run(a, j0, j1, a->acc ? a->acc + part * (long)NA * NBV * NL : 0, priv, beat, 0);
+}
+
+void team_down_lanes(const void *args, long j0, long j1, long part, real *priv, long *beat) {
+    const slice_args *a = args;
+    down_run(a, j0, j1, a->wacc ? a->wacc + part * (long)NA * NBV * NL : 0, priv, beat, 1);
+}
+
+void team_down_pub(const void *args, long j0, long j1, long part, const real *priv) {
+    const slice_args *a = args;
+    (void)j0, (void)j1;
+    memcpy(a->acc + part * (long)NA * NBV * NL, priv, sizeof(real) * NA * NBV * NL);
+}
+
+void team_down_lanes_pub(const void *args, long j0, long j1, long part, const real *priv) {
+    const slice_args *a = args;
+    (void)j0, (void)j1;
+    memcpy(a->wacc + part * (long)NA * NBV * NL, priv, sizeof(real) * NA * NBV * NL);
+}
+
+/* The scratch (reals) one thread needs for any unit of a slice of this build: an up unit's products (one block,
+ * or the wide build's NL one-lane blocks) and offsets, a middle's, a down unit's sums. */
+long team_scratch(long n, int L, int c) {
+    if (c > L) c = L;
+    long nc = chain_blocks(n, L, c), sums = (long)NA * NBV * NL;
+    long up = MAT + VEC, mid = nc * VEC + VEC + tree_work(nc, L - c) + sums;
+    return up > mid ? (up > sums ? up : sums) : (mid > sums ? mid : sums);
 }
 
 #if KIND == 2
-/* The GRU's gate pass over steps j0 .. j1 - 1 (gru_factors' operands). */
+/* The GRU's gate pass over steps j0 .. j1 - 1 (gru_factors' operands), in place. */
 typedef struct {
     const real *x, *h, *Wi, *Wh, *bi, *bh;
     real *f;
     long T, B;
 } fill_args;
 
-void team_fill(const void *args, long j0, long j1, long part) {
+void team_fill(const void *args, long j0, long j1, long part, real *priv, long *beat) {
     const fill_args *a = args;
-    (void)part;
+    (void)part, (void)priv, (void)beat;
     gru_factors(a->x, a->h, a->Wi, a->Wh, a->bi, a->bh, a->T, a->B, j0, j1, a->f);
 }
 #endif
 
-/* Units u = 0 .. n - 1 of a phase: fn(args, lo + u * per, min(lo + (u + 1) * per, hi), part0 + u). */
+/* Units u = 0 .. n - 1 of a phase: fn(args, lo + u * per, min(lo + (u + 1) * per, hi), part0 + u); pub NULL: they
+ * write in place (never run twice).  st[2u]: the thread that runs unit u last claimed it (+1); st[2u + 1]: 0,
+ * 1 while its first finisher publishes it, 2 once it is published. */
 typedef struct {
     team_fn fn;
+    team_pub pub;
     const void *args;
     long lo, hi, per, n, part0;
-    long next, done; /* claimed, finished */
+    long *st;
+    long next, done; /* claimed, published */
 } team_units;
 
 #define TEAM_PHASES 2 /* a phase's units: up to two lists (a wide slice: the wide build's, then the tail's) */
 
 typedef struct {
-    team_units up[TEAM_PHASES], down[TEAM_PHASES];
-    team_fn mid;
-    const void *mid_args;
+    team_units up[TEAM_PHASES], mid, down[TEAM_PHASES];
     long owner;
-    long state; /* 0: up; 1: middle claimed; 2: middle done (down units open) */
 } team_slice;
 
 /* The parameter gradients: dst[out] + off .. = the segment's values (rows a0 .. a1 - 1, columns c0 .. c1 - 1 of
@@ -1207,6 +1317,8 @@ typedef struct {
     long a0, a1, c0, c1, out, off;
 } team_seg;
 
+#define BEAT_STRIDE 16 /* a thread's heartbeat on a cache line of its own (longs) */
+
 typedef struct {
     team_call call;     /* call.Wt: the weights transposed here from W [NW * H][H], before any thread starts */
     const real *W;
@@ -1218,6 +1330,11 @@ typedef struct {
     const team_seg *seg;
     long nseg;
     real **dst;         /* the parameters' gradients (NULL: none) */
+    real *scratch;      /* [nthreads][scratch_size]: each thread's units' results before they are published */
+    long scratch_size;
+    long *beat;         /* [nthreads][BEAT_STRIDE]: each thread's heartbeat */
+    long stall_ns;      /* a heartbeat unmoved this long: the thread is off its core */
+    long reruns;        /* units run again for such a thread, over the team's calls */
     /* state, reset by team_go */
     int stop, closed, inside;
     int ev, parked;     /* the event word (bumped by every change a thread may wait for), its sleepers */
@@ -1226,13 +1343,12 @@ typedef struct {
 } team;
 
 /* -- waiting: spin for a bounded time, then park ---------------------------------------------------------
- * A thread that waits for another (units claimed elsewhere, a slice's middle, the pool's threads
- * leaving) spins with the CPU's pause hint for at most SPIN_NS of wall-clock time, then parks on the
+ * A thread that waits for another (a unit that writes in place, the threads of the last call leaving) spins with the CPU's pause hint for at most SPIN_NS of wall-clock time, then parks on the
  * team's event word (a futex on Linux; elsewhere short sleeps) until something changes: every change a thread
  * may wait for bumps the word and wakes the sleepers, if any.  Spinning covers a quiet machine's waits (the
  * tree between the phases: tens of microseconds); parking gives the core back on a busy one, where a spinning
  * waiter would take turns with the very thread it waits for.  No sched_yield: it neither sleeps nor lets a
- * thread of this process run first. */
+ * thread of this process run first.  A unit that can be run again is never waited for this way (finish). */
 #define SPIN_NS 50000L
 #define PARK_NS 2000000L /* a sleeper re-checks at least this often (a wake-up that cannot be lost, bounded) */
 
@@ -1294,13 +1410,25 @@ static int await(team *t, ready_fn ready, const void *arg, int always) {
     }
 }
 
-/* Claim and run the units of u until none is left. */
-static void run_units(team *t, team_units *u) {
-    for (long i; (i = __atomic_fetch_add(&u->next, 1, __ATOMIC_RELAXED)) < u->n;) {
-        long j0 = u->lo + i * u->per, j1 = j0 + u->per < u->hi ? j0 + u->per : u->hi;
-        u->fn(u->args, j0, j1, u->part0 + i);
-        if (__atomic_add_fetch(&u->done, 1, __ATOMIC_RELEASE) == u->n) notify(t); /* only the last one is awaited */
+/* Run unit i of u on thread me (claimed, or found stalled elsewhere) and publish it unless another run did. */
+static void run_unit(team *t, team_units *u, long i, int me) {
+    long j0 = u->lo + i * u->per, j1 = j0 + u->per < u->hi ? j0 + u->per : u->hi, *beat = t->beat + me * BEAT_STRIDE;
+    __atomic_store_n(&u->st[2 * i], me + 1, __ATOMIC_RELAXED);
+    real *priv = u->pub ? t->scratch + me * t->scratch_size : 0;
+    u->fn(u->args, j0, j1, u->part0 + i, priv, beat);
+    long zero = 0;
+    if (priv) {
+        if (!__atomic_compare_exchange_n(&u->st[2 * i + 1], &zero, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+            return; /* another run published it first: this one is dropped */
+        u->pub(u->args, j0, j1, u->part0 + i, priv);
     }
+    __atomic_store_n(&u->st[2 * i + 1], 2, __ATOMIC_RELEASE);
+    if (__atomic_add_fetch(&u->done, 1, __ATOMIC_RELEASE) == u->n) notify(t); /* only the last one is awaited */
+}
+
+/* Claim and run the units of u until none is left. */
+static void run_units(team *t, team_units *u, int me) {
+    for (long i; (i = __atomic_fetch_add(&u->next, 1, __ATOMIC_RELAXED)) < u->n;) run_unit(t, u, i, me);
 }
 
 static int units_done(team *t, const void *u) {
@@ -1308,16 +1436,53 @@ static int units_done(team *t, const void *u) {
     return __atomic_load_n(&((team_units *)u)->done, __ATOMIC_ACQUIRE) >= ((const team_units *)u)->n;
 }
 
-/* Wait until every unit of the lists is done (those claimed by other threads, still running). */
-static int wait_units(team *t, team_units *u, int nu) {
-    for (int k = 0; k < nu; ++k)
-        if (!await(t, units_done, u + k, 0)) return 0;
-    return 1;
+/* Which threads the host has taken off their cores, as one waiter sees their heartbeats. */
+typedef struct {
+    long seen[64];
+    uint64_t since[64];
+} watch;
+
+static int is_stalled(team *t, watch *w, long k, uint64_t now) {
+    if (k < 0 || k >= 64 || k >= t->nthreads) return 0;
+    if (t->stall_ns <= 0) return 1; /* every thread taken as held up: each wait runs the unit again (the tests) */
+    long b = __atomic_load_n(&t->beat[k * BEAT_STRIDE], __ATOMIC_RELAXED);
+    if (!w->since[k] || b != w->seen[k]) {
+        w->seen[k] = b, w->since[k] = now;
+        return 0;
+    }
+    return now - w->since[k] > (uint64_t)t->stall_ns;
 }
 
-static int mid_done(team *t, const void *s) {
-    (void)t;
-    return __atomic_load_n(&((team_slice *)s)->state, __ATOMIC_ACQUIRE) >= 2;
+/* Until every unit of u is published: spin while their threads run; run again (thread me) a unit whose thread
+ * is off its core.  Units that write in place are awaited (spin, then park).  0 where the team stopped. */
+static int finish(team *t, team_units *u, int me) {
+    if (!u->pub) return await(t, units_done, u, 0);
+    watch w;
+    memset(w.since, 0, sizeof w.since);
+    for (long spin = 0;; ++spin) {
+        if (units_done(t, u)) return 1;
+        if (stopped(t)) return 0;
+        if ((spin & 31) != 31) {
+            cpu_relax();
+            continue;
+        }
+        uint64_t now = now_ns();
+        for (long i = 0; i < u->n; ++i) {
+            if (__atomic_load_n(&u->st[2 * i + 1], __ATOMIC_ACQUIRE)) continue;
+            long k = __atomic_load_n(&u->st[2 * i], __ATOMIC_RELAXED) - 1;
+            if (k != me && is_stalled(t, &w, k, now)) {
+                __atomic_add_fetch(&t->reruns, 1, __ATOMIC_RELAXED);
+                run_unit(t, u, i, me);
+                break;
+            }
+        }
+    }
+}
+
+static int finish_all(team *t, team_units *u, int nu, int me) {
+    for (int k = 0; k < nu; ++k)
+        if (!finish(t, u + k, me)) return 0;
+    return 1;
 }
 
 static int nobody_inside(team *t, const void *arg) {
@@ -1331,37 +1496,29 @@ static int run_slices_up(team *t, int me, int own) {
         if ((s->owner == me) != own) continue;
         for (int k = 0; k < TEAM_PHASES; ++k) {
             if (stopped(t)) return 0;
-            run_units(t, s->up + k);
+            run_units(t, s->up + k, me);
         }
     }
     return 1;
 }
 
-/* The middle of slice s, by whichever thread comes first once its up units are done (the owner, or another that
- * has run out of work of its own: an owner held up by a busy host costs the team no wait). */
-static int take_mid(team *t, team_slice *s) {
-    if (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE)) return 1;
-    if (!wait_units(t, s->up, TEAM_PHASES)) return 0;
-    long zero = 0;
-    if (!__atomic_compare_exchange_n(&s->state, &zero, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) return 1;
-    s->mid(s->mid_args, 0, 0, 0);
-    __atomic_store_n(&s->state, 2, __ATOMIC_RELEASE);
-    notify(t);
-    return 1;
-}
-
-/* Thread me's share: the units before the scan, every up unit it can claim (its slices' first), the middles it
- * may take, then the down units of every slice whose middle is done (its own first). */
+/* Thread me's share: the units before the scan, every up unit it can claim (its slices' first), then per slice
+ * (its own first) the middle once the up units are done, and the down units.  Every wait is for units another
+ * thread claimed, which it runs itself where that thread is off its core. */
 static int team_work(team *t, int me) {
-    run_units(t, &t->pre);
-    if (!wait_units(t, &t->pre, 1)) return 0;
+    run_units(t, &t->pre, me);
+    if (!finish(t, &t->pre, me)) return 0;
     if (!run_slices_up(t, me, 1) || !run_slices_up(t, me, 0)) return 0;
     for (int own = 1; own >= 0; --own)
         for (long i = 0; i < t->ns; ++i) {
             team_slice *s = t->sl + i;
             if ((s->owner == me) != own) continue;
-            if (!take_mid(t, s) || !await(t, mid_done, s, 0)) return 0; /* or another thread's middle */
-            for (int k = 0; k < TEAM_PHASES; ++k) run_units(t, s->down + k);
+            if (__atomic_load_n(&s->mid.done, __ATOMIC_ACQUIRE) < 1) {
+                if (!finish_all(t, s->up, TEAM_PHASES, me)) return 0;
+                run_units(t, &s->mid, me);
+                if (!finish(t, &s->mid, me)) return 0;
+            }
+            for (int k = 0; k < TEAM_PHASES; ++k) run_units(t, s->down + k, me);
         }
     return !stopped(t);
 }
@@ -1444,10 +1601,24 @@ static void reduce(team *t) {
     }
 }
 
-static void reset_units(team_units *u) { u->next = u->done = 0; }
+static void reset_units(team_units *u) {
+    u->next = u->done = 0;
+    if (u->n > 0) memset(u->st, 0, sizeof(long) * 2 * u->n);
+}
+
+/* Wait until no thread of the team's last call is inside it (a straggler, off its core when the call
+ * returned): before its scratch, its units' states or its operands are used again or freed. */
+void team_drain(team *t) {
+    if (t->nthreads <= 1) return;
+    if (pool_pid && pool_pid != getpid()) /* a forked child: the parent's threads, stragglers included, are not here */
+        __atomic_store_n(&t->inside, 0, __ATOMIC_SEQ_CST);
+    else
+        await(t, nobody_inside, 0, 1);
+}
 
 /* The whole scan, led by the calling thread.  Returns 0; 2 where a pool thread could not be started. */
 int team_go(team *t) {
+    team_drain(t);
     real *Wt = (real *)t->call.Wt;
     for (int g = 0; g < NW; ++g)
         for (int i = 0; i < H; ++i)
@@ -1456,7 +1627,7 @@ int team_go(team *t) {
     for (long i = 0; i < t->ns; ++i) {
         team_slice *s = t->sl + i;
         for (int k = 0; k < TEAM_PHASES; ++k) reset_units(s->up + k), reset_units(s->down + k);
-        s->state = 0;
+        reset_units(&s->mid);
     }
     long nt = t->nthreads < 64 ? t->nthreads : 64;
     t->stop = 0;
@@ -1481,13 +1652,12 @@ int team_go(team *t) {
         t->closed = 0;
     }
     team_work(t, 0);
-    /* every slice's down units done: those another thread claimed may still run */
-    for (long i = 0; i < t->ns; ++i) wait_units(t, t->sl[i].down, TEAM_PHASES);
+    /* every slice's down units published: those another thread claimed may still run, or be run here */
+    for (long i = 0; i < t->ns; ++i) finish_all(t, t->sl[i].down, TEAM_PHASES, 0);
     pthread_mutex_lock(&pool_mx); /* no thread takes t after this; those that did are counted in inside */
     __atomic_store_n(&t->closed, 1, __ATOMIC_SEQ_CST);
     if (pool_job == t) pool_job = 0;
     pthread_mutex_unlock(&pool_mx);
-    await(t, nobody_inside, 0, 1);
     if (t->dst) reduce(t);
     return 0;
 }

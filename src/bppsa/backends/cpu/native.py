@@ -226,10 +226,11 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     factors = ({"gru_factors": [p, p, p, p, p, p, l, l, l, l, p]} if kind == KINDS["gru"]
                else {"rnn_factors": [p, p, l, l, l, l, p]})
-    for name, args in {"team_go": [p],
+    for name, args in {"team_go": [p], "team_drain": [p], "team_scratch": [l, i, i],
                        "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i], "fma_chain": [l], **factors}.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, {"chain_scan_work": l, "chain_blocks": l, "team_go": i,
+                                       "team_scratch": l, "team_drain": None,
                                        "fma_chain": ctypes.c_float if real == "float" else ctypes.c_double}.get(name)
     return lib
 
@@ -287,13 +288,12 @@ class _SliceArgs(ctypes.Structure):
 
 
 class _Units(ctypes.Structure):
-    _fields_ = [("fn", _p), ("args", _p), ("lo", _l), ("hi", _l), ("per", _l), ("n", _l), ("part0", _l),
-                ("next", _l), ("done", _l)]
+    _fields_ = [("fn", _p), ("pub", _p), ("args", _p), ("lo", _l), ("hi", _l), ("per", _l), ("n", _l),
+                ("part0", _l), ("st", _p), ("next", _l), ("done", _l)]
 
 
 class _Slice(ctypes.Structure):
-    _fields_ = [("up", _Units * 2), ("down", _Units * 2), ("mid", _p), ("mid_args", _p), ("owner", _l),
-                ("state", _l)]
+    _fields_ = [("up", _Units * 2), ("mid", _Units), ("down", _Units * 2), ("owner", _l)]
 
 
 class _Acc(ctypes.Structure):
@@ -305,9 +305,11 @@ class _Seg(ctypes.Structure):
 
 
 class _Team(ctypes.Structure):
-    _fields_ = [("call", _Call), ("W", _p), ("pre", _Units), ("sl", _p), ("ns", _l), ("nthreads", _l), ("acc", _p),
-                ("nacc", _l), ("seg", _p), ("nseg", _l), ("dst", _p), ("stop", _i), ("closed", _i), ("inside", _i),
-                ("ev", _i), ("parked", _i), ("csr", ctypes.c_uint), ("gen", _l)]
+    _fields_ = [("call", _Call), ("W", _p), ("pre", _Units), ("sl", _p), ("ns", _l), ("nthreads", _l),
+                ("acc", _p), ("nacc", _l), ("seg", _p), ("nseg", _l), ("dst", _p), ("scratch", _p),
+                ("scratch_size", _l), ("beat", _p), ("stall_ns", _l), ("reruns", _l), ("stop", _i),
+                ("closed", _i), ("inside", _i), ("ev", _i), ("parked", _i), ("csr", ctypes.c_uint),
+                ("gen", _l)]
 
 
 class _FillArgs(ctypes.Structure):
@@ -320,11 +322,25 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _units(u: _Units, lib, fn: str, args, lo: int, hi: int, per: int, part0: int = 0) -> None:
-    """Units of [lo, hi), ``per`` at a time (none where the range is empty)."""
+def _units(u: _Units, lib, fn: str, args, lo: int, hi: int, per: int, part0: int = 0, pub: str | None = None):
+    """Units of [lo, hi), ``per`` at a time (none where the range is empty); ``pub``: their publisher (they run
+    into a thread's scratch and may run again where their thread is held up), else they write in place.
+    Returns their state array, which must live as long as ``u``."""
     per = max(1, per)
     u.fn, u.args = ctypes.cast(getattr(lib, fn), _p).value, ctypes.addressof(args)
+    u.pub = ctypes.cast(getattr(lib, pub), _p).value if pub else None
     u.lo, u.hi, u.per, u.n, u.part0 = lo, hi, per, max(0, _ceil(hi - lo, per)), part0
+    st = (_l * (2 * max(1, u.n)))()
+    u.st = ctypes.addressof(st)
+    return st
+
+
+def stall_ns(kind: str, H: int, lanes: int) -> int:
+    """How long a thread's heartbeat (bumped at every step of a unit) may stand still before the team takes the
+    thread as held up by the host and runs its unit again: 20 µs, plus 8 of the longest steps at a pessimistic
+    16 lane multiply-adds per ns (an up step is NW·H³ of them per lane) -- far above any step of a running thread,
+    far below the host's time slices (milliseconds)."""
+    return int(20_000 + 8 * (3 if kind == "gru" else 1) * H ** 3 * lanes / 16)
 
 
 class GruFill:
@@ -346,7 +362,7 @@ class GruFill:
         T, B, _ = self.h.shape
         self.args = _FillArgs(self.x.data_ptr(), self.h.data_ptr(), *(t.data_ptr() for t in self.w),
                               self.out.data_ptr(), T, B)
-        _units(u, self.lib, "team_fill", self.args, 0, T, _ceil(T, 4 * threads))
+        self.st = _units(u, self.lib, "team_fill", self.args, 0, T, _ceil(T, 4 * threads))
 
 
 class Team:
@@ -372,7 +388,7 @@ class Team:
         na, nbv = (4 * H if kind == "gru" else H), I + 1 + H
         owned = [(o if by_slice else 0, b0, w) for o, gr in enumerate(groups) for b0, w in gr]
         self.sl = (_Slice * len(owned))()
-        self.keep, accs = [], []
+        self.keep, accs, scratch = [], [], 0
         for e, (owner, b0, w) in zip(self.sl, owned):
             lib = library(kind, H, I, w, dtype)
             blocks = int(lib.chain_blocks(n, L, fused))
@@ -388,16 +404,30 @@ class Team:
                            n, B, b0, *(0 if t_ is None else t_.numel() for t_ in (acc, wacc)), L, fused, mode)
             self.keep += [a, work, acc, wacc]
             accs += [(t_, p, ln) for t_, ln in ((acc, w), (wacc, vl)) if t_ is not None]
-            # up: a block per unit (the wide kernel's: VL blocks); the last block's product is never computed
+            # up: a block per unit (the wide kernel's: VL blocks); the last block's product is never computed.
+            # Every unit but those that write the scan's output (mode 0) runs into a thread's scratch.
+            pub = (lambda name: name + "_pub") if mode else (lambda name: None)
             if wide is not None:
-                _units(e.up[0], wide, "team_up_lanes", a, 0, full, vl)
-                _units(e.down[0], wide, "team_down_lanes", a, 0, full, vl * _ceil(_ceil(full, vl), p))
-                _units(e.down[1], lib, "team_down", a, full, blocks, blocks)
+                self.keep += [_units(e.up[0], wide, "team_up_lanes", a, 0, full, vl, pub="team_up_lanes_pub"),
+                              _units(e.down[0], wide, "team_down_lanes", a, 0, full, vl * _ceil(_ceil(full, vl), p),
+                                     pub=pub("team_down_lanes")),
+                              _units(e.down[1], lib, "team_down", a, full, blocks, blocks, pub=pub("team_down"))]
+                scratch = max(scratch, int(wide.team_scratch(n, L, fused)))
             else:
-                _units(e.up[0], lib, "team_up", a, 0, blocks - 1, 1)
-                _units(e.down[0], lib, "team_down", a, 0, blocks, _ceil(blocks, p))
-            e.mid, e.mid_args, e.owner = ctypes.cast(lib.team_mid, _p).value, ctypes.addressof(a), owner
+                self.keep += [_units(e.up[0], lib, "team_up", a, 0, blocks - 1, 1, pub="team_up_pub"),
+                              _units(e.down[0], lib, "team_down", a, 0, blocks, _ceil(blocks, p),
+                                     pub=pub("team_down"))]
+            self.keep.append(_units(e.mid, lib, "team_mid", a, 0, 1, 1, pub=pub("team_mid")))
+            scratch = max(scratch, int(lib.team_scratch(n, L, fused)))
+            e.owner = owner
         t.sl, t.ns, t.nthreads = ctypes.addressof(self.sl), len(owned), len(groups) if by_slice else threads
+        # each thread's scratch (a unit's results until they are published) and heartbeat (its own cache line)
+        self.scratch_size = _ceil(scratch, 16) * 16
+        self.scratch = torch.empty(max(1, t.nthreads * self.scratch_size), dtype=dtype)
+        self.beat = torch.zeros(max(1, t.nthreads) * 16, dtype=torch.int64)
+        t.scratch, t.scratch_size, t.beat = self.scratch.data_ptr(), self.scratch_size, self.beat.data_ptr()
+        t.stall_ns = stall_ns(kind, H, vl)
+        self.live = None  # the last call's operands: a thread held up in it may still read them
         self.lib = library(kind, H, I, owned[0][2], dtype)
         self.acc = (_Acc * max(1, len(accs)))(*[(a_.data_ptr(), p, ln) for a_, p, ln in accs])
         t.acc, t.nacc = ctypes.addressof(self.acc), len(accs)
@@ -442,7 +472,15 @@ class Team:
         if grads:
             self.dst[:] = [a.data_ptr() for a in grads]
         t.dst = ctypes.addressof(self.dst) if grads else None
+        self.lib.team_drain(ctypes.byref(t))  # the last call's stragglers gone: its operands may go too
+        # a thread held up by the host may still run a unit of this call when it returns (its result is dropped):
+        # what it reads lives until the next call
+        self.live = (W, src, g, direct, fill)
         if self.lib.team_go(ctypes.byref(t)):
             raise RuntimeError("the scan could not start its threads")
         return dict(zip(self.names, grads)) if self.mode else None
 
+    def __del__(self):
+        lib = getattr(self, "lib", None)
+        if lib is not None and getattr(self, "live", None) is not None:
+            lib.team_drain(ctypes.byref(self.t))
