@@ -310,7 +310,7 @@ static AI void jv_tile(const real *restrict Wt, const real *restrict fs, long ld
 
 /* v = J_s q (v must not alias q).  With lanes, the H rows of v are H independent accumulators in registers,
  * each summing its terms in the order of the plain loops (m ascending, gate by gate): one dependent chain
- * per row would make the mat-vec latency-bound (the GRU's 3H terms: ~5x slower, measured). */
+ * per row would make the mat-vec latency-bound (measured: docs/measurements.md, "Measurements the code cites"). */
 static void jac_vec(const real *restrict Wt, const wcols *wc, long s, const real *restrict fs, long ld,
                     const real *restrict q, real *restrict v) {
 #if NL == 1
@@ -910,7 +910,8 @@ real fma_chain(long n) {
  * d_k = 1 - h_{T-k}^2 (rounded as torch rounds it, so that the factors equal the dense chains' bit for bit),
  * then x_{T-k} and h_{T-k-1} (0 for the first step); steps k0 .. k1 - 1.  What the scan reads from h and x
  * itself (rnn_tile, rnn_lanes), written for other readers.  Loops run along the
- * output rows (contiguous stores; measured 2x faster than along the inputs'). */
+ * output rows (contiguous stores; faster than along the inputs': docs/measurements.md, "Measurements the code
+ * cites"). */
 #if KIND != 2
 void rnn_factors(const real *h, const real *x, long T, long B, long k0, long k1, real *f) {
     for (long k = k0; k < k1; ++k) {
@@ -1029,7 +1030,7 @@ static inline void vtanh(fvec x, fvec *n, fvec *s) {
 /* dst[0 .. nb) = src[0 .. nb): one vector store when the block is whole (a constant-size copy the compiler
  * inlines; a library call per row took about a sixth of the pass).  A whole aligned 64-byte row is streamed
  * past the caches: the factors (8.7 MB at set L, B = 16) outgrow L2, and an ordinary store would first read
- * every line it overwrites (measured on a Zen 4 core: the pass 1.25x faster, the whole backward 1.02-1.04x). */
+ * every line it overwrites (measured: docs/measurements.md, "Measurements the code cites"). */
 static inline void store_lanes(real *dst, const real *src, int nb) {
 #if defined(__AVX512F__) || defined(__AVX__)
     if (nb == FV && !((uintptr_t)dst % VREG_BYTES)) {
