@@ -293,29 +293,95 @@ FIGURES = {  # name: (panels on a CPU alone, panels with the H200 reference: CPU
 }
 
 
+def _assert_reads_at_a_glance(fig, name: str) -> None:
+    """At most 6 legend entries per legend, titles of at most two lines, the profile and device in a footer or
+    title, and no text over another or outside the figure."""
+    fig.canvas.draw()
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + fig.legends
+    assert legends and all(len(leg.get_texts()) <= 6 for leg in legends), (name, [len(x.get_texts()) for x in legends])
+    assert fig._suptitle is None or fig._suptitle.get_text().count("\n") <= 1, name
+    assert all(ax.get_title().count("\n") <= 1 for ax in fig.axes), name
+    everything = " ".join(t.get_text() for t in fig.texts) + (fig._suptitle.get_text() if fig._suptitle else "")
+    assert "profile" in everything and "cpu" in everything, name
+    boxes = _text_boxes(fig)
+    page = fig.bbox.padded(1)
+    outside = [n for n, b in boxes if not (page.x0 <= b.x0 and b.x1 <= page.x1 and page.y0 <= b.y0 and b.y1 <= page.y1)]
+    assert not outside, (name, outside)
+    clashes = [(n, m) for i, (n, a) in enumerate(boxes) for m, b in boxes[i + 1:] if a.overlaps(b)]
+    assert not clashes, (name, clashes)
+
+
 @pytest.mark.parametrize("name", sorted(FIGURES))
 def test_every_figure_reads_at_a_glance(drawn, name):
-    """Per figure: the axes the data call for, at most 6 legend entries per legend, titles of at most two lines,
-    the profile and device in a footer, and no text over another or outside the figure."""
+    """Per figure: the axes the data call for, and what :func:`_assert_reads_at_a_glance` holds."""
     with_reference, figs = drawn
     fig = figs[name]
     fig.canvas.draw()
     assert len(fig.axes) == FIGURES[name][with_reference], name
-    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + fig.legends
-    assert legends and all(len(leg.get_texts()) <= 6 for leg in legends), [len(x.get_texts()) for x in legends]
-    assert fig._suptitle.get_text().count("\n") <= 1
-    assert all(ax.get_title().count("\n") <= 1 for ax in fig.axes)
-    everything = " ".join(t.get_text() for t in fig.texts) + fig._suptitle.get_text()
-    assert "profile" in everything and "cpu" in everything
     if with_reference and name.startswith(("fig_8", "fig_9")):
         titles = " / ".join(ax.get_title() for ax in fig.axes)
         assert "nvidia-h200 (reference)" in titles and "cuDNN per-step" in titles and "autograd" in titles
-    boxes = _text_boxes(fig)
-    page = fig.bbox.padded(1)
-    outside = [n for n, b in boxes if not (page.x0 <= b.x0 and b.x1 <= page.x1 and page.y0 <= b.y0 and b.y1 <= page.y1)]
-    assert not outside, outside
-    clashes = [(n, m) for i, (n, a) in enumerate(boxes) for m, b in boxes[i + 1:] if a.overlaps(b)]
-    assert not clashes, clashes
+    _assert_reads_at_a_glance(fig, name)
+
+
+def _vgg_flops(folder: Path) -> None:
+    """vgg11/flops.csv as `bppsa vgg11-flops` writes it: per network and sample, the scan's steps (mv and mm, some
+    on the critical path) and BP's operators, with their FLOP and dense sizes."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for net in ("pruned", "dense"):
+        for sample in range(2):
+            for i in range(40):
+                phase, kind = ("baseline", "mm") if i % 4 == 0 else ("up", "mv" if i % 3 else "mm")
+                size = float(10 ** rng.uniform(3, 9))
+                rows.append(dict(network=net, sample=sample, phase=phase, kind=kind, critical=bool(i % 5 == 1),
+                                 dense_size=size, flop=size * (0.1 if net == "pruned" else 0.5), prune=0.9,
+                                 scheme="class-uniform", width=0.125, L_m=3, profile="default",
+                                 data="synthetic CIFAR-10 stand-in", models="vgg11 trained here", device="cpu"))
+    folder.mkdir(parents=True)
+    pd.DataFrame(rows).to_csv(folder / "flops.csv", index=False)
+
+
+def _scaling(folder: Path, model: str) -> None:
+    """<model>/scaling.csv as `bppsa scaling` writes it: three methods at 1 and 2 threads, two shapes."""
+    from bppsa.plots import scaling
+
+    rows = [dict(seq_len=T, batch=16, method=m, threads=p, iter=i, phase="backward", backend=be, model=model,
+                 seconds=s * T / 1000 / p ** 0.7 * (1 + 0.01 * i), device="cpu", profile="default")
+            for T in (1000, 10000)
+            for m, be, s in (("autograd", "", 3e-2), ("sequential", "", 4e-3), (scaling.BPPSA, "cpu", 2e-3))
+            for p in (1, 2) for i in range(8)]
+    folder.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_csv(folder / "scaling.csv", index=False)
+
+
+@pytest.mark.parametrize("with_reference", [True, False], ids=["with-h200-reference", "cpu-alone"])
+def test_fig_10_and_the_scaling_figures_read_at_a_glance(with_reference, tmp_path, monkeypatch):
+    """The default workflow's other figures (Fig 10, fig_scaling_{rnn,gru}), drawn through the registry."""
+    results = tmp_path / "results"
+    _vgg_flops(results / "cpu" / "vgg11")
+    for model in ("rnn", "gru"):
+        _scaling(results / "cpu" / model, model)
+    if with_reference:
+        (results / "reference").mkdir()
+        (results / "reference" / "nvidia-h200").symlink_to(H200)
+    kept = []
+    monkeypatch.setattr(common.plt, "close", kept.append)
+    monkeypatch.setattr(common.plt.Figure, "savefig", lambda fig, path, **kw: Path(path).write_bytes(b""))
+    drawn = []
+    fig10 = registry.FIGURES["vgg11"]
+    fig10.run(results, [], [tmp_path / Path(p).name for p in fig10.paths("cpu")])
+    drawn.append(("fig_10.png", kept[-1]))
+    scaling = registry.FIGURES["cpu_scaling"]
+    for model in ("rnn", "gru"):
+        csv = results / "cpu" / model / "scaling.csv"
+        outs = [tmp_path / Path(p).name for p in scaling.paths("cpu", model=model)]
+        scaling.run(results, [csv], outs)
+        drawn.append((f"fig_scaling_{model}.png", kept[-1]))
+    assert [n for n, _ in drawn] == ["fig_10.png", "fig_scaling_rnn.png", "fig_scaling_gru.png"]
+    for name, fig in drawn:
+        _assert_reads_at_a_glance(fig, name)
+        common.plt.close(fig)
 
 
 def test_fig_9_labels_a_configuration_timed_too_few_rounds_for_an_interval(monkeypatch):
