@@ -57,9 +57,9 @@ def plot(df: pd.DataFrame, out) -> pd.DataFrame:
                 if math.isfinite(p_star):
                     tag = "extrapolated" if bool(c.extrapolated.iloc[0]) else "measured"
                     top.axvline(p_star, color="k", ls="--", lw=0.8)
-                    verdict = f"overtakes compiled sequential\nat p≈{p_star:.0f} (dashed line; {tag})"
+                    verdict = f"overtakes sequential at p≈{p_star:.0f} (dashed, {tag})"
                 else:
-                    verdict = "never overtakes compiled sequential\n(model Θ(n/p + log p))"
+                    verdict = "never overtakes sequential (Θ(n/p + log p))"
         # the crossover in the title, where no legend can cover it
         top.set_title(f"T = {T}, B = {B}" + (f"\n{verdict}" if verdict else ""), fontsize=9)
         top.set(xscale="log", yscale="log", xlabel="worker threads p", ylabel="backward (ms), median ± 95% CI")
@@ -77,7 +77,9 @@ def plot(df: pd.DataFrame, out) -> pd.DataFrame:
     ncol = min(2, len(keys))
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=ncol, fontsize=7)
     dev = ", ".join(sorted(map(str, df["device"].unique()))) if "device" in df else "?"
-    fig.suptitle(f"Backward vs workers on {dev}\n(measured up to p = {int(med.threads.max())}; dotted: extrapolated)",
+    profiles = ", ".join(sorted(map(str, df["profile"].unique()))) if "profile" in df else "?"
+    fig.suptitle(f"Backward vs workers on {dev} · profile {profiles}\n(measured up to p = {int(med.threads.max())}; "
+                 "dotted: extrapolated)",
                  fontsize=10)  # two lines: one column of panels is narrower than the title
     fig.tight_layout(rect=(0, 0.02 + 0.025 * -(-len(handles) // ncol), 1, 1))
     with atomic_path(out) as tmp:
