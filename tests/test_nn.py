@@ -1,6 +1,8 @@
 """bppsa.nn.RNN/GRU against torch.nn.RNN/GRU: the same state dict, the same gradients (issue 33's "Done when")."""
 import copy
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -229,6 +231,20 @@ def test_every_op_has_a_cuda_kernel():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"bppsa::{name}", "CUDA"), name
 
 
+def test_eager_mode_does_not_import_the_compiler():
+    """A custom op's first call imports torch._dynamo (~2 s a process on two vCPUs, paid by every workflow job);
+    eager mode runs the op's functions as an autograd.Function instead."""
+    code = ("import sys, torch, bppsa.nn as bnn\n"
+            "for cls in (bnn.RNN, bnn.GRU):\n"
+            "    out, h_n = cls(2, 4, backend='cpu')(torch.randn(5, 3, 2))\n"
+            "    (out.sum() + h_n.sum()).backward()\n"
+            "print('torch._dynamo' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "False", "eager bppsa.nn imported torch._dynamo"
+    assert "Exception ignored" not in r.stderr, r.stderr[-2000:]  # nothing left to fail at the interpreter's exit
+
+
 def test_double_backward_raises():
     x, h0, *w, lengths = _op_args("gru", torch.float64, False)
     h, h_n = ops.layer("gru", x, h0, *w, lengths, "torch")
@@ -267,6 +283,7 @@ def _batch():
 
 
 def _compiled_step(compile_backend: str):
+    from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
     torch.manual_seed(7)
@@ -274,9 +291,12 @@ def _compiled_step(compile_backend: str):
     model = copy.deepcopy(eager)
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model, fullgraph=True, backend=compile_backend)
+    seen = CompileCounterWithBackend(compile_backend)
+    compiled = torch.compile(model, fullgraph=True, backend=seen)
     got = _step(model, compiled, _batch())
     assert not counters["graph_break"], dict(counters["graph_break"])
+    # the trace went through the custom op (its fake formula), not the eager autograd.Function
+    assert any("torch.ops.bppsa.gru" in g.code for g in seen.graphs), [g.code for g in seen.graphs]
     return got, _step(eager, eager, _batch())
 
 

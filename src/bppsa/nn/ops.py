@@ -9,6 +9,11 @@ a differentiable graph, so there is no double backward.
 One implementation serves every device: the backend named by the op's ``backend`` argument is resolved on the
 tensors' device (:func:`bppsa.backends.get_backend`: the CPU kernel, the CuPy kernels, the torch twin).  The CUDA
 registration only makes the tensors' device current; the CuPy backends launch on torch's current stream.
+
+Eager mode calls the same forward and autograd formula as a plain :class:`torch.autograd.Function`
+(:func:`layer`): a custom op's first call imports torch's compiler (~2 s on a 2-vCPU machine), which every
+workflow job would otherwise pay.  A trace (torch.compile, a dispatch mode such as fake tensors) goes
+through the op.
 """
 from __future__ import annotations
 
@@ -99,16 +104,37 @@ def _define(cell: str):
         raise RuntimeError(DOUBLE_BACKWARD)
 
     bwd.register_autograd(no_double_backward, setup_context=lambda ctx, inputs, output: None)
-    return fwd, bwd
+
+    context, formula = setup_context, backward_formula  # a class body cannot read a name it assigns
+
+    class Eager(torch.autograd.Function):
+        """The op's forward and autograd formula without the dispatcher (see the module's docstring)."""
+
+        @staticmethod
+        def forward(*args):
+            if args[0].is_cuda:
+                with torch.cuda.device(args[0].device):
+                    return forward(*args)
+            return forward(*args)
+
+        setup_context = staticmethod(context)
+        backward = staticmethod(formula)
+
+    return fwd, bwd, Eager
 
 
-rnn, rnn_backward = _define("rnn")
-gru, gru_backward = _define("gru")
+rnn, rnn_backward, _rnn_eager = _define("rnn")
+gru, gru_backward, _gru_eager = _define("gru")
 OPS = {"rnn": rnn, "gru": gru}
+EAGER = {"rnn": _rnn_eager, "gru": _gru_eager}
 
 
 def layer(cell: str, x: torch.Tensor, h0: torch.Tensor | None, w_ih: torch.Tensor, w_hh: torch.Tensor,
           b_ih: torch.Tensor | None, b_hh: torch.Tensor | None, lengths: torch.Tensor | None = None,
           backend: str = "auto", layout: str = "fused", L_m: int | None = None):
-    """One layer through its op: ``(h [T, B, H], h_n [B, H])`` from time-major ``x`` [T, B, I]."""
-    return OPS[cell](x, h0, w_ih, w_hh, b_ih, b_hh, lengths, backend, layout, L_m)
+    """One layer through its op: ``(h [T, B, H], h_n [B, H])`` from time-major ``x`` [T, B, I].  Traced (torch.compile,
+    a dispatch mode): the custom op; eager: its :class:`torch.autograd.Function` twin, the same functions."""
+    args = (x, h0, w_ih, w_hh, b_ih, b_hh, lengths, backend, layout, L_m)
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+        return OPS[cell](*args)
+    return EAGER[cell].apply(*args)

@@ -480,7 +480,7 @@ class Team:
             raise RuntimeError("the scan could not start its threads")
         return dict(zip(self.names, grads)) if self.mode else None
 
-    def __del__(self):
+    def __del__(self, _byref=ctypes.byref):  # bound here: at exit the module's globals may be gone first
         lib = getattr(self, "lib", None)
         if lib is not None and getattr(self, "live", None) is not None:
-            lib.team_drain(ctypes.byref(self.t))
+            lib.team_drain(_byref(self.t))
