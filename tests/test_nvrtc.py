@@ -304,3 +304,22 @@ def test_occupancy_model():
     # 100 KiB of shared memory: two blocks on sm_90 (228 KiB), one on sm_80 (164 KiB)
     assert occupancy(90, 32, 128, 100 * 1024)["blocks_per_sm"] == 2
     assert occupancy(80, 32, 128, 100 * 1024)["blocks_per_sm"] == 1
+
+
+def test_a_compile_is_cached_and_a_damaged_entry_compiled_again(nv, tmp_path, monkeypatch):
+    """The same source, options and NVRTC give the cached result without compiling; an entry whose cubin was
+    cut short, or whose index is garbage, is compiled again."""
+    monkeypatch.setenv("BPPSA_CACHE_DIR", str(tmp_path))
+    src, opts = "extern \"C\" __global__ void k(float *x) { x[threadIdx.x] *= 2.0f; }", ("-arch=sm_80",)
+    calls = []
+    real = nvrtc._compile
+    monkeypatch.setattr(nvrtc, "_compile", lambda *a: calls.append(a) or real(*a))
+    first = nvrtc.compile_source(src, opts, "k.cu")
+    assert nvrtc.compile_source(src, opts, "k.cu") == first and len(calls) == 1
+    assert nvrtc.compile_source(src + " ", opts, "k.cu").cubin and len(calls) == 2  # another source, another key
+    (cubin,) = (tmp_path / "nvrtc").glob(f"{nvrtc._cache_key(src, opts, 'k.cu')}.cubin")
+    cubin.write_bytes(cubin.read_bytes()[:100])
+    assert nvrtc.compile_source(src, opts, "k.cu") == first and len(calls) == 3
+    cubin.with_suffix(".json").write_text("{not json")
+    assert nvrtc.compile_source(src, opts, "k.cu") == first and len(calls) == 4
+    assert nvrtc.compile_source(src, opts, "k.cu") == first and len(calls) == 4

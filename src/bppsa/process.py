@@ -13,6 +13,16 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """Where the package keeps what it builds (CPU kernels, NVRTC results): ``$BPPSA_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/bppsa`` (default ``~/.cache/bppsa``)."""
+    root = os.environ.get("BPPSA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "bppsa")
+    return Path(root)
+
 
 # GNU OpenMP (torch's Linux wheels): spin rounds before sleeping; Intel/LLVM OpenMP: milliseconds before sleeping.
 OPENMP_WAIT = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "0"}

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from ...process import cache_root
+
 __all__ = ["available", "unavailable_reason", "library", "Team", "GruFill", "KINDS", "ISAS",
            "target", "lane_width", "rnn_factors", "reset", "isa", "build_key"]
 
@@ -56,9 +58,7 @@ def _source() -> bytes:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("BPPSA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "bppsa")
-    return Path(root) / "native"
+    return cache_root() / "native"
 
 
 def _compiler() -> str | None:

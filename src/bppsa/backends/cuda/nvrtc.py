@@ -5,16 +5,25 @@ compiling needs neither a GPU nor a driver.  The tests use it to check, on any m
 GPU run compiles: every ``.cu`` with CuPy's effective options (:func:`cupy_options`), the PTX
 parameter lists, and ptxas's register, stack and spill report.  ``bppsa doctor`` uses it to
 report whether the kernels compile where CuPy cannot be tried.
+
+A compile's result (log, PTX, cubin) is kept under ``$BPPSA_CACHE_DIR/nvrtc``, keyed by the source, the options
+and the NVRTC library (its path, size and time): the same inputs give the same output, and a compile of the
+package's kernels takes ~1.5 s each on a 2-vCPU machine.  An entry whose digests do not match is compiled again.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import json
+import os
 import re
+import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from ...process import cache_root
 from .runtime import CUPY_APPENDED_OPTIONS, KERNEL_DIR, NVRTC_OPTIONS, define_options, reference_constants
 
 # wheels that ship libnvrtc: CUDA 13's (nvidia/cu13/lib) first, then CUDA 12's (nvidia/cuda_nvrtc/lib)
@@ -94,8 +103,60 @@ def _get(nv, prog, size_fn, get_fn) -> bytes:
     return buf.raw[: n.value]
 
 
+def _cache_key(source: str, options: tuple[str, ...], name: str) -> str:
+    lib = find_library()[0]
+    st = lib.stat()
+    ident = json.dumps([str(lib), st.st_size, st.st_mtime_ns, name, list(options), source])
+    return hashlib.sha256(ident.encode()).hexdigest()[:32]
+
+
+def _digest(b: bytes | None) -> str | None:
+    return None if b is None else hashlib.sha256(b).hexdigest()
+
+
+def _cached(key: str) -> Result | None:
+    """The cached result of ``key``, or None where there is none or it is damaged."""
+    entry = cache_root() / "nvrtc" / f"{key}.json"
+    try:
+        meta = json.loads(entry.read_text())
+        blobs = {k: (entry.with_suffix(f".{k}").read_bytes() if meta[k] is not None else None)
+                 for k in ("ptx", "cubin")}
+    except (OSError, ValueError, KeyError):
+        return None
+    if any(_digest(blobs[k]) != meta[k] for k in blobs):
+        return None
+    return Result(log=meta["log"], ptx=blobs["ptx"], cubin=blobs["cubin"])
+
+
+def _store(key: str, res: Result) -> None:
+    """Keep ``res`` under ``key``: the blobs first, the index (with their digests) last, each written whole."""
+    d = cache_root() / "nvrtc"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        meta = {"log": res.log, "ptx": _digest(res.ptx), "cubin": _digest(res.cubin)}
+        for suffix, data in (("ptx", res.ptx), ("cubin", res.cubin), ("json", json.dumps(meta).encode())):
+            if data is None:
+                continue
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{key}.")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, d / f"{key}.{suffix}")
+    except OSError:
+        pass  # a cache that cannot be written costs the next compile, nothing else
+
+
 def compile_source(source: str, options: tuple[str, ...], name: str = "kernel.cu") -> Result:
-    """Compile ``source``; PTX for ``-arch=compute_XX``, a cubin (and its ptxas log) for ``sm_XX``."""
+    """Compile ``source`` (or take the cached result of the same inputs); PTX for ``-arch=compute_XX``, a cubin
+    (and its ptxas log) for ``sm_XX``."""
+    key = _cache_key(source, tuple(options), name)
+    res = _cached(key)
+    if res is None:
+        res = _compile(source, options, name)
+        _store(key, res)
+    return res
+
+
+def _compile(source: str, options: tuple[str, ...], name: str) -> Result:
     nv = _load()
     prog = ctypes.c_void_p()
     _check(nv, nv.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None),
