@@ -249,7 +249,7 @@ def test_the_gru_gate_pass_written_by_the_scans_threads_equals_the_pass_before_i
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        got = native_chain_scan(lambda: g, lazy, L, scan.Workspace(), "slices", grads=True)
+        got = native_chain_scan(g, lazy, L, scan.Workspace(), "slices", grads=True)
         assert lazy.claim_fill() is None  # the threads wrote it
         torch.testing.assert_close(lazy.f, whole, rtol=0, atol=0)
         _assert_identical(got, native_chain_scan(g, eager, L, scan.Workspace(), "slices", grads=True))
@@ -260,7 +260,7 @@ def test_the_gru_gate_pass_written_by_the_scans_threads_equals_the_pass_before_i
             raise RuntimeError("the gate pass failed")
         chain._fill = broken
         with pytest.raises(RuntimeError, match="the gate pass failed"):
-            native_chain_scan(lambda: g, chain, L, scan.Workspace(), "slices", grads=True)
+            native_chain_scan(g, chain, L, scan.Workspace(), "slices", grads=True)
     finally:
         torch.set_num_threads(old)
 

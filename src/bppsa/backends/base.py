@@ -22,7 +22,7 @@ class Backend(Protocol):
       for the parameter gradients; ``gates()`` gives the GRU's recomputed gates to a backend that builds
       from them);
     * :meth:`cell_grads`: the cell's parameter gradients, ``from_scan(scan(g, J, L_m))`` unless the backend
-      accumulates them as it scans.  ``g`` is ∇h_T, or a callable that returns it (:func:`grad_of`).
+      accumulates them as it scans.
     """
 
     name: str
@@ -34,13 +34,8 @@ class Backend(Protocol):
 
     def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates: Callable | None = None): ...
 
-    def cell_grads(self, g: torch.Tensor | Callable[[], torch.Tensor], J: Any, L_m: int | None,
+    def cell_grads(self, g: torch.Tensor, J: Any, L_m: int | None,
                    from_scan: Callable[[torch.Tensor], dict]) -> dict[str, torch.Tensor]: ...
-
-
-def grad_of(g: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
-    """∇h_T given to :meth:`Backend.cell_grads`: the tensor, or what the callable returns."""
-    return g() if callable(g) else g
 
 
 def check_operands(g: torch.Tensor, J) -> None:

@@ -6,7 +6,7 @@ import torch
 from .. import scan as _scan
 from ..jacobians import gru as _gru
 from ..jacobians import recurrent as _rec
-from .base import check_operands, grad_of
+from .base import check_operands
 
 
 class TorchBackend:
@@ -45,7 +45,7 @@ class TorchBackend:
         return _gru.gru_jacobians_t(g, cell.weight_hh_l0, out=self.workspace.get(("jacobians", "gru"), (T, B, H, H), h))
 
     def cell_grads(self, g, J: torch.Tensor, L_m: int | None, from_scan) -> dict:
-        return from_scan(self.scan(grad_of(g), J, L_m))
+        return from_scan(self.scan(g, J, L_m))
 
     def affine_cell_grads(self, g: torch.Tensor, J, c: torch.Tensor, L_m: int | None, from_scan) -> dict:
         """The cell's parameter gradients where the loss reads every state (:meth:`affine_scan`'s ``c``), from that

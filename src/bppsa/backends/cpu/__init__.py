@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ... import scan as _scan
-from ..base import check_operands, grad_of
+from ..base import check_operands
 from ..chain import FactoredChain, PaperChain, RnnChain
 from ..twin import TorchBackend
 from . import native
@@ -62,16 +62,15 @@ def param_grads(g, chain: FactoredChain, L_m: int | None, ws: _scan.Workspace, f
                 split: str = "auto", c: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The cell's parameter gradients from the scan over ``chain``: accumulated by the compiled kernel as
     the prefixes come out, or ``from_scan(scan)`` without it (or for a chain built without x).
-    ``g``: ∇h_T, or the callable that returns it (:func:`~bppsa.backends.base.grad_of`; the kernel's
-    other threads start their up-sweep meanwhile).  ``L_m = 0`` is the sequential backward over the same chain.
+    ``g``: ∇h_T.  ``L_m = 0`` is the sequential backward over the same chain.
     ``c``: the loss's direct gradients in scan order (the affine scan, :func:`.chain.native_chain_scan`)."""
     L = _scan.tree_levels(chain.shape[0] + 1, L_m)
     out = native_chain_scan(g, chain, L, ws, split, grads=True, c=c) if chain.I else None
     if out is not None:
         return out
     if c is None:
-        return from_scan(cpu_scan(grad_of(g), chain, L_m, ws, split))
-    return from_scan(TorchBackend().affine_scan(grad_of(g), chain.dense(), c, L_m))
+        return from_scan(cpu_scan(g, chain, L_m, ws, split))
+    return from_scan(TorchBackend().affine_scan(g, chain.dense(), c, L_m))
 
 
 class CpuBackend(TorchBackend):
@@ -135,4 +134,4 @@ class CpuBackend(TorchBackend):
     def cell_grads(self, g, J, L_m, from_scan) -> dict[str, torch.Tensor]:
         if isinstance(J, FactoredChain):
             return param_grads(g, J, self._L_m(L_m), self.workspace, from_scan, self._split)
-        return from_scan(self.scan(grad_of(g), J, L_m))
+        return from_scan(self.scan(g, J, L_m))

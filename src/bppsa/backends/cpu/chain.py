@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from ... import scan as _scan
-from ..base import grad_of
 from ..chain import FactoredChain, GruChain, PaperChain, RnnChain, factor_buffer
 from . import native, plan, pool
 from .dense import dense_tree_scan
@@ -80,7 +79,7 @@ def synthetic(kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype):
 def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, split: str = "auto",
                       grads: bool = False, c: torch.Tensor | None = None):
     """The scan over a :class:`FactoredChain` by the compiled kernel (:mod:`.native`); None where it is
-    unavailable.  ``g``: ∇h_T, or the callable that returns it.  ``grads``: instead of the scan, the cell's
+    unavailable.  ``g``: ∇h_T.  ``grads``: instead of the scan, the cell's
     parameter gradients (a dict), accumulated by the kernel as the prefixes come out (the chain must have been
     built with x).
 
@@ -100,7 +99,6 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     if team is None:
         return None
     dtype = chain.dtype
-    g = grad_of(g)
     g = g if g.is_contiguous() else g.contiguous()
     out = None if grads else torch.empty((n, B, H), dtype=dtype)
     if n == 0:

@@ -33,7 +33,7 @@ import torch
 
 from ...jacobians.recurrent import num_jacobians
 from ...scan import tree_levels
-from ..base import check_operands, grad_of
+from ..base import check_operands
 from ..chain import FactoredChain, GruChain, RnnChain
 from ..twin import TorchBackend
 from . import cost_model, plan, runtime
@@ -127,7 +127,6 @@ class CupyFactoredBackend(CupyBackend):
         return self._factored(g, J, L_m, grads=False)
 
     def cell_grads(self, g, J, L_m, from_scan) -> dict[str, torch.Tensor]:
-        g = grad_of(g)
         if not _factored(J) or not J.I or not self.sums_fit(J, g.dtype, g.device):
             # the scan's output, then the parameter gradients as GEMMs: also where the sums' block would not fit
             # this GPU's shared memory (the GRU at H = 64 in fp64 on an H100/H200: 259 KiB of 227)
