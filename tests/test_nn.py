@@ -236,7 +236,7 @@ def test_eager_mode_does_not_import_the_compiler():
     eager mode runs the op's functions as an autograd.Function instead."""
     code = ("import sys, torch, bppsa.nn as bnn\n"
             "for cls in (bnn.RNN, bnn.GRU):\n"
-            "    out, h_n = cls(2, 4, backend='cpu')(torch.randn(5, 3, 2))\n"
+            f"    out, h_n = cls({I}, {H}, backend='cpu')(torch.randn(9, 4, {I}))\n"  # kernels built
             "    (out.sum() + h_n.sum()).backward()\n"
             "print('torch._dynamo' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -288,6 +288,21 @@ def _files(run):
                   if p.is_file() and p.relative_to(run).parts[0] not in (".snakemake", "tmp"))
 
 
+def _planned_files(run, target):
+    """The outputs and logs of every job that ``target`` needs, as ``snakemake --summary`` lists them for ``run``."""
+    r = subprocess.run([sys.executable, "-m", "snakemake", "--summary", "--cores", "1", "--configfile",
+                        str(TEST_CONFIG), "--directory", str(run), target],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [ln.split("\t") for ln in r.stdout.splitlines()[1:] if "\t" in ln]
+    assert rows and all(row[4] == "ok" for row in rows), r.stdout  # the uninterrupted run made every one
+    return sorted({row[0] for row in rows} | {log for row in rows for log in row[3].split(",") if log not in ("", "-")})
+
+
+# a part of the .test DAG with timing jobs in it (the RNN's bench CSVs, then their speedups): 12 jobs
+KILLED_TARGET = "results/cpu/rnn/speedups.csv"
+
+
 @pytest.mark.slow
 def test_a_run_killed_mid_job_resumes_with_the_readmes_line(test_run, tmp_path):
     """SIGKILL to the whole run (what a lost node or a walltime does) while a job runs leaves a lock and
@@ -300,7 +315,7 @@ def test_a_run_killed_mid_job_resumes_with_the_readmes_line(test_run, tmp_path):
     run.mkdir()
     cmd = _readme_resume_command()
     assert cmd[0] == "snakemake"
-    extra = ["--configfile", str(TEST_CONFIG), "--directory", str(run)]
+    extra = ["--configfile", str(TEST_CONFIG), "--directory", str(run), KILLED_TARGET]
     p = subprocess.Popen([sys.executable, "-m", *cmd] + extra, cwd=ROOT, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True)
     incomplete = run / ".snakemake" / "incomplete"
@@ -322,4 +337,5 @@ def test_a_run_killed_mid_job_resumes_with_the_readmes_line(test_run, tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert "which is no longer running" in out  # the killed run's lock was removed, not --unlock'ed
-    assert _files(run) == _files(test_run)
+    claim = "results/cpu/hardware.json"  # the device folder's claim, written by its first job (no rule's output)
+    assert _files(run) == sorted({*_planned_files(test_run, KILLED_TARGET), claim})
