@@ -60,7 +60,8 @@ def _define(cell: str):
                 return impl(*args)
         return run
 
-    fwd.register_kernel("cuda", on_device(forward))
+    forward_on_device = on_device(forward)
+    fwd.register_kernel("cuda", forward_on_device)
     bwd.register_kernel("cuda", on_device(backward))
     gradients_on_device = on_device(gradients)
 
@@ -112,10 +113,7 @@ def _define(cell: str):
 
         @staticmethod
         def forward(*args):
-            if args[0].is_cuda:
-                with torch.cuda.device(args[0].device):
-                    return forward(*args)
-            return forward(*args)
+            return (forward_on_device if args[0].is_cuda else forward)(*args)
 
         setup_context = staticmethod(context)
         backward = staticmethod(formula)
