@@ -91,7 +91,7 @@ else
   printf 'sanitizer\tskipped\t0\n' >> "$LOG/steps.tsv"
 fi
 step gpu_tests 200 "$PY" -m pytest -m gpu -q -n 6 -p no:cacheprovider --junitxml="$LOG/gpu_tests.xml" \
-  tests/test_kernels.py tests/test_factored_kernels.py tests/test_gru.py
+  tests/test_kernels.py tests/test_factored_kernels.py tests/test_gru.py tests/test_nn.py
 [ "${#pids[@]}" -eq 0 ] || wait "${pids[@]}"
 
 # quiet benchmarks, one at a time, most important first

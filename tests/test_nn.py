@@ -88,19 +88,26 @@ GRID = [pytest.param(case, cell, backend, dtype, id="T{}-B{}-bias{}-bf{}-L{}-h0{
 
 @pytest.mark.parametrize("case, cell, backend, dtype", GRID)
 def test_gradients_equal_torch_autograd(case, cell, backend, dtype):
-    dtype = DTYPES[dtype]
+    _check_gradients(case, cell, backend, DTYPES[dtype], torch.device("cpu"))
+
+
+def _check_gradients(case, cell, backend, dtype, device):
     T, B, bias, batch_first, layers, with_h0, with_lengths, loss_kind, dx = case
     ours_cls, torch_cls = CLASSES[cell]
     torch.manual_seed(T * 100 + B)
-    ref = torch_cls(I, H, num_layers=layers, bias=bias, batch_first=batch_first, dtype=dtype)
+    ref = torch_cls(I, H, num_layers=layers, bias=bias, batch_first=batch_first, dtype=dtype).to(device)
     got = ours_cls.from_torch(ref, backend=backend)
     gen = torch.Generator().manual_seed(T + B)
     shape = (B, T, I) if batch_first else (T, B, I)
-    x = torch.randn(shape, generator=gen, dtype=dtype).requires_grad_(dx)
-    h0 = torch.randn(layers, B, H, generator=gen, dtype=dtype) if with_h0 else None
+
+    def randn(*size):
+        return torch.randn(size, generator=gen, dtype=dtype).to(device)
+
+    x = randn(*shape).requires_grad_(dx)
+    h0 = randn(layers, B, H) if with_h0 else None
     lengths = _lengths(T, B, gen) if with_lengths else None
-    w_out = torch.randn(shape[:2] + (H,), generator=gen, dtype=dtype)
-    w_hn = torch.randn(layers, B, H, generator=gen, dtype=dtype)
+    w_out = randn(*shape[:2], H)
+    w_hn = randn(layers, B, H)
     want, out_ref, hn_ref = _run(ref, x, h0, lengths, loss_kind, batch_first, w_out, w_hn, ours=False)
     have, out, hn = _run(got, x, h0, lengths, loss_kind, batch_first, w_out, w_hn, ours=True)
     assert set(have) == set(want)
@@ -282,22 +289,24 @@ def _batch():
     return torch.randn(4, 7, I, generator=gen), torch.tensor([7, 2, 5, 1]), torch.randint(0, 4, (4, 7), generator=gen)
 
 
-def _compiled_step(compile_backend: str):
+def _compiled_step(compile_backend: str, device: str | torch.device = "cpu", backend: str = "cpu"):
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
     torch.manual_seed(7)
-    eager = _Tagger("cpu")
+    eager = _Tagger(backend).to(device)
     model = copy.deepcopy(eager)
     torch._dynamo.reset()
     counters.clear()
     seen = CompileCounterWithBackend(compile_backend)
     compiled = torch.compile(model, fullgraph=True, backend=seen)
-    got = _step(model, compiled, _batch())
+    x, lengths, y = _batch()
+    batch = (x.to(device), lengths, y.to(device))
+    got = _step(model, compiled, batch)
     assert not counters["graph_break"], dict(counters["graph_break"])
     # the trace went through the custom op (its fake formula), not the eager autograd.Function
     assert any("torch.ops.bppsa.gru" in g.code for g in seen.graphs), [g.code for g in seen.graphs]
-    return got, _step(eager, eager, _batch())
+    return got, _step(eager, eager, batch)
 
 
 def test_compiled_training_step_has_no_graph_break_and_equals_eager():
@@ -491,3 +500,120 @@ def test_cupy_factored_backend_emulated(cell, emulated_cupy_factored):
         have = _run(got, x, h0, lengths, loss_kind, batch_first, w_out, w_hn, ours=True)[0]
         assert max(_rel(have[k], want[k]) for k in want) <= 1e-10, case
     assert calls == ["sums", "scan"]  # the per-step case went to the twin
+
+
+# -- on a GPU (skipped without one): the CuPy backends, torch's current stream, CUDA graphs --------------------
+
+GPU_BACKENDS = ("cupy-factored", "cupy")  # 'auto' on a GPU is cupy-factored
+GPU_GRID = [pytest.param(case, cell, backend, dtype, id="T{}-B{}-bias{}-bf{}-L{}-h0{}-len{}-{}-dx{}".format(*case)
+                         + f"-{cell}-{backend}-{dtype}")
+            for case in CASES + LONG for cell in ("rnn", "gru") for backend in GPU_BACKENDS
+            for dtype in (("fp64", "fp32") if case[0] < 1000 else ("fp32",))]
+
+
+@pytest.fixture
+def cuda_fp32():
+    """The GPU, with TF32 off: cuDNN's fp32 RNN and torch's matmuls in fp32, as the 1e-4 bound assumes."""
+    pytest.importorskip("cupy")
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, cell, backend, dtype", GPU_GRID)
+def test_gpu_gradients_equal_torch_autograd(case, cell, backend, dtype, cuda_fp32):
+    """The same grid on the GPU: bppsa.nn on each CuPy backend against torch.nn (cuDNN) on one state dict."""
+    _check_gradients(case, cell, backend, DTYPES[dtype], cuda_fp32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("with_lengths", [False, True], ids=["full", "lengths"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("cell", ["rnn", "gru"])
+def test_gpu_opcheck(cell, dtype, with_lengths, backend, cuda_fp32):
+    x, h0, *w, lengths = (t.detach().to(cuda_fp32).requires_grad_() if t is not None and t.is_floating_point()
+                          else t for t in _op_args(cell, dtype, with_lengths))
+    torch.library.opcheck(ops.OPS[cell], (x, h0, *w, lengths, backend, "fused", None))
+
+
+def _graph_loss(model, x, w, loss_kind):
+    out, h_n = model(x)
+    loss = (h_n * w[-1]).sum()
+    return loss + (out * w[:-1]).sum() if loss_kind == "both" else loss
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss_kind", ["hn", "both"])  # the single seed (the factored kernels); every step (twin)
+@pytest.mark.parametrize("cell", ["rnn", "gru"])
+def test_gpu_training_step_captured_in_a_cuda_graph(cell, loss_kind, cuda_fp32):
+    """A whole forward and backward captured in one CUDA graph (the launches on torch's current stream,
+    nothing synchronising) and replayed on new inputs gives eager mode's gradients bit for bit, also after
+    eager calls of another shape have run on the same backend in between."""
+    dev = cuda_fp32
+    T, B = 37, 16
+    torch.manual_seed(9)
+    model = CLASSES[cell][0](I, H, num_layers=2, backend="cupy-factored", device=dev)
+    eager = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(10)
+    static_x = torch.randn(T, B, I, generator=gen).to(dev)
+    static_w = torch.randn(T + 1, B, H, generator=gen).to(dev)  # w[:-1] weighs the outputs, w[-1] h_n
+    params = list(model.parameters())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up: kernels compiled and loaded, the allocator's pools settled
+        for _ in range(3):
+            for p in params:
+                p.grad = None
+            _graph_loss(model, static_x, static_w, loss_kind).backward()
+    torch.cuda.current_stream().wait_stream(side)
+    for p in params:
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _graph_loss(model, static_x, static_w, loss_kind).backward()
+
+    def eager_grads(x, w):
+        for p in eager.parameters():
+            p.grad = None
+        _graph_loss(eager, x, w, loss_kind).backward()
+        return [p.grad for p in eager.parameters()]
+
+    for k in range(3):
+        x, w = torch.randn(T, B, I, generator=gen).to(dev), torch.randn(T + 1, B, H, generator=gen).to(dev)
+        static_x.copy_(x)
+        static_w.copy_(w)
+        graph.replay()
+        got = [p.grad.clone() for p in params]
+        want = eager_grads(x, w)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), [_rel(a, b) for a, b in zip(got, want)]
+        eager_grads(x[:, : B - 5 + k], w[:, : B - 5 + k])  # another shape through the same backend instance
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_two_backward_runs_are_bitwise_equal(backend, cuda_fp32):
+    torch.manual_seed(8)
+    model = _Tagger(backend).to(cuda_fp32)
+    x, lengths, y = _batch()
+    x, y = x.to(cuda_fp32), y.to(cuda_fp32)
+    for lens in (lengths, torch.full((4,), 7)):
+        first = _step(model, model, (x, lens, y))[1]
+        second = _step(model, model, (x, lens, y))[1]
+        assert all(torch.equal(a, b) for a, b in zip(first, second))
+    rnn = bnn.RNN(I, H, backend=backend, device=cuda_fp32)
+    xs = torch.randn(1000, 16, I, device=cuda_fp32)
+    runs = []
+    for _ in range(2):
+        rnn.zero_grad()
+        rnn(xs)[1].sum().backward()
+        runs.append([p.grad.clone() for p in rnn.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_training_step_equals_eager(cuda_fp32):
+    (loss, grads), (loss_ref, grads_ref) = _compiled_step("aot_eager", cuda_fp32, "cupy-factored")
+    assert torch.equal(loss, loss_ref) and all(torch.equal(a, b) for a, b in zip(grads, grads_ref))

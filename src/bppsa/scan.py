@@ -165,8 +165,10 @@ class Workspace:
 
     On the CPU a fresh multi-megabyte tensor comes from ``mmap`` and is page-faulted and zeroed
     by the kernel at first touch, every iteration (glibc hands large blocks back to the OS on
-    free); at T = 1000, B = 16 that doubled the BPPSA backward.  CUDA's caching allocator makes
-    this unnecessary on a GPU, but harmless.  A workspace belongs to one caller at a time.
+    free); at T = 1000, B = 16 that doubled the BPPSA backward.  A workspace belongs to one caller
+    at a time.  On a GPU :meth:`get` allocates afresh (CUDA's caching allocator makes that cheap):
+    a CUDA graph keeps the addresses it captured, and a buffer shared with later calls would be
+    overwritten by them, or freed when their shape differs.
     """
 
     def __init__(self):
@@ -181,6 +183,8 @@ class Workspace:
 
     def get(self, key, shape, like: torch.Tensor) -> torch.Tensor:
         shape = tuple(shape)
+        if like.is_cuda:
+            return like.new_empty(shape)
         t = self._bufs.get(key)
         if t is None or tuple(t.shape) != shape or t.dtype != like.dtype or t.device != like.device:
             t = self._bufs[key] = like.new_empty(shape)
