@@ -134,12 +134,15 @@ def valid_steps(lengths: torch.Tensor | None, T: int, device) -> torch.Tensor | 
 def torch_layer(cell: str, x, hx, w_ih, w_hh, b_ih, b_hh, batch_sizes=None):
     """``(output, h_n)`` of one layer by torch's own recurrent kernel (cuDNN on a GPU), as torch.nn.RNN/GRU call it:
     ``x`` [T, B, I] (or a PackedSequence's data with its ``batch_sizes``), ``hx`` [1, B, H].  Differentiable by
-    autograd: the harness's baseline trains through it, the layers' forward runs it without a graph."""
+    autograd: the harness's baseline trains through it, the layers' forward runs it without a graph.  cuDNN keeps
+    what its backward needs only in training mode, so that is the mode wherever autograd records (no dropout
+    here, so the numbers are the same)."""
     params = [w_ih, w_hh] + ([b_ih, b_hh] if b_ih is not None else [])
     run = torch.rnn_tanh if cell == "rnn" else torch.gru
+    train = torch.is_grad_enabled()
     if batch_sizes is None:
-        return run(x, hx, params, b_ih is not None, 1, 0.0, False, False, False)
-    return run(x, batch_sizes, hx, params, b_ih is not None, 1, 0.0, False, False)
+        return run(x, hx, params, b_ih is not None, 1, 0.0, train, False, False)
+    return run(x, batch_sizes, hx, params, b_ih is not None, 1, 0.0, train, False)
 
 
 @torch.no_grad()
