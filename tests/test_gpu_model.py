@@ -9,28 +9,6 @@ from bppsa.backends.cuda import cost_model, plan
 from bppsa.cli import main
 
 
-def _h200_chunk_size(n: int, B: int) -> int:
-    """The chunk rule of the plan the first GPU run measured: C = 128, halved down to 16 while the B·K blocks number
-    fewer than 1024."""
-    C = 128
-    while C > 16 and B * -(-n // C) < 1024:
-        C //= 2
-    return C
-
-
-@pytest.fixture(autouse=True)
-def h200_plan(monkeypatch):
-    """The model's constants are fit to the kernels and plan the H200 ran (its shared-memory up kernel, the old chunk
-    rule), so its tests plan as that run did; the register up kernel and today's chunk rule (issue 32) await a GPU."""
-    real = plan.factored_plan
-
-    def measured(kind, n, B, H, I, C, **kw):
-        return real(kind, n, B, H, I, C, **{**kw, "register_up": False})
-
-    monkeypatch.setattr(cost_model.plan, "factored_plan", measured)
-    monkeypatch.setattr(cost_model, "chunk_size", lambda kind, n, B, *a, **kw: _h200_chunk_size(n, B))
-
-
 def test_fill_launch_counts_by_hand():
     # T = 2, B = 1, H = 2, paper layout: 4 Jacobians of 2 x 2 written (16), h read (4), W_hh read (4);
     # 1 - h² on the 2 diagonal elements of each of the 2 diagonal Jacobians, two FLOP each.
@@ -98,7 +76,10 @@ def test_factored_moves_a_tenth_and_predicts_half_a_millisecond_at_the_papers_la
 
 
 @pytest.mark.parametrize("cell,I", [("rnn", 1), ("gru", 12)])
-def test_factored_never_writes_the_jacobians(cell, I):
+def test_factored_never_writes_the_jacobians(cell, I, monkeypatch):
+    # at chunks of 128 steps, where the aggregates (H x H per chunk) are few: the model's own chunk size trades
+    # bytes for latency (at C = 8 the GRU's middle scan moves more than the factors)
+    monkeypatch.setattr(cost_model, "chunk_size", lambda *a, **kw: 128)
     T, B, H = 1034, 16, 20
     dense = T * B * H * H * 8  # one pass over the dense fp64 Jacobians
     faithful = cost_model.predict("faithful", cell, T, B, H, I, 8, cost_model.GPUS["a100"])
@@ -268,12 +249,14 @@ def test_expected_terms():
     # a GPU of unknown clock has no ceiling: never slower than one with it
     nock = cost_model.Gpu("x", gpu.bandwidth_GBps, gpu.fp32_TFLOPs, gpu.fp64_TFLOPs, gpu.sms, gpu.threads_per_sm)
     assert cost_model.expected("factored", "rnn", 30000, 16, 20, 1, 4, nock)["device_s"] <= base["device_s"]
-    # at a small shape the host's time is the backward's time; at the largest the device's
+    # at a small shape the host's time is the backward's time; where every Jacobian is scanned, the device's
     small = cost_model.expected("factored", "rnn", 100, 16, 20, 1, 4, gpu)
     assert small["expected_s"] < small["host_s"] * 1.1 and small["device_s"] < small["host_s"] / 4
-    assert base["device_s"] > base["host_s"]
-    # the latency term: each block of the factored kernels walks C steps; a larger C, fewer blocks, more steps
-    st = {s.name: s for s in cost_model.steps("factored", "rnn", 30000, 16, 20, 1)}
-    assert st["bppsa_factored_up_smem_rnn"].serial == 128 and st["bppsa_factored_up_smem_rnn"].step == "mm"
-    assert st["bppsa_factored_down_rnn"].serial == 128 and st["bppsa_factored_down_rnn"].step == "mv"
+    dense = cost_model.expected("faithful", "rnn", 30000, 16, 20, 1, 4, gpu)
+    assert dense["device_s"] > 2 * dense["host_s"]
+    # the latency term: each block of the factored kernels walks its chunk's steps (the up kernel C - 1 products)
+    C = cost_model.chunk_size("rnn", 30000, 16, 20, 1, 4, gpu)
+    st = {s.name: s for s in cost_model.steps("factored", "rnn", 30000, 16, 20, 1, 4, gpu)}
+    assert st["bppsa_factored_up_rnn"].serial == C - 1 and st["bppsa_factored_up_rnn"].step == "mm"
+    assert st["bppsa_factored_down_rnn"].serial == C and st["bppsa_factored_down_rnn"].step == "mv"
     assert st["torch.rnn_factors"].serial == 0

@@ -35,15 +35,16 @@ The expected time (``expected_s``, :func:`expected`) adds what the floor leaves 
   blocks (:data:`STEP_S`: a global load of the step's factors, the barriers, the H-long chain of dependent
   multiply-adds).  The register up kernel's step is its issue chain instead (:func:`_issue_latency`: NW H² NC
   multiply-adds at ``ISSUE_PER_FMA`` instructions, one a clock per scheduler, ``SCHEDULERS_PER_SM`` shared by the
-  SM's warps) -- assumptions, since no GPU has run it;
+  SM's warps) -- assumptions, not fits (the one run that shows the kernel's device time alone, T = 30,000 on the
+  H200, took 1.85x the modelled device time of the backward);
 * **per-launch host latency**: each CuPy launch (:data:`HOST_LAUNCH_S`: packing pointers and np.int64 arguments)
   and each torch kernel (:data:`HOST_TORCH_S`) costs the host time, and the backward's Python glue
   (:data:`HOST_FIXED_S`, :data:`GLUE_TORCH_OPS`) comes first; the device runs a step once the host has issued it
   and the previous step is done, so at small shapes the host's time is the backward's time.
 
-Those constants are fit to the H200 run (``results/reference/nvidia-h200/``): ``tests/test_gpu_model.py`` holds
-the expected times of the kernels it ran to those measurements within 1.5x (planning as that run did: the
-shared-memory up kernel, its chunk rule).  A backward captured in a CUDA graph (no host work per launch) is
+Those constants are fit to the H200 runs (``results/reference/nvidia-h200/``, 2026-11-27's):
+``tests/test_gpu_model.py`` holds the expected times of the kernels it ran to those measurements within 1.5x,
+planning as the code does.  A backward captured in a CUDA graph (no host work per launch) is
 ``host=False`` (:func:`graphed`: ``graph_s``, each phase's time, the dominant phase).
 
 The same model chooses the factored plan's chunk size (:func:`chunk_size`: the least expected device time of the
@@ -61,10 +62,10 @@ from . import plan
 LAUNCH_S = 3e-6  # assumed per-kernel launch overhead on a busy stream (not a published figure)
 
 # The expected time's terms (see the module docstring).  SMEM_BYTES_PER_CLK is the hardware's (32 banks of 4 bytes
-# a clock per SM, Volta to Hopper); the rest are fit to the H200 run of 2026-11-26 (tests/test_gpu_model.py).
+# a clock per SM, Volta to Hopper); the rest are fit to the H200 runs (tests/test_gpu_model.py).
 SMEM_BYTES_PER_CLK = 128
 LDS_PER_FMA = 2.0  # the shared-memory kernels: both operands of every multiply-add loaded from shared memory
-# The register up kernel (factored_up.cu), not yet run on a GPU: assumptions, not fits.
+# The register up kernel (factored_up.cu): assumptions, not fits (docs/gpu-first-run.md says how they compare).
 LDS_BYTES = 16  # its shared loads are 16-byte vectors of W^T, each feeding 16 / itemsize rows of its NC columns
 SCHEDULERS_PER_SM = 4  # warp schedulers per SM, each issuing one warp instruction a clock (Volta to Hopper)
 ISSUE_PER_FMA = 1.35  # instructions a warp issues per multiply-add of its step loop (the FMAs, the LDS.128 of
@@ -72,7 +73,7 @@ ISSUE_PER_FMA = 1.35  # instructions a warp issues per multiply-add of its step 
 STEP_S = {"mm": 4.0e-6, "mv": 2.0e-6}  # latency of one dependent step of a block at H = 20 (scales with H / 20)
 HOST_LAUNCH_S = 25e-6  # host time of one CuPy RawKernel launch from Python
 HOST_TORCH_S = 25e-6  # host time of one eager torch op (Python, dispatch, launch)
-HOST_FIXED_S = 350e-6  # the backward's Python glue outside any op (autograd Function, plans, checks)
+HOST_FIXED_S = 600e-6  # the backward's Python glue outside any op (autograd, the layer's routing, plans, checks)
 # eager torch ops of a backward that no Step counts (the head, permutes, contiguous copies, cat of the gradients)
 GLUE_TORCH_OPS = {("factored", "rnn"): 20, ("factored", "gru"): 35, ("faithful", "rnn"): 15, ("faithful", "gru"): 25}
 
