@@ -189,6 +189,22 @@ def test_unbatched_input():
     assert _rel(o, o_ref) <= 1e-12 and _rel(hn, hn_ref) <= 1e-12
 
 
+def test_torch_layer_is_in_training_mode_where_autograd_records(monkeypatch):
+    """cuDNN refuses a backward through a forward run in inference mode (every GPU baseline failed so on the H200);
+    on the CPU the flag changes no number, so only the call can show it."""
+    seen = []
+    for name in ("rnn_tanh", "gru"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, real=real: seen.append(a[6] if len(a) == 9 else a[7]) or real(*a))
+    x, h0, w_ih, w_hh, b_ih, b_hh, lengths = _op_args("rnn", torch.float64, False)
+    hx = h0.detach()[None]
+    nn_backward.torch_layer("rnn", x, hx, w_ih, w_hh, b_ih, b_hh)[1].sum().backward()  # the harness's baseline
+    bnn.RNN(I, H, dtype=torch.float64)(x.detach())  # the layer's forward, under no_grad
+    packed = pack_padded_sequence(x.detach(), torch.tensor([5, 1, 3]), enforce_sorted=False)
+    bnn.GRU(I, H, dtype=torch.float64)(packed)
+    assert seen == [True, False, False], seen
+
+
 # -- the ops --------------------------------------------------------------------------------------
 
 
