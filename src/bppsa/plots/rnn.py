@@ -73,7 +73,12 @@ def _x(df: pd.DataFrame, axis: str):
     return df["seq_len"] if axis == "seq_len" else 1.0 / df["batch"]
 
 
-XLABEL = {"seq_len": "sequence length T", "batch": "fraction of GPU per sample 1/B"}
+def _xlabel(axis: str, d: pd.DataFrame) -> str:
+    """The x label: T, or the paper's "fraction of GPU per sample", naming the CPU where the panel's device is one."""
+    if axis == "seq_len":
+        return "sequence length T"
+    cpu = "device" in d and len(d) and d["device"].astype(str).str.startswith("cpu").all()
+    return f"fraction of {'the CPU' if cpu else 'GPU'} per sample 1/B"
 
 
 def _xaxis(ax, d: pd.DataFrame, axis: str) -> None:
@@ -85,7 +90,7 @@ def _xaxis(ax, d: pd.DataFrame, axis: str) -> None:
     ax.set_xticks([v if axis == "seq_len" else 1.0 / v for v in vals])
     ax.set_xticklabels([str(v) if axis == "seq_len" else f"1/{v}" for v in vals])
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel(XLABEL[axis])
+    ax.set_xlabel(_xlabel(axis, d))
 
 
 def _panel_title(dev: str, backend: str, base_backend: str, base: str, fixed_txt: str) -> str:
@@ -234,7 +239,7 @@ def fig_breakdown(lat: pd.DataFrame, axis: str, out: str | Path) -> None:
                          marker="_")
         ax.set_xticks(np.arange(len(xs)))
         ax.set_xticklabels([str(v) if axis == "seq_len" else f"1/{v}" for v in xs])
-        ax.set_xlabel(XLABEL[axis])
+        ax.set_xlabel(_xlabel(axis, dd))
         ax.set_ylabel("runtime / baseline runtime")
         bppsa = "/".join(sorted({backends[v] for v in variants[1:] if backends.get(v)}))
         ax.set_title(_panel_title(dev, bppsa, backends.get(base, ""), base, _fixed_txt(axis, fixed[dev])), fontsize=9)
