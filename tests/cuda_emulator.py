@@ -36,7 +36,7 @@ KERNEL_NAMES = {
     "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
     "rnn_jacobians.cu": [f"bppsa_rnn_jacobians_{k}_{s}" for k in ("paper", "fused") for s in ("f32", "f64")],
     "factored.cu": [f"bppsa_factored_{p}_{k}_{s}" for p in ("up_smem", "down") for k in ("rnn", "gru")
-                    for s in ("f32", "f64")],
+                    for s in ("f32", "f64")] + ["bppsa_factored_carry_f32", "bppsa_factored_carry_f64"],
     # compiled per hidden size (plan.up_constants); at the reference H = 20 both dtypes' kernels exist
     "factored_up.cu": [f"bppsa_factored_up_{k}_{s}" for k in ("rnn", "gru") for s in ("f32", "f64")],
 }
@@ -378,18 +378,19 @@ def emulated_scan(lib, g: np.ndarray, J: np.ndarray, L_m):
     return bufs[2].value(), bufs[0].value()
 
 
-def emulated_factored(lib, chain, g: np.ndarray, C: int | None = None, grads: bool = False, L_m=None):
+def emulated_factored(lib, chain, g: np.ndarray, C: int | None = None, grads: bool = False, L_m=None,
+                      c: np.ndarray | None = None):
     """CupyFactoredBackend's factored path with the kernels run by the emulator: the same plan
     (:func:`bppsa.backends.cuda.plan.factored_plan`), the same buffers, each with guard bands.
 
-    ``chain``: an RnnChain or GruChain (CPU tensors).  Returns the scan's output P [n, B, H] (``grads`` False,
-    or a chain without x), else the summed parameter-gradient sums [NA, I + 1 + H] (what ``chain.param_grads``
-    takes), and the chunk size used."""
+    ``chain``: an RnnChain or GruChain (CPU tensors); ``c`` [n, B, H]: the affine scan's per-step gradients.
+    Returns the scan's output P [n, B, H] (``grads`` False, or a chain without x), else the summed
+    parameter-gradient sums [NA, I + 1 + H] (what ``chain.param_grads`` takes), and the chunk size used."""
     n, B, H, _ = chain.shape
     dt = g.dtype
     Wt, f = chain.Wt.numpy().astype(dt), chain.f.numpy().astype(dt)
     C, launches = cost_model.factored_plan(chain.kind, n, B, H, chain.I, C, grads=grads, L_m=L_m,
-                                           itemsize=dt.itemsize)
+                                           itemsize=dt.itemsize, affine=c is not None)
     K = -(-n // C)
     mode = launches[-1].kernel == "torch.sum"
     NA, NBV = (H if chain.kind == "rnn" else 4 * H), chain.I + 1 + H
@@ -398,12 +399,18 @@ def emulated_factored(lib, chain, g: np.ndarray, C: int | None = None, grads: bo
     carries = Buf(np.full((K, B, H), np.nan, dtype=dt) if K > 1 else g[None].copy())
     P = Buf(np.full((n, B, H), np.nan, dtype=dt) if not mode else np.zeros(0, dtype=dt))
     accs = Buf(np.full((K * B, NA, NBV), np.nan, dtype=dt) if mode else np.zeros(0, dtype=dt))
+    cin = Buf(c.astype(dt) if c is not None else np.zeros(1, dtype=dt))
     middle = [x for x in launches if plan.factored_source(x) == "blelloch.cu"]
-    S = None
+    S = offsets = None
     if middle:
         S = np.full((tree_levels(K + 1, L_m) + 1, B, H), np.nan, dtype=dt)
         S[0] = g
         S = Buf(S)
+    elif K > 1:
+        first = np.full((K, B, H), np.nan, dtype=dt)
+        first[0] = g
+        carries = Buf(first)
+        offsets = Buf(np.full((K, B, H), np.nan, dtype=dt))
     total = None
     for step in launches:
         src = plan.factored_source(step)
@@ -413,8 +420,12 @@ def emulated_factored(lib, chain, g: np.ndarray, C: int | None = None, grads: bo
             emulated_launch(lib, step, dt.type, [agg, S, carries])
         elif "_up_" in step.kernel:
             emulated_launch(library_for(lib, step), step, dt.type, [wt_b, f_b, agg])
+        elif step.kernel == "bppsa_factored_carry":
+            emulated_launch(lib, step, dt.type, [agg, offsets, carries])
+        elif step.ints[-1] & 4:
+            emulated_launch(lib, step, dt.type, [wt_b, f_b, carries, cin, offsets, Buf(np.zeros(1, dtype=dt))])
         else:
-            emulated_launch(lib, step, dt.type, [wt_b, f_b, carries, P, accs])
+            emulated_launch(lib, step, dt.type, [wt_b, f_b, carries, cin, P, accs])
     return (total if mode else P.value()), C
 
 

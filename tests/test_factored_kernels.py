@@ -58,6 +58,11 @@ def _reference(chain, g: torch.Tensor):
     kernel accumulates, from that scan and the chain's factors, in fp64."""
     P, _ = reference_scan(g, chain.dense(), matmat=torch.matmul, matvec=_mv)
     P = torch.stack(P)  # [n, B, H]
+    return P, _sums(chain, P)
+
+
+def _sums(chain, P: torch.Tensor) -> torch.Tensor:
+    """The sums [NA, I + 1 + H] the down kernel accumulates from the scan's output P and the chain's factors."""
     n, B, H, _ = chain.shape
     I = chain.I
     f = chain.f.permute(0, 2, 1)  # [n, B, NR]
@@ -72,7 +77,7 @@ def _reference(chain, g: torch.Tensor):
     if chain.kind == "gru":
         acc[2 * H:3 * H, I + 1:] = 0  # dN: x and 1 only
         acc[3 * H:, :I] = 0           # dM: 1 and h' only
-    return P, acc
+    return acc
 
 
 def _rel(got, ref) -> float:
@@ -105,6 +110,28 @@ def test_emulated_factored_scan_and_sums(emu, kind, n, B, H, C, dtype):
     got = chain.param_grads(torch.from_numpy(acc.astype(np.float64)))
     for name, ref in chain.param_grads(acc_ref).items():
         assert _rel(got[name], ref) <= TOL[dtype], name
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+@pytest.mark.parametrize("n,B,H,C", SHAPES)
+def test_emulated_affine_scan_and_sums(emu, kind, n, B, H, C, dtype):
+    """The per-step-gradient scan (out[k+1] = J_k out[k] + c_k): the chunks' offsets from zero, the carry kernel's
+    walk over the chunks, the down kernel with c injected; held to the recurrence over the dense Jacobians."""
+    I = 1 if kind == "rnn" else 5
+    chain = _chain(kind, n, B, H, I, seed=n * 100 + B * 10 + H + 1)
+    gen = torch.Generator().manual_seed(n + B + 1)
+    g = torch.randn(B, H, dtype=torch.float64, generator=gen)
+    c = torch.randn(n, B, H, dtype=torch.float64, generator=gen)
+    J, v, out = chain.dense(), g, []
+    for k in range(n):
+        out.append(v)
+        v = _mv(J[k], v) + c[k]
+    P_ref = torch.stack(out)
+    P, used = emulated_factored(emu, chain, g.numpy().astype(dtype), C=C, c=c.numpy().astype(dtype))
+    assert used == C and not np.isnan(P).any() and _rel(P, P_ref) <= TOL[dtype]
+    acc, _ = emulated_factored(emu, chain, g.numpy().astype(dtype), C=C, grads=True, c=c.numpy().astype(dtype))
+    assert not np.isnan(acc).any() and _rel(acc, _sums(chain, P_ref)) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["fp64", "fp32"])

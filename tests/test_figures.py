@@ -323,7 +323,8 @@ def test_every_figure_reads_at_a_glance(drawn, name):
         assert "nvidia-h200 (reference)" in titles and "cuDNN per-step" in titles and "autograd" in titles
     if name in ("fig_8_d.png", "fig_8_e.png", "fig_8_f.png"):  # against 1/B: a CPU panel's fraction is of the CPU
         labels = {ax.get_xlabel() for ax in fig.axes if ax.get_xlabel()}
-        want = {"fraction of the CPU per sample 1/B"} | ({"fraction of GPU per sample 1/B"} if with_reference else set())
+        gpu = {"fraction of GPU per sample 1/B"} if with_reference else set()
+        want = {"fraction of the CPU per sample 1/B"} | gpu
         assert labels == want, (name, labels)
     _assert_reads_at_a_glance(fig, name)
 

@@ -477,9 +477,10 @@ def emulated_cupy_factored(tmp_path_factory):
     mp.setattr(runtime, "smem_optin", lambda dev: 227 * 1024)  # an H100's
     calls = []
 
-    def factored(self, g, chain, L_m, grads, C=None):
-        calls.append("sums" if grads else "scan")
-        return torch.from_numpy(emulated_factored(lib, chain, g.numpy(), C, grads, L_m)[0])
+    def factored(self, g, chain, L_m, grads, C=None, c=None):
+        calls.append(("affine " if c is not None else "") + ("sums" if grads else "scan"))
+        c = None if c is None else c.numpy()
+        return torch.from_numpy(emulated_factored(lib, chain, g.numpy(), C, grads, L_m, c)[0])
 
     def scan(self, g, J, L_m=None):
         calls.append("dense scan")
@@ -496,11 +497,14 @@ def emulated_cupy_factored(tmp_path_factory):
 @pytest.mark.parametrize("cell", ["rnn", "gru"])
 def test_cupy_factored_backend_emulated(cell, emulated_cupy_factored):
     """The layers on the factored CUDA kernels: the harness's step (the kernels sum the weights' gradients),
-    the single seed with h0 and ∇x (the kernels' scan), per-step gradients (the twin)."""
+    the single seed with h0 and ∇x (the kernels' scan), per-step gradients (the kernels' affine sums; with ∇x their
+    affine scan; variable lengths: the twin)."""
     calls = emulated_cupy_factored
     calls.clear()
     ours_cls, torch_cls = CLASSES[cell]
     for case in [(9, 17, True, False, 1, False, False, "hn", False), (7, 3, False, True, 2, True, False, "hn", True),
+                 (37, 5, True, False, 1, False, False, "both", False),
+                 (9, 3, False, True, 1, True, False, "steps", True),
                  (7, 3, True, False, 1, True, True, "both", True)]:
         T, B, bias, batch_first, layers, with_h0, with_lengths, loss_kind, dx = case
         torch.manual_seed(T + B)
@@ -515,7 +519,8 @@ def test_cupy_factored_backend_emulated(cell, emulated_cupy_factored):
         want = _run(ref, x, h0, lengths, loss_kind, batch_first, w_out, w_hn, ours=False)[0]
         have = _run(got, x, h0, lengths, loss_kind, batch_first, w_out, w_hn, ours=True)[0]
         assert max(_rel(have[k], want[k]) for k in want) <= 1e-10, case
-    assert calls == ["sums", "scan"]  # the per-step case went to the twin
+    # case 2's first layer takes the second's ∇x at every step; variable lengths (the last case) go to the twin
+    assert calls == ["sums", "scan", "affine scan", "affine sums", "affine scan"]
 
 
 # -- on a GPU (skipped without one): the CuPy backends, torch's current stream, CUDA graphs --------------------

@@ -22,18 +22,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from cuda_emulator import KERNEL_NAMES
 
 from bppsa.backends import cuda
 from bppsa.backends.cuda import nvrtc, runtime
 
 ARCHS = (90, 80, 75)
-KERNELS = {
-    "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
-    "rnn_jacobians.cu": [f"bppsa_rnn_jacobians_{k}_{s}" for k in ("paper", "fused") for s in ("f32", "f64")],
-    "factored.cu": [f"bppsa_factored_{p}_{k}_{s}" for p in ("up_smem", "down") for k in ("rnn", "gru")
-                    for s in ("f32", "f64")],
-    "factored_up.cu": [f"bppsa_factored_up_{k}_{s}" for k in ("rnn", "gru") for s in ("f32", "f64")],  # at H = 20
-}
+KERNELS = KERNEL_NAMES  # every extern "C" kernel of each source (factored_up.cu: at H = 20)
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +142,12 @@ def _recorded_launches(monkeypatch) -> list[tuple[str, tuple, int]]:
         g, x = torch.zeros(2, 5, dtype=dtype), torch.zeros(40, 2, 3, dtype=dtype)
         rnn = fb.rnn_jacobians_t(torch.zeros(40, 2, 5, dtype=dtype), torch.zeros(5, 5, dtype=dtype), "fused", x)
         gru = fb.gru_jacobians_t(x, torch.zeros(40, 2, 5, dtype=dtype), torch.nn.GRU(3, 5).to(dtype))
+        c = torch.zeros(40, 2, 5, dtype=dtype)
         for chain in (rnn, gru):  # 40 steps in chunks of 4: up, middle, down; the scan and the gradients
             fb.scan(g, chain)
             fb.cell_grads(g, chain, None, None)
+            fb.affine_scan(g, chain, c)  # the per-step gradients: the offsets, the carry kernel, the down kernel
+            fb.affine_cell_grads(g, chain, c, None, None)
         # an H too large for the register up kernel (plan.up_columns): factored.cu's shared-memory up kernel
         H = 41 if dtype == torch.float32 else 21
         wide = fb.rnn_jacobians_t(torch.zeros(40, 2, H, dtype=dtype), torch.zeros(H, H, dtype=dtype), "fused", x)
@@ -253,6 +251,9 @@ def _factored_launches() -> dict[str, tuple[int, int]]:
             _, launches = cost_model.factored_plan(kind, 30000, 16, H, I, itemsize=itemsize)
             out.update({f"{x.kernel}_{suffix}": (x.block, x.smem_elems) for x in launches
                         if x.kernel.startswith("bppsa_factored_")})
+            _, affine = cost_model.factored_plan(kind, 30000, 16, H, I, itemsize=itemsize, affine=True)
+            out.update({f"{x.kernel}_{suffix}": (x.block, x.smem_elems) for x in affine
+                        if x.kernel == "bppsa_factored_carry"})
             smem_up = plan.factored_smem(kind, H, I, True)[0]
             out[f"bppsa_factored_up_smem_{kind}_{suffix}"] = (plan.up_threads(H), smem_up)
     return out

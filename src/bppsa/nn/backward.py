@@ -78,12 +78,14 @@ def backend_for(name: str, device: torch.device):
 def per_step_backend(backend, device: torch.device) -> TorchBackend:
     """THE place that says which backend scans the per-step-gradient (affine) recurrence and the chains with
     identity steps (variable lengths): ``backend.affine_scan(g, J, c, L_m, past)`` over ``backend``'s own chain
-    (:func:`per_step_scan`).  The torch twin (dense Jacobians) and the CPU fast path (its compiled kernel over
-    the factored chain; identity steps through the twin) have it; the CUDA kernels (no affine scan yet) send it
-    to the twin on the same device.  When a kernel gains it, return its backend here."""
+    (:func:`per_step_scan`).  The torch twin (dense Jacobians), the CPU fast path (its compiled kernel over
+    the factored chain) and the factored CUDA kernels have it, each sending chains with identity steps to the twin;
+    the faithful CUDA kernels (dense Jacobians in the paper's layout) send it to the twin on the same device.  When
+    a kernel gains it, return its backend here."""
     from ..backends.cpu import CpuBackend
 
-    if type(backend) is TorchBackend or isinstance(backend, CpuBackend):
+    factored_cuda = getattr(backend, "name", "") == "cupy-factored"  # (its class not imported: it needs CuPy)
+    if type(backend) is TorchBackend or isinstance(backend, CpuBackend) or factored_cuda:
         return backend
     return backend_for("torch", device)
 

@@ -9,7 +9,9 @@ and on disk).  Each kernel has a torch reference twin that tests hold it to:
 * ``bppsa_factored_{up,up_smem,down}_{rnn,gru}_{f32,f64}`` (``factored_up.cu``, compiled per hidden size, and
   ``factored.cu``; :class:`CupyFactoredBackend`) -- the scan
   over ``chain.dense()`` of a :class:`~bppsa.backends.chain.RnnChain` or
-  :class:`~bppsa.backends.chain.GruChain`, and the parameter-gradient sums the CPU kernel accumulates.
+  :class:`~bppsa.backends.chain.GruChain`, and the parameter-gradient sums the CPU kernel accumulates; with
+  ``bppsa_factored_carry_{f32,f64}``, the per-step-gradient (affine) scan over that chain
+  (:func:`bppsa.scan.affine_blelloch_scan`).
 
 The launch schedule is computed in pure Python by :func:`.plan.scan_plan` from :func:`bppsa.scan.levels`,
 and tests hold it, the torch scan and the FLOP analysis to :func:`bppsa.scan.reference_scan`: one
@@ -133,6 +135,19 @@ class CupyFactoredBackend(CupyBackend):
             return from_scan(self.scan(g, J, L_m))
         return J.param_grads(self._factored(g, J, L_m, grads=True))
 
+    def affine_scan(self, g: torch.Tensor, J, c: torch.Tensor, L_m: int | None = None,
+                    past: torch.Tensor | None = None) -> torch.Tensor:
+        """The per-step-gradient scan, ``out[k+1] = J[k] out[k] + c[k]``, by the factored kernels (:func:`.plan.
+        factored_plan`'s ``affine``); chains with identity steps (``past``) or dense ones by the torch twin."""
+        if _factored(J) and past is None:
+            return self._factored(g, J, L_m, grads=False, c=c)
+        return super().affine_scan(g, J.dense() if isinstance(J, FactoredChain) else J, c, L_m, past)
+
+    def affine_cell_grads(self, g, J, c, L_m, from_scan) -> dict[str, torch.Tensor]:
+        if not _factored(J) or not J.I or not self.sums_fit(J, g.dtype, g.device):
+            return from_scan(self.affine_scan(g, J, c, L_m))
+        return J.param_grads(self._factored(g, J, L_m, grads=True, c=c))
+
     @staticmethod
     def sums_fit(chain, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether the down kernel that sums the parameter gradients fits in a block's shared memory here."""
@@ -142,15 +157,19 @@ class CupyFactoredBackend(CupyBackend):
         need = max(plan.factored_smem(chain.kind, H, chain.I, True)) * dtype.itemsize
         return need <= runtime.smem_optin(device)
 
-    def _factored(self, g: torch.Tensor, chain, L_m, grads: bool, C: int | None = None) -> torch.Tensor:
-        """The scan's output P [n, B, H], or (``grads``) the sums [NA, I + 1 + H] that ``chain.param_grads`` takes."""
+    def _factored(self, g: torch.Tensor, chain, L_m, grads: bool, C: int | None = None,
+                  c: torch.Tensor | None = None) -> torch.Tensor:
+        """The scan's output P [n, B, H], or (``grads``) the sums [NA, I + 1 + H] that ``chain.param_grads`` takes;
+        ``c`` [n, B, H]: the per-step gradients of the affine scan (None: the single seed's scan)."""
         check_operands(g, chain)
         n, B, H, _ = chain.shape
         if n == 0:
             return g.new_empty((0, B, H))
-        dev = runtime.check_cuda(g.dtype, g, chain.f, chain.Wt)
+        dev = runtime.check_cuda(g.dtype, g, chain.f, chain.Wt, *(() if c is None else (c,)))
+        if c is not None and tuple(c.shape) != (n, B, H):
+            raise ValueError(f"the per-step gradients c must be [n, B, H] = {[n, B, H]}, got {list(c.shape)}")
         C, launches = cost_model.factored_plan(chain.kind, n, B, H, chain.I, C, gpu=_model_gpu(dev), grads=grads,
-                                               L_m=L_m, itemsize=g.dtype.itemsize)
+                                               L_m=L_m, itemsize=g.dtype.itemsize, affine=c is not None)
         optin = runtime.smem_optin(dev)
         need = max(x.smem_elems for x in launches) * g.dtype.itemsize
         if need > optin:
@@ -164,18 +183,22 @@ class CupyFactoredBackend(CupyBackend):
         Wt, f = chain.Wt.contiguous(), chain.f.contiguous()
         ws = self.workspace
         unused = g.new_empty(1)  # for a pointer the kernel's mode never touches (one element: a real address)
+        c = c.contiguous() if c is not None else unused
         carries = ws.get(("factored", "carries"), (K, B, H), g) if K > 1 else g[None]
         agg = ws.get(("factored", "aggregates"), (K, B, H, H), g) if K > 1 else unused
         P = g.new_empty((n, B, H)) if not mode else unused
         accs = ws.get(("factored", "sums"), (K * B, NA, NBV), g) if mode else unused
         middle = [x for x in launches if plan.factored_source(x) == "blelloch.cu"]
-        S = None
+        S = offsets = None
         if middle:
             S = g.new_empty((tree_levels(K + 1, L_m) + 1, B, H))  # the spine: g, then one vector per level
             S[0].copy_(g)
+        elif K > 1:  # the affine scan's middle: carries[0] = g, then the carry kernel walks the chunks
+            carries[0].copy_(g)
+            offsets = g.new_empty((K, B, H))
         out = None
         s = runtime.stream(dev)
-        wt_p, f_p, agg_p, carries_p = (runtime.pointer(t) for t in (Wt, f, agg, carries))
+        wt_p, f_p, agg_p, carries_p, c_p = (runtime.pointer(t) for t in (Wt, f, agg, carries, c))
         for step in launches:
             src = plan.factored_source(step)
             if src is None:
@@ -184,8 +207,13 @@ class CupyFactoredBackend(CupyBackend):
                 runtime.launch(src, step, g.dtype, dev, (agg_p, runtime.pointer(S), carries_p), s)
             elif "_up_" in step.kernel:
                 runtime.launch(src, step, g.dtype, dev, (wt_p, f_p, agg_p), s)
+            elif step.kernel == "bppsa_factored_carry":
+                runtime.launch(src, step, g.dtype, dev, (agg_p, runtime.pointer(offsets), carries_p), s)
+            elif step.ints[-1] & 4:  # the affine scan's offsets, from zero
+                runtime.launch(src, step, g.dtype, dev, (wt_p, f_p, carries_p, c_p, runtime.pointer(offsets),
+                                                         runtime.pointer(unused)), s)
             else:
-                runtime.launch(src, step, g.dtype, dev, (wt_p, f_p, carries_p, runtime.pointer(P),
+                runtime.launch(src, step, g.dtype, dev, (wt_p, f_p, carries_p, c_p, runtime.pointer(P),
                                                          runtime.pointer(accs)), s)
         return out if mode else P
 

@@ -170,6 +170,9 @@ class Step:
             # a thread's chunk: its first step builds the Jacobian's columns, each later one multiplies them,
             # NW·H² multiply-adds per column; one 16-byte load of W^T feeds (16 / itemsize) rows of its NC columns
             serial, step, lds, fma_step = C - 1, "mm", itemsize / (LDS_BYTES * nc), nw * H * H * nc
+        elif launch.kernel == "bppsa_factored_carry":  # the affine scan's middle: a block walks the K - 1 chunks
+            n, C = launch.ints[0], launch.ints[4]
+            serial, step = -(-n // C) - 1, "mv"
         elif launch.kernel.startswith("bppsa_factored_"):  # ints: n, B, H, I, C, ...: a block walks C steps
             serial, step = launch.ints[4], "mm" if "_up_" in launch.kernel else "mv"
         elif launch.kernel in ("bppsa_up_sweep", "bppsa_down_sweep", "bppsa_middle_scan"):

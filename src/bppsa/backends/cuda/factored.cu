@@ -12,8 +12,12 @@
 //           (compiled per H), or here in shared memory (bppsa_factored_up_smem_*) where H is too large for that;
 //   middle: the Blelloch kernels (blelloch.cu) scan (g, agg) into carries[c][b] = agg[c-1] ... agg[0] g;
 //   down:   each block replays its chunk from its carry with mat-vecs: the scan's output P[k][b] = the
-//           vector before step k (mode 0), or (mode 1) the block's sums of the parameter gradients,
+//           vector before step k (mode 0), or (mode & 1) the block's sums of the parameter gradients,
 //           acc[block][NA][I + 1 + H] as chain_scan.c accumulates them, which the host adds over the blocks.
+// The per-step-gradient (affine) scan, v_{k+1} = J_k v_k + c_k with c [n][B][H] (mode & 2: every mat-vec adds
+// c_k): the down kernel first runs with mode & 4 from zero, writing each chunk's offset (its replay with the
+// gradients injected, through its last step) to P[c][b]; bppsa_factored_carry then walks the chunks,
+// carries[c+1] = agg[c] carries[c] + offset[c], one block per batch element; then the down kernel as above.
 //
 // Every H x H matrix in shared memory has row pitch `pitch` (odd, >= H: plan.smem_pitch), so a warp reading
 // a column (thread i reads row i, the down phase's mat-vec) hits distinct banks; element-wise and row-times-
@@ -117,10 +121,11 @@ __device__ inline bool needed(idx_t a, idx_t col, idx_t H, idx_t I) {
 
 // Block (chunk c, batch element b): replay the chunk from carry[c][b].
 template <typename T, int KIND>
-__device__ void down(const T* Wt, const T* f, const T* carry, T* P, T* accs, idx_t n, idx_t B, idx_t H, idx_t I,
-                     idx_t C, idx_t pitch, idx_t G, idx_t mode) {
+__device__ void down(const T* Wt, const T* f, const T* carry, const T* cin, T* P, T* accs, idx_t n, idx_t B,
+                     idx_t H, idx_t I, idx_t C, idx_t pitch, idx_t G, idx_t mode) {
+  const bool sums = mode & 1, inject = mode & 2, offset = mode & 4;
   const idx_t NW = KIND == 0 ? 1 : 3, NF = KIND == 0 ? 1 : 5;
-  const idx_t NFD = KIND == 0 ? 1 : (mode ? 5 : 4);
+  const idx_t NFD = KIND == 0 ? 1 : (sums ? 5 : 4);
   const idx_t NR = NF * H + I + H;
   const idx_t NA = KIND == 0 ? H : 4 * H, NBV = I + 1 + H;
   const idx_t c = (idx_t)blockIdx.x / B, b = (idx_t)blockIdx.x % B;
@@ -132,17 +137,17 @@ __device__ void down(const T* Wt, const T* f, const T* carry, T* P, T* accs, idx
   T* w = v + H;           // H: J_k v
   T* fac = w + H;         // NFD * H: the step's factors
   T* t = fac + NFD * H;   // NW * H: c_g ⊙ v (rnn: d ⊙ v)
-  T* A = t + NW * H;      // mode 1: G * NA gradient rows of the group's positions
-  T* Bv = A + G * NA;     // mode 1: G * NBV columns (x, 1, h')
-  T* acc = Bv + G * NBV;  // mode 1: NA * NBV, the block's sums
+  T* A = t + NW * H;      // sums: G * NA gradient rows of the group's positions
+  T* Bv = A + G * NA;     // sums: G * NBV columns (x, 1, h')
+  T* acc = Bv + G * NBV;  // sums: NA * NBV, the block's sums
   stage_wt(W, Wt, NW, H, pitch);
-  for (idx_t i = threadIdx.x; i < H; i += blockDim.x) v[i] = carry[(c * B + b) * H + i];
-  if (mode)
+  for (idx_t i = threadIdx.x; i < H; i += blockDim.x) v[i] = offset ? T(0) : carry[(c * B + b) * H + i];
+  if (sums)
     for (idx_t q = threadIdx.x; q < NA * NBV; q += blockDim.x) acc[q] = T(0);
   idx_t gp = 0;
   for (idx_t k = s; k <= e; ++k) {
     stage_rows(fac, f, k, NR, B, b, 0, NFD * H);
-    if (mode) {
+    if (sums) {
       T* col = Bv + gp * NBV;
       for (idx_t q = threadIdx.x; q < NBV; q += blockDim.x)
         col[q] = q < I ? f[(k * NR + NF * H + q) * B + b] : q == I ? T(1) : f[(k * NR + NF * H + q - 1) * B + b];
@@ -150,15 +155,15 @@ __device__ void down(const T* Wt, const T* f, const T* carry, T* P, T* accs, idx
     __syncthreads();
     for (idx_t i = threadIdx.x; i < H; i += blockDim.x) {
       const T q = v[i];
-      if (mode == 0) P[(k * B + b) * H + i] = q;
+      if (!sums && !offset) P[(k * B + b) * H + i] = q;
       if (KIND == 0) {
         t[i] = fac[i] * q;
-        if (mode) A[gp * NA + i] = q * fac[i];  // the pre-activation's gradient, d ⊙ grad h
+        if (sums) A[gp * NA + i] = q * fac[i];  // the pre-activation's gradient, d ⊙ grad h
       } else {
         t[i] = fac[i] * q;
         t[H + i] = fac[H + i] * q;
         t[2 * H + i] = fac[2 * H + i] * q;
-        if (mode) {
+        if (sums) {
           T* row = A + gp * NA;
           row[i] = q * fac[i];                  // dR = grad h ⊙ c_r
           row[H + i] = q * fac[H + i];          // dZ = grad h ⊙ c_z
@@ -168,7 +173,7 @@ __device__ void down(const T* Wt, const T* f, const T* carry, T* P, T* accs, idx
       }
     }
     __syncthreads();
-    if (k < e) {  // w = J_k v; thread i reads row i of each W^T (a column across the warp)
+    if (k < e || offset) {  // w = J_k v (+ c_k); thread i reads row i of each W^T (a column across the warp)
       for (idx_t i = threadIdx.x; i < H; i += blockDim.x) {
         T a = KIND == 0 ? T(0) : fac[3 * H + i] * v[i];
         for (idx_t g = 0; g < NW; ++g) {
@@ -176,11 +181,13 @@ __device__ void down(const T* Wt, const T* f, const T* carry, T* P, T* accs, idx
           const T* tg = t + g * H;
           for (idx_t m = 0; m < H; ++m) a += Wg[m] * tg[m];
         }
+        if (inject) a += cin[(k * B + b) * H + i];
         w[i] = a;
+        if (offset && k == e) P[(c * B + b) * H + i] = a;  // the chunk's offset
       }
     }
     ++gp;
-    if (mode && (gp == G || k == e)) {  // the group's rows times its columns into the sums
+    if (sums && (gp == G || k == e)) {  // the group's rows times its columns into the sums
       for (idx_t q = threadIdx.x; q < NA * NBV; q += blockDim.x) {
         const idx_t a = q / NBV, col = q % NBV;
         if (!needed<KIND>(a, col, H, I)) continue;
@@ -195,9 +202,34 @@ __device__ void down(const T* Wt, const T* f, const T* carry, T* P, T* accs, idx
     v = w;
     w = tmp;
   }
-  if (mode) {
+  if (sums) {
     T* out = accs + (idx_t)blockIdx.x * NA * NBV;
     for (idx_t q = threadIdx.x; q < NA * NBV; q += blockDim.x) out[q] = acc[q];
+  }
+}
+
+// Block b (batch element b): the affine scan's carries, carries[c+1][b] = agg[c][b] carries[c][b] + off[c][b] for
+// c = 0 .. K - 2, from carries[0][b] = g (written by the host); thread i computes row i (agg row-major).
+template <typename T>
+__device__ void carry(const T* agg, const T* off, T* carries, idx_t n, idx_t B, idx_t H, idx_t C) {
+  const idx_t b = blockIdx.x, K = (n + C - 1) / C;
+  T* sm = reinterpret_cast<T*>(BPPSA_SMEM);
+  T* v = sm;     // H: carries[c][b]
+  T* w = v + H;  // H: carries[c + 1][b]
+  for (idx_t i = threadIdx.x; i < H; i += blockDim.x) v[i] = carries[b * H + i];
+  __syncthreads();
+  for (idx_t c = 0; c + 1 < K; ++c) {
+    const T* M = agg + (c * B + b) * H * H;
+    for (idx_t i = threadIdx.x; i < H; i += blockDim.x) {
+      T a = off[(c * B + b) * H + i];
+      for (idx_t j = 0; j < H; ++j) a += M[i * H + j] * v[j];
+      w[i] = a;
+      carries[((c + 1) * B + b) * H + i] = a;
+    }
+    __syncthreads();
+    T* tmp = v;
+    v = w;
+    w = tmp;
   }
 }
 
@@ -213,13 +245,27 @@ __device__ void down(const T* Wt, const T* f, const T* carry, T* P, T* accs, idx
     bppsa_factored::up<T, KIND>(Wt, f, agg, n, B, H, I, C, pitch);                                            \
   }                                                                                                           \
   extern "C" __global__ void bppsa_factored_down_##NAME##_##SUFFIX(const T* Wt, const T* f, const T* carry,    \
-                                                                   T* P, T* acc, idx_t n, idx_t B, idx_t H,     \
-                                                                   idx_t I, idx_t C, idx_t pitch, idx_t G,      \
-                                                                   idx_t mode) {                                \
-    bppsa_factored::down<T, KIND>(Wt, f, carry, P, acc, n, B, H, I, C, pitch, G, mode);                       \
+                                                                   const T* cin, T* P, T* acc, idx_t n,         \
+                                                                   idx_t B, idx_t H, idx_t I, idx_t C,          \
+                                                                   idx_t pitch, idx_t G, idx_t mode) {          \
+    bppsa_factored::down<T, KIND>(Wt, f, carry, cin, P, acc, n, B, H, I, C, pitch, G, mode);                  \
   }
 
 BPPSA_FACTORED_KERNELS(float, f32, 0, rnn)
 BPPSA_FACTORED_KERNELS(double, f64, 0, rnn)
 BPPSA_FACTORED_KERNELS(float, f32, 1, gru)
 BPPSA_FACTORED_KERNELS(double, f64, 1, gru)
+
+#define BPPSA_FACTORED_CARRY(T, SUFFIX)                                                                       \
+  extern "C" __global__ void bppsa_factored_carry_##SUFFIX(const T* agg, const T* off, T* carries, idx_t n,     \
+                                                          idx_t B, idx_t H, idx_t I, idx_t C, idx_t pitch,     \
+                                                          idx_t G, idx_t mode) {                               \
+    (void)I;                                                                                                  \
+    (void)pitch;                                                                                              \
+    (void)G;                                                                                                  \
+    (void)mode;                                                                                               \
+    bppsa_factored::carry<T>(agg, off, carries, n, B, H, C);                                                  \
+  }
+
+BPPSA_FACTORED_CARRY(float, f32)
+BPPSA_FACTORED_CARRY(double, f64)

@@ -225,8 +225,8 @@ def factored_smem(kind: str, H: int, I: int, grads: bool) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=256)
 def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: bool = True,
-                  L_m: int | None = None, itemsize: int = 4,
-                  register_up: bool = True) -> tuple[int, tuple[Launch, ...]]:
+                  L_m: int | None = None, itemsize: int = 4, register_up: bool = True,
+                  affine: bool = False) -> tuple[int, tuple[Launch, ...]]:
     """The launches of the factored backward over a chain of ``n`` steps (``kind`` "rnn": J_k = W^T diag(d_k);
     "gru": J_k = sum_g W_hg^T diag(c_g,k) + diag(z_k)): (chunk size C, launches in order).
 
@@ -243,10 +243,15 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: b
       parameter gradients [NA, I + 1 + H] (the CPU kernel's ``acc``) for every block, [K·B, NA, I + 1 + H];
     * with the gradients, ``torch.sum`` over the blocks.
 
+    ``affine``: the per-step-gradient scan, v_{k+1} = J_k v_k + c_k (the down kernels' mode & 2: each mat-vec adds
+    c_k).  The middle scan is then, after the up kernel, the down kernel from zero (mode & 4) writing each chunk's
+    offset [K, B, H] (its replay with the c_k injected), and ``bppsa_factored_carry``: one block per batch element
+    walks the K - 1 chunks, carry_{c+1} = M_c carry_c + offset_c (pointers ``(aggregates, offsets, carries)``).
+
     C is the caller's: the cost model's :func:`.cost_model.chunk_size` picks it where none is given (it evaluates
     this plan, so the plan cannot ask it back).  K = 1 (n <= C) is the down launch alone, from g.  Every kernel takes
-    the pointers ``(Wt, f, carries, P, acc)`` (up: ``(Wt, f, aggregates)``) and the integers
-    ``(n, B, H, I, C, pitch, G, mode)``, mode 1 = gradients."""
+    the pointers ``(Wt, f, carries, c, P, acc)`` (up: ``(Wt, f, aggregates)``) and the integers
+    ``(n, B, H, I, C, pitch, G, mode)``: mode & 1 the gradients' sums, & 2 the c_k injected, & 4 the offsets."""
     if kind not in FACTORED_KINDS:
         raise ValueError(f"unknown chain kind {kind!r} (choose from {', '.join(FACTORED_KINDS)})")
     if n < 1:
@@ -263,7 +268,7 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: b
 
     def chunks(per_chunk) -> int:  # a count summed over the chunks, each an affine function of its length
         return (K - 1) * per_chunk(C) + per_chunk(last)
-    mode = 1 if grads else 0
+    mode = (1 if grads else 0) | (2 if affine else 0)
     ints = (n, B, H, I, C, P, FACTORED_GROUP, mode)
     smem_up, smem_down = factored_smem(kind, H, I, grads)
     launches: list[Launch] = []
@@ -286,12 +291,21 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: b
         else:
             launches.append(Launch(f"bppsa_factored_up_smem_{kind}", K * B, up_threads(H), smem_up, ints,
                                    moved=moved, flop=flop))
-        launches.extend(scan_plan(K + 1, B, H, L_m)[1])
+        if affine:
+            _, smem_off = factored_smem(kind, H, I, False)
+            nfo = 1 if kind == "rnn" else 4
+            launches.append(Launch(f"bppsa_factored_down_{kind}", K * B, down_threads(H, False), smem_off,
+                                   ints[:-1] + (2 | 4,), moved=B * chunks(lambda L: NW * HH + L * (nfo + 1) * H + H),
+                                   flop=B * chunks(lambda L: L * (NW * H + _matvec_flop(kind, H) + H))))
+            launches.append(Launch("bppsa_factored_carry", B, down_threads(H, False), 2 * H, ints,
+                                   moved=B * ((K - 1) * (HH + 2 * H) + H), flop=B * (K - 1) * (2 * HH + H)))
+        else:
+            launches.extend(scan_plan(K + 1, B, H, L_m)[1])
     nfd = 1 if kind == "rnn" else (5 if grads else 4)
     # t = factors ⊙ v every step (NW·H products); the mat-vec to the next step (all but the chunk's last):
     # RNN 2H² (W^T t), GRU 6H² + H (three W^T t and z ⊙ v).
     t_flop = NW * H
-    mv = 2 * HH if kind == "rnn" else 6 * HH + H
+    mv = _matvec_flop(kind, H)
     moved = B * chunks(lambda L: NW * HH + H + L * nfd * H)
     flop = B * chunks(lambda L: L * t_flop + (L - 1) * mv)
     if grads:
@@ -303,12 +317,19 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: b
         flop += B * chunks(lambda L: L * (NA + 2 * entries))
     else:
         moved += n * B * H  # P written
+    if affine:
+        moved, flop = moved + n * B * H, flop + n * B * H  # c read, added
     launches.append(Launch(f"bppsa_factored_down_{kind}", K * B, down_threads(H, grads), smem_down, ints,
                            moved=moved, flop=flop))
     if grads:
         launches.append(Launch("torch.sum", 1, 0, 0, (K * B, NA * NBV),
                                moved=(K * B + 1) * NA * NBV, flop=(K * B - 1) * NA * NBV))
     return C, tuple(launches)
+
+
+def _matvec_flop(kind: str, H: int) -> int:
+    """FLOP of one step's mat-vec in the down kernel: RNN 2H² (W^T t), GRU 6H² + H (three W^T t and z ⊙ v)."""
+    return 2 * H * H if kind == "rnn" else 6 * H * H + H
 
 
 def factored_source(launch: Launch) -> str | None:
