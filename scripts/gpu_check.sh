@@ -5,7 +5,8 @@
 #   1. the machine: nvidia-smi, torch/CUDA/cuDNN, CuPy
 #   2. bppsa doctor on the GPU (the kernels compiled by CuPy, a scan and a verify per backend)
 #   3. the GPU tests (CuPy kernels against their torch twins, BPPSA against autograd/cuDNN), with
-#      compute-sanitizer memcheck/racecheck on the faithful and factored kernels running beside them
+#      compute-sanitizer memcheck/racecheck on the faithful and factored kernels (single seed and per-step
+#      gradients) running beside them
 #   4. quiet benchmarks, one at a time, most important first: RNN T = 1000 / B = 16, the GRU on set L / B = 16,
 #      RNN T = 30,000 / B = 16, RNN T = 1000 / B = 256, RNN T = 100 / B = 16, the GRU on set S / B = 64
 #      (cuDNN default and packed, BPPSA paper and fused layouts, backend auto), then their speedups, the
@@ -69,6 +70,20 @@ if [ ! -f "$DATA/T30000.npz" ]; then
     --set \$s --threads 8 --out $DATA/mfcc_\$s.npz; done"
 fi
 
+# a loss on every step of bppsa.nn on cupy-factored (T = 37: ten chunks and more) against torch.nn's gradients, fp64
+PER_STEP='import sys, torch, bppsa.nn as bnn
+cell, dev = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+ref = (torch.nn.RNN if cell == "rnn" else torch.nn.GRU)(12, 20, dtype=torch.float64).to(dev)
+got = (bnn.RNN if cell == "rnn" else bnn.GRU).from_torch(ref, backend="cupy-factored")
+x = torch.randn(37, 3, 12, dtype=torch.float64, device=dev)
+w = torch.randn(37, 3, 20, dtype=torch.float64, device=dev)
+for m in (ref, got):
+    (m(x)[0] * w).sum().backward()
+err = max(((a.grad - b.grad).abs().max() / b.grad.abs().max()).item() for a, b in zip(got.parameters(), ref.parameters()))
+print(f"per-step gradients, {cell}, cupy-factored against torch.nn: max rel err {err:.2e}")
+sys.exit(0 if err <= 1e-10 else 1)'
+
 # the sanitizer runs beside the tests (neither is timed)
 SANITIZER=${SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
 pids=()
@@ -86,6 +101,11 @@ if [ "$SANITIZER" != skip ] && [ -x "$SANITIZER" ]; then
   pids+=($!)
   sanitize racecheck_factored_gru racecheck "$PY" -m bppsa verify --model gru --backend cupy-factored --layout fused \
     --device "$DEVICE" --seq-len 129 --batch 2 --dtype float64 &
+  pids+=($!)
+  # the per-step-gradient (affine) scan of the factored kernels: offsets, carry kernel, down kernel with c injected
+  sanitize memcheck_affine_rnn memcheck "$PY" -c "$PER_STEP" rnn "$DEVICE" &
+  pids+=($!)
+  sanitize racecheck_affine_gru racecheck "$PY" -c "$PER_STEP" gru "$DEVICE" &
   pids+=($!)
 else
   printf 'sanitizer\tskipped\t0\n' >> "$LOG/steps.tsv"
