@@ -160,8 +160,19 @@ def test_a_unit_run_again_for_a_held_up_thread_changes_no_bit(kind, B, monkeypat
                     assert all(torch.equal(r[k], got[0][k]) for k in r), (p, grads)
                 else:
                     assert torch.equal(r, got[0]), (p, affine)
-    if any(pl.threads > 1 for pl in plan.candidates(kind, n, B, H, L, torch.float64, "auto", 2)):
-        assert reruns > 0  # the test ran what it is about
+    multi = [pl for pl in plan.candidates(kind, n, B, H, L, torch.float64, "auto", 2) if pl.threads > 1]
+    if multi:  # the test ran what it is about; a busy host can let one thread finish before another waits: retry
+        want = torch.empty((n, B, H), dtype=torch.float64)
+        plan._team(chain, L, multi[0], False).go(chain._W, src, gT, want)
+        team = plan._team(chain, L, multi[0], False)
+        team.t.stall_ns = 0
+        for _ in range(500):
+            if reruns or team.t.reruns:
+                break
+            out = torch.empty((n, B, H), dtype=torch.float64)
+            team.go(chain._W, src, gT, out)
+            assert torch.equal(out, want)
+        assert reruns + team.t.reruns > 0
 
 
 def test_a_forked_child_runs_the_parents_team(monkeypatch):
