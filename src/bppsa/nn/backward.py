@@ -84,7 +84,7 @@ def per_step_backend(backend, device: torch.device) -> TorchBackend:
     a kernel gains it, return its backend here."""
     from ..backends.cpu import CpuBackend
 
-    factored_cuda = getattr(backend, "name", "") == "cupy-factored"  # (its class not imported: it needs CuPy)
+    factored_cuda = getattr(backend, "name", "") == "cupy-factored"  # by name: a CPU run loads no CUDA module
     if type(backend) is TorchBackend or isinstance(backend, CpuBackend) or factored_cuda:
         return backend
     return backend_for("torch", device)
