@@ -15,7 +15,9 @@ state, and the busy loop's own CPU time (``/proc/<pid>/stat``), so a "busy" that
 under another name, with its own kernel build; the two run alternately, round by round, on copies of the same
 model, batch and load, and the report gives their paired ratio.  ``--busy-session new`` (the default) starts the
 busy loop in a session of its own, as another user's job is (with the kernel's autogroups the scheduler then shares
-a core between the two sessions, not between the threads); ``same`` keeps it in this one.
+a core between the two sessions, not between the threads); ``same`` keeps it in this one.  torch's thread count
+stays ``--threads`` in every phase, as in a training loop; on a busy core torch's own forward at two threads can take
+~1 s (its OpenMP threads wait for each other at every op), so busy rounds are few: give ``--max-seconds`` room.
 """
 from __future__ import annotations
 
@@ -25,7 +27,6 @@ from bppsa import process
 # isort: on
 
 import argparse
-import contextlib
 import importlib
 import os
 import resource
@@ -69,7 +70,7 @@ def instrument(pkg, box: dict):
     native.Team.go = timed
 
 
-def method(pkg, B: int, T: int, H: int, dtype, seed: int, forward_threads: int):
+def method(pkg, B: int, T: int, H: int, dtype, seed: int):
     """One round of ``pkg``'s training-step backward: seconds per phase."""
     speed = importlib.import_module(pkg.__name__ + ".bench.speed")
     timing = importlib.import_module(pkg.__name__ + ".bench.timing")
@@ -81,16 +82,8 @@ def method(pkg, B: int, T: int, H: int, dtype, seed: int, forward_threads: int):
     timer, box = timing.PhaseTimer(torch.device("cpu")), {"kernel": 0.0, "reruns": 0}
     instrument(pkg, box)
 
-    @contextlib.contextmanager
-    def phase(name: str):
-        threads = torch.get_num_threads()
-        if name == "forward":
-            torch.set_num_threads(forward_threads)
-        try:
-            with timer.phase(name):
-                yield
-        finally:
-            torch.set_num_threads(threads)
+    phase = timer.phase  # one thread count throughout, as a training loop runs: switching torch's count before the
+    # backward makes its first OpenMP regions there (the head's backward) wake a new team, ms each on a busy core
 
     def run() -> dict:
         model.zero_grad(set_to_none=True)
@@ -278,9 +271,6 @@ def main() -> None:
     ap.add_argument("--pin", type=int, default=None, help="pin the busy loop to this CPU")
     ap.add_argument("--against", default=None, help="another checkout's src: its package runs as 'base'")
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--forward-threads", type=int, default=None,
-                    help="torch's threads in the forward only (default --threads): with a busy core torch's own "
-                         "threads wait for each other at every op, and a T = 1000 forward takes ~1 s")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     process.keep_large_blocks()
@@ -297,7 +287,7 @@ def main() -> None:
     for B in a.batch:
         methods = {}
         for k, pkg in pkgs.items():
-            run, plan_of = method(pkg, B, a.seq_len, a.hidden, dtype, 0, a.forward_threads or a.threads)
+            run, plan_of = method(pkg, B, a.seq_len, a.hidden, dtype, 0)
             methods[k] = run
             print(f"B = {B} {k}: plan {plan_of()}")
         busy = None if a.no_busy else Busy(a.busy_session == "new", a.pin)
