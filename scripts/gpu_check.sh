@@ -11,7 +11,8 @@
 #      RNN T = 30,000 / B = 16, RNN T = 1000 / B = 256, RNN T = 100 / B = 16, the GRU on set S / B = 64
 #      (cuDNN default and packed, BPPSA paper and fused layouts, backend auto), then their speedups, the
 #      cost model's prediction beside them (bppsa gpu-measured), JAX's jax.grad of the same RNN where JAX is
-#      installed (scripts/jax_rival.py) and the scan against the copy bandwidth
+#      installed (scripts/jax_rival.py) and the scan against the copy bandwidth; the headline shapes again with
+#      every variant captured in CUDA graphs (bppsa bench --graphed: BPPSA against cuDNN, graph against graph)
 # Usage: scripts/gpu_check.sh [RESULTS_DIR]   (default results/<device slug>)
 # env: PYTHON, DATA (a folder with T{10,100,1000,10000,30000}.npz bitstreams and mfcc_{l,s}.npz; made here
 #      when absent, which needs librosa), DEADLINE (seconds from the start; default 540), SANITIZER=path|skip,
@@ -111,7 +112,7 @@ else
   printf 'sanitizer\tskipped\t0\n' >> "$LOG/steps.tsv"
 fi
 step gpu_tests 200 "$PY" -m pytest -m gpu -q -n 6 -p no:cacheprovider --junitxml="$LOG/gpu_tests.xml" \
-  tests/test_kernels.py tests/test_factored_kernels.py tests/test_gru.py tests/test_nn.py
+  tests/test_kernels.py tests/test_factored_kernels.py tests/test_gru.py tests/test_nn.py tests/test_bench_recurrent.py
 [ "${#pids[@]}" -eq 0 ] || wait "${pids[@]}"
 
 # quiet benchmarks, one at a time, most important first
@@ -139,6 +140,24 @@ if [ -n "$GPU_MODEL" ]; then
 else
   printf 'gpu_measured\tno cost-model entry for %s\t0\n' "$GPU_NAME" >> "$LOG/steps.tsv"
 fi
+# the headline shapes graphed: each variant's iteration captured phase by phase in CUDA graphs and replayed (the
+# device's time, no host work per launch), BPPSA against cuDNN graphed the same way; cuDNN's per-step algorithm
+# graphed in a step of its own (a capture it cannot make fails that step alone)
+mkdir -p "$RES/rnn/graphed" "$RES/gru/graphed"
+GRAPHED=(--graphed --no-nobp "${PROTO[@]}")
+grnn() { step "graphed_rnn_T$1_B$2${4:-}" "$3" "$PY" -m bppsa bench --model rnn --data "$DATA/T$1.npz" --batch "$2" \
+  --variants baseline bppsa-fused --packed-baseline "${5:-off}" --lr 1e-5 "${GRAPHED[@]}" \
+  --out "$RES/rnn/graphed/bench_T$1_B$2${4:-}.csv"; }
+grnn 1000 16 45
+step graphed_gru_l_B16 45 "$PY" -m bppsa bench --model gru --data "$DATA/mfcc_l.npz" --batch 16 \
+  --variants baseline bppsa-fused --packed-baseline off --lr 3e-4 "${GRAPHED[@]}" --out "$RES/gru/graphed/bench_l_B16.csv"
+grnn 30000 16 60
+grnn 1000 256 45
+grnn 1000 16 60 _packed on
+step speedups_graphed 30 bash -c "\"$PY\" -m bppsa speedups $RES/rnn/graphed/bench_T*_B*[0-9].csv \
+  --out $RES/rnn/graphed/speedups.csv && \"$PY\" -m bppsa speedups $RES/rnn/graphed/bench_T1000_B16_packed.csv \
+  --out $RES/rnn/graphed/speedups_packed.csv; \"$PY\" -m bppsa speedups $RES/gru/graphed/bench_l_B16.csv \
+  --out $RES/gru/graphed/speedups.csv; cat $RES/rnn/graphed/speedups*.csv $RES/gru/graphed/speedups.csv"
 # JAX's compiled BPTT backward of the same RNN, the rival a user would pick (where JAX is installed; else a note)
 step jax_rival 75 "$PY" scripts/jax_rival.py --out "$RES/rnn/jax_rival.csv" --seq-len 1000 30000 --batch 16 \
   --data-dir "$DATA" --min-iters 3 --max-seconds 5

@@ -118,6 +118,20 @@ def test_speedups_are_paired_ratios_and_survive_an_outlier():
     assert math.isfinite(sp.loc["backward", "mean_speedup"])
 
 
+def test_speedups_refuse_graphed_and_eager_runs_mixed():
+    """A graphed run's phases are device time without the host; summed with an eager run's (the same
+    configuration keys) they would make a number that is neither."""
+    eager = _bench(4e-3 * np.ones(4), 1e-3 * np.ones(4), np.ones(4), np.ones(4)).assign(graphed=False)
+    assert len(speedups.speedups(eager))
+    with pytest.raises(ValueError, match="mix graphed runs"):
+        speedups.speedups(pd.concat([eager, eager.assign(graphed=True)]))
+
+
+def test_graphed_timing_needs_a_cuda_device():
+    with pytest.raises(ValueError, match="needs a CUDA device, got 'cpu'"):
+        time_interleaved(_make(), lambda i: None, ["baseline"], StopRule(), device="cpu", graphed=True)
+
+
 def test_nobp_difference_within_the_noise_is_not_resolved():
     rng = np.random.default_rng(0)
     full = 1e-3 * rng.lognormal(0, 0.3, 30)
@@ -213,3 +227,29 @@ def _nested(timer):
         time.sleep(0.01)
         with timer.phase("inner"):
             time.sleep(0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model, T, F", [("rnn", 37, 1), ("gru", 29, 6)])
+def test_gpu_graphed_timing_replays_every_phase_and_matches_eager(model, T, F):
+    """Every variant (cuDNN's default and per-step algorithms, BPPSA on the factored kernels) captured phase by
+    phase in CUDA graphs: each full-mode graph is checked against an eager step inside (the dtype's tolerance,
+    or it raises); the phases are the eager run's, the jacobian phase inside the backward's graph."""
+    dev = torch.device("cuda")
+
+    def make():
+        torch.manual_seed(0)
+        return build(model, F, 20, 3).to(dev)
+
+    x = torch.randn(T, 5, F, device=dev)
+    y = torch.randint(0, 3, (5,), device=dev)
+    rule = StopRule(warmup=1, min_iters=3, min_seconds=0, max_iters=3, max_seconds=60)
+    variants = ["baseline", "baseline-packed", "bppsa-fused"]
+    rows, m = time_interleaved(make, lambda i: (x * (1 + i), y), variants, rule, device=dev,
+                               backend=get_backend("auto", dev), lr=1e-3, graphed=True)
+    df = pd.DataFrame(rows)
+    assert m.iters == 3 and (df["seconds"] > 0).all()
+    full = df[df["mode"] == "full"]
+    for v in variants:
+        assert set(full[full["variant"] == v]["phase"]) == {"forward", "backward", "optimizer"}, v
+    assert set(df[df["mode"] == "nobp"]["phase"]) <= {"forward", "jacobian"}

@@ -72,6 +72,17 @@ def test_bench_and_train_write_tidy_csvs(tmp_path):
     assert (a["accuracy"] == b["accuracy"]).all()
 
 
+def test_graphed_bench_on_a_cpu_is_refused_before_any_work(tmp_path, capsys):
+    data = tmp_path / "T9.npz"
+    assert main(["make-bitstream", "--seq-len", "9", "--samples", "8", "--out", str(data)]) == 0
+    out = tmp_path / "g.csv"
+    rc = main(["bench", "--data", str(data), "--batch", "4", "--lr", "1e-3", "--graphed", "--device", "cpu",
+               "--out", str(out)])
+    assert rc == 2
+    assert "--graphed captures CUDA graphs and needs a CUDA device" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_corrupt_dataset_error_names_the_file(tmp_path, capsys):
     bad = tmp_path / "T10.npz"
     bad.write_bytes(b"not a zip")

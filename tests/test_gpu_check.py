@@ -8,8 +8,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["machine", "environment", "doctor", "data", "sanitizer", "gpu_tests", "bench_rnn_T1000_B16",
          "bench_gru_l_B16", "bench_rnn_T30000_B16", "bench_rnn_T1000_B256", "speedups_rnn", "gpu_measured",
-         "jax_rival", "bench_rnn_T100_B16", "bench_gru_s_B64", "speedups", "membound_T1000_fused",
-         "membound_T1000_paper", "membound_T10000_fused", "membound_T10000_paper"]
+         "graphed_rnn_T1000_B16", "graphed_gru_l_B16", "graphed_rnn_T30000_B16", "graphed_rnn_T1000_B256",
+         "graphed_rnn_T1000_B16_packed", "speedups_graphed", "jax_rival", "bench_rnn_T100_B16", "bench_gru_s_B64",
+         "speedups", "membound_T1000_fused", "membound_T1000_paper", "membound_T10000_fused",
+         "membound_T10000_paper"]
 
 
 def test_steps_past_the_deadline_are_skipped_and_listed(tmp_path):

@@ -147,6 +147,9 @@ def _normalise(bench: pd.DataFrame) -> pd.DataFrame:
     if missing:
         raise ValueError(f"bench CSV lacks column(s) {', '.join(missing)}: written by an older `bppsa bench`? "
                          "Re-run the bench rules.")
+    if "graphed" in bench and bench["graphed"].nunique(dropna=False) > 1:
+        raise ValueError("these bench CSVs mix graphed runs (`bppsa bench --graphed`: CUDA-graph replays) with eager "
+                         "ones; summarise each kind on its own")
     return bench.assign(data=bench["data"].fillna(""))
 
 

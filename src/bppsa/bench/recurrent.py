@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from ..jacobians.recurrent import LAYOUTS
 from ..models import copy_model
 from ..models.recurrent import no_phase
 from .protocol import TOTAL, Measurement, StopRule, interleave
-from .timing import PhaseTimer, backward_seconds
+from .timing import GraphedStep, PhaseTimer, backward_seconds
 
 METHODS = ("baseline", "bppsa")
 BASELINES = ("baseline", "baseline-packed")
@@ -65,7 +66,7 @@ def train_step(model, x, y, method: str, backend=None, layout: str = "fused", L_
 def time_interleaved(make_model: Callable[[], torch.nn.Module],
                      batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]], variants: Sequence[str],
                      rule: StopRule, *, device, backend=None, L_m=None, lr: float = 1e-3, nobp: bool = True,
-                     desc: str = "") -> tuple[list[dict], Measurement]:
+                     desc: str = "", graphed: bool = False) -> tuple[list[dict], Measurement]:
     """Time every variant (and its forward-only twin) of one configuration, interleaved.
 
     ``make_model()`` must return the same initial weights on every call; each variant trains its
@@ -73,9 +74,16 @@ def time_interleaved(make_model: Callable[[], torch.nn.Module],
     holds the backward and the whole iteration of every full-mode variant, and their paired ratios
     to the first variant (the reference, normally ``baseline``), to ``rule.rel_ci``.
     Returns tidy rows (variant, mode, iter, phase, seconds) and the Measurement.
+
+    ``graphed``: every variant's iteration is captured phase by phase in CUDA graphs (:class:`GraphedStep`, Adam
+    made ``capturable``) and replayed on static inputs that each round's batch is copied into, so the phases
+    are the device's time with no host work per launch (cuDNN graphed as BPPSA is).  Each full-mode graph is
+    first checked against an eager step from the same weights on the same batch (the dtype's tolerance).
     """
     if not variants:
         raise ValueError("time_interleaved: no variants")
+    if graphed and torch.device(device).type != "cuda":
+        raise ValueError(f"graphed timing captures CUDA graphs and needs a CUDA device, got '{device}'")
     timer = PhaseTimer(device)
     methods: dict[str, Callable[[int], dict[str, float]]] = {}
     full = []
@@ -85,14 +93,18 @@ def time_interleaved(make_model: Callable[[], torch.nn.Module],
             raise ValueError(f"variant {v} needs a BPPSA backend")
         for mode in ("full", NOBP) if nobp else ("full",):
             model = make_model()
-            opt = torch.optim.Adam(model.parameters(), lr=lr)
+            if graphed:
+                run = _graphed_run(make_model, model, batches, v, method, backend, layout or "fused", L_m, lr,
+                                   mode == "full", packed)
+            else:
+                opt = torch.optim.Adam(model.parameters(), lr=lr)
 
-            def run(i, model=model, opt=opt, method=method, layout=layout, packed=packed, mode=mode):
-                x, y = batches(i)
-                timer.sync()
-                train_step(model, x, y, method, backend, layout or "fused", L_m, opt, timer,
-                           backward=(mode == "full"), packed=packed)
-                return timer.collect()
+                def run(i, model=model, opt=opt, method=method, layout=layout, packed=packed, mode=mode):
+                    x, y = batches(i)
+                    timer.sync()
+                    train_step(model, x, y, method, backend, layout or "fused", L_m, opt, timer,
+                               backward=(mode == "full"), packed=packed)
+                    return timer.collect()
 
             key = v if mode == "full" else f"{v}@{NOBP}"
             methods[key] = run
@@ -112,6 +124,49 @@ def time_interleaved(make_model: Callable[[], torch.nn.Module],
         rows.append({"variant": v, "mode": mode or "full", "iter": r["iter"], "phase": r["phase"],
                      "seconds": r["seconds"]})
     return rows, m
+
+
+def _graphed_run(make_model, model, batches, variant: str, method: str, backend, layout: str, L_m, lr: float,
+                 backward: bool, packed: bool) -> Callable[[int], dict[str, float]]:
+    """``run(i)`` for :func:`time_interleaved`'s graphed timing: ``model``'s iteration captured (a full one checked
+    against an eager step first), each round's batch copied into the static inputs, the graphs replayed."""
+    from ..precision import TOLERANCE
+
+    x0, y0 = batches(0)
+    sx, sy = x0.clone(), y0.clone()
+    opt = torch.optim.Adam(model.parameters(), lr=lr, capturable=True)
+    timer = SimpleNamespace(phase=None)  # what train_step reads: the phase of the capture (or of the warm-up)
+
+    def step(phase):
+        timer.phase = phase
+        train_step(model, sx, sy, method, backend, layout, L_m, opt, timer, backward=backward, packed=packed)
+
+    try:
+        graphs = GraphedStep(step)
+    except Exception as exc:
+        raise RuntimeError(f"variant {variant}: its training step could not be captured in CUDA graphs: "
+                           f"{exc}") from exc
+    if backward:  # the graph against an eager step from the same weights, on the same batch
+        weights = {k: t.detach().clone() for k, t in model.state_dict().items()}
+        graphs.replay()
+        got = [p.grad.detach().clone() for p in model.parameters()]
+        eager = make_model()
+        eager.load_state_dict(weights)
+        train_step(eager, sx, sy, method, backend, layout, L_m, backward=True, packed=packed)
+        err = max(float((a - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-30))
+                  for a, b in zip(got, eager.parameters()))
+        tol = TOLERANCE[str(got[0].dtype).removeprefix("torch.")]
+        if not err <= tol:
+            raise RuntimeError(f"variant {variant}: the graphed step's gradients differ from an eager step's by "
+                               f"{err:.2e} (relative), beyond {tol:.0e}")
+
+    def run(i: int) -> dict[str, float]:
+        x, y = batches(i)
+        sx.copy_(x)
+        sy.copy_(y)
+        return graphs.replay()
+
+    return run
 
 
 def warm_up(model, batch: tuple[torch.Tensor, torch.Tensor], method: str, *, lr: float, steps: int = 2,

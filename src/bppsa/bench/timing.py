@@ -1,7 +1,8 @@
 """Timing like a systems paper: the device is synchronised around every timed region.
 
-The one timer of the harness, in three sizes: :func:`timed` (one call on the host), :class:`PhaseTimer`
-(the phases of one iteration) and :func:`backward_seconds` (the backward metric every benchmark reports).
+The one timer of the harness, in four sizes: :func:`timed` (one call on the host), :class:`PhaseTimer`
+(the phases of one iteration), :class:`GraphedStep` (the phases of one iteration captured as CUDA graphs and
+replayed) and :func:`backward_seconds` (the backward metric every benchmark reports).
 On CUDA each phase is bracketed by CUDA events on the current stream (the kernels' own time,
 unaffected by Python-side queueing); on CPU by ``time.perf_counter`` (torch CPU ops are synchronous).
 """
@@ -79,3 +80,72 @@ class PhaseTimer:
                 out[outer] -= secs
         self._spans.clear()
         return dict(out)
+
+
+class GraphedStep:
+    """One training iteration whose phases are each captured as a CUDA graph, then replayed phase by phase.
+
+    ``step(phase)`` runs the iteration on static inputs, opening ``phase(name)`` around its top-level phases (as
+    :class:`PhaseTimer` is opened); nested phases (the layers' ``jacobian``) stay inside their parent's graph.
+    ``step`` is warmed up ``warmup`` times on a side stream (kernels compiled and loaded, the allocator's pools
+    and an optimizer's state settled), then run once more with every top-level phase captured into its own graph,
+    all graphs in one memory pool, in phase order.  Nothing may run on the device between two phases.  Each
+    :meth:`replay` runs the graphs in that order and returns each phase's device seconds (CUDA events around each
+    graph): no host work per launch, so what is left is the device's time.  What the capture allocated (the
+    gradients in ``.grad``, an output) is rewritten in place by every replay."""
+
+    def __init__(self, step, warmup: int = 3):
+        if not torch.cuda.is_available():
+            raise RuntimeError("GraphedStep captures CUDA graphs and needs a CUDA device")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                step(_no_phase)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self.graphs: list[tuple[str, torch.cuda.CUDAGraph]] = []
+        pool, depth = torch.cuda.graph_pool_handle(), []
+
+        @contextlib.contextmanager
+        def capture(name: str):
+            depth.append(name)
+            try:
+                if len(depth) > 1:  # a phase inside a phase: part of the outer one's graph
+                    yield
+                    return
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(pool=pool)
+                try:
+                    yield
+                finally:
+                    graph.capture_end()
+                self.graphs.append((name, graph))
+            finally:
+                depth.pop()
+
+        with torch.cuda.stream(torch.cuda.Stream()):  # capture needs a stream other than the legacy default
+            step(capture)
+        torch.cuda.synchronize()
+        if not self.graphs:
+            raise RuntimeError("GraphedStep: the step opened no phase, so nothing was captured")
+        self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                        for _ in self.graphs]
+
+    def replay(self) -> dict[str, float]:
+        """Every phase's graph once, in order; seconds per phase (the device synchronised)."""
+        stream = torch.cuda.current_stream()
+        for (_, graph), (start, end) in zip(self.graphs, self._events):
+            start.record(stream)
+            graph.replay()
+            end.record(stream)
+        self._events[-1][1].synchronize()
+        out: dict[str, float] = defaultdict(float)
+        for (name, _), (start, end) in zip(self.graphs, self._events):
+            out[name] += start.elapsed_time(end) / 1e3
+        return dict(out)
+
+
+@contextlib.contextmanager
+def _no_phase(name: str):
+    yield

@@ -61,6 +61,9 @@ def register(sub) -> None:
     p.add_argument("--lr", type=float, required=True, help="config rnn.lr / gru.lr")
     add_stop_rule_args(p)
     p.add_argument("--no-nobp", dest="nobp", action="store_false", help="skip the paper's forward-only runs")
+    p.add_argument("--graphed", action="store_true",
+                   help="CUDA only: capture each variant's iteration, phase by phase, in CUDA graphs and time their "
+                        "replays (the device's time, no host work per launch; checked against an eager step first)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_bench)
 
@@ -108,6 +111,8 @@ def _bench(args) -> int:
     for v in variants:
         parse_variant(v)
     dev = _setup(args)
+    if args.graphed and dev.type != "cuda":
+        raise ValueError(f"--graphed captures CUDA graphs and needs a CUDA device; --device resolved to '{dev}'")
     if args.packed_baseline == "on" or (args.packed_baseline == "auto" and dev.type == "cuda"):
         variants.insert(1 if variants[0] == "baseline" else 0, "baseline-packed")
         variants = list(dict.fromkeys(variants))
@@ -123,7 +128,7 @@ def _bench(args) -> int:
     needs_bppsa = any(parse_variant(v)[0] == "bppsa" for v in variants)
     backend = get_backend(args.backend, dev) if needs_bppsa else None
     rows, m = time_interleaved(lambda: _model_for(args, ds, dev), batches, variants, rule, device=dev,
-                               backend=backend, L_m=args.L_m, lr=args.lr, nobp=args.nobp,
+                               backend=backend, L_m=args.L_m, lr=args.lr, nobp=args.nobp, graphed=args.graphed,
                                desc=f"{args.model} T={ds.seq_len} B={args.batch}")
     df = pd.DataFrame(rows)
     parsed = {v: parse_variant(v) for v in variants}
@@ -136,7 +141,8 @@ def _bench(args) -> int:
     meta = dict(profile=args.profile, device=args.device_slug, model=args.model, dtype=args.dtype,
                 seq_len=ds.seq_len, batch=args.batch, hidden=args.hidden, input_size=ds.input_size,
                 data=ds.source, threads=torch.get_num_threads(), flush_denormal=args.flush_denormal,
-                reference=variants[0], rounds=m.iters, stopped_by=m.stopped_by, timed_seconds=round(m.seconds, 4),
+                graphed=args.graphed, reference=variants[0], rounds=m.iters, stopped_by=m.stopped_by,
+                timed_seconds=round(m.seconds, 4),
                 **rule.as_dict())
     for k, v in meta.items():
         df[k] = v
