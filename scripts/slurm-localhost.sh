@@ -5,7 +5,7 @@
 # run on the CPU). For tests of the SLURM path (tests/test_slurm.py); never on a real cluster.
 # Idempotent: run it again and it only (re)starts what is down. Needs root (apt-get, daemons).
 #   bash scripts/slurm-localhost.sh          # bring up, wait for the node to be idle
-#   bash scripts/slurm-localhost.sh stop     # stop the daemons
+#   bash scripts/slurm-localhost.sh stop     # stop the daemons (munged too)
 set -euo pipefail
 
 CONF=/etc/slurm
@@ -15,7 +15,12 @@ stop() {  # by the pid files the daemons write (SlurmdPidFile, SlurmctldPidFile 
     if running $d; then kill "$(cat /run/$d.pid)"; fi
   done
 }
-if [[ "${1:-}" == "stop" ]]; then stop; exit 0; fi
+if [[ "${1:-}" == "stop" ]]; then  # and munged, which the bring-up starts where it is not running
+  stop
+  m=/run/munge/munged.pid
+  if [[ -s $m ]] && kill -0 "$(cat $m)" 2>/dev/null; then kill "$(cat $m)"; fi
+  exit 0
+fi
 [[ $(id -u) == 0 ]] || { echo "slurm-localhost: needs root (apt-get, daemons)" >&2; exit 1; }
 
 if ! command -v slurmctld >/dev/null || ! command -v sbatch >/dev/null; then

@@ -26,11 +26,22 @@ LOCAL_RULES = {"all", "irmas_make", "cifar10_make", "gpu_model"}
 CPU_FOLDER_RULES = {"cpu_speed", "cpu_roofline", "cpu_scaling"}
 
 
+@pytest.fixture
+def localhost_slurm():
+    """The one-node cluster up; stopped afterwards (munged too) where this test started it."""
+    script = str(ROOT / "scripts" / "slurm-localhost.sh")
+    was_up = subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode == 0
+    try:
+        up = subprocess.run(["bash", script], capture_output=True, text=True, timeout=900)
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield
+    finally:
+        if not was_up:
+            subprocess.run(["bash", script, "stop"], capture_output=True, timeout=60)
+
+
 @pytest.mark.slurm
-def test_test_config_through_slurm(tmp_path):
-    up = subprocess.run(["bash", str(ROOT / "scripts" / "slurm-localhost.sh")], capture_output=True, text=True,
-                        timeout=900)
-    assert up.returncode == 0, up.stdout + up.stderr
+def test_test_config_through_slurm(tmp_path, localhost_slurm):
     cmd = [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm",
            "--configfile", ".test/config/config.yaml", "--directory", str(tmp_path),
            # site settings of this one-node cluster: no accounting database, so no account and squeue
