@@ -101,19 +101,40 @@ def test_the_command_table_is_what_the_modules_register():
 
     from bppsa import commands
     from bppsa.cli import build_parser
+    from bppsa.cli import commands as cli_commands
 
-    found = {}
+    found, helps = {}, {}
     for info in pkgutil.iter_modules(commands.__path__):
         module = importlib.import_module(f"bppsa.commands.{info.name}")
         if hasattr(module, "register"):
             sub = argparse.ArgumentParser().add_subparsers()
             module.register(sub)
             found[info.name] = tuple(sub.choices)
+            helps.update({a.dest: a.help for a in sub._choices_actions})
     assert found == commands.MODULES
+    # `bppsa --help` lists the commands read from the source: the same names and help texts
+    assert dict(cli_commands()) == helps and len(cli_commands()) == len(helps)
     every = build_parser()._subparsers._group_actions[0].choices
     assert set(every) == {c for cmds in commands.MODULES.values() for c in cmds}
     for module, cmds in commands.MODULES.items():
         assert set(build_parser(cmds[0])._subparsers._group_actions[0].choices) == set(cmds), module
+
+
+def test_the_command_list_imports_no_command_module():
+    """``bppsa``, ``bppsa --help`` and an unknown command answer from the list alone (~0.1 s, not ~2.5 s of torch)."""
+    code = ("import sys\n"
+            "from bppsa.cli import main\n"
+            "for argv in (['--help'], [], ['no-such-command']):\n"
+            "    try:\n"
+            "        main(argv)\n"
+            "    except SystemExit as e:\n"
+            "        print('exit', e.code)\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('bppsa.commands.')))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "[]", r.stdout
+    assert "speed" in r.stdout and "exit 0" in r.stdout and r.stdout.count("exit 2") == 2
+    assert "invalid choice: 'no-such-command'" in r.stderr
 
 
 def test_figure_and_analysis_jobs_start_without_torch():

@@ -18,14 +18,36 @@ from . import commands as _commands  # noqa: E402 - after the allocator is set
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser of every command, or where ``command`` is one of them, of its module's commands only
-    (:data:`bppsa.commands.MODULES`): the other modules, and what they import, are not loaded."""
+    """Where ``command`` is a command, the parser of its module's commands only (:data:`bppsa.commands.MODULES`):
+    the other modules, and what they import (torch), are not loaded.  Otherwise (``bppsa``, ``bppsa --help``, an
+    unknown command) the list of every command with its help, read from the modules' source (:func:`commands`)."""
     parser = argparse.ArgumentParser(prog="bppsa", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    names = [m for m, cmds in _commands.MODULES.items() if command in cmds] or sorted(_commands.MODULES)
+    names = [m for m, cmds in _commands.MODULES.items() if command in cmds]
     for name in names:
         importlib.import_module(f"{_commands.__name__}.{name}").register(sub)
+    if not names:
+        for cmd, text in commands():
+            sub.add_parser(cmd, help=text)
     return parser
+
+
+def commands() -> list[tuple[str, str]]:
+    """``(command, help)`` of every command, in the modules' order: each module's ``add_parser`` calls read from its
+    source, so that listing them imports none (``tests/test_cli.py`` holds this to what ``register`` builds)."""
+    import ast
+    from pathlib import Path
+
+    out = []
+    for name in sorted(_commands.MODULES):
+        tree = ast.parse(Path(_commands.__file__).with_name(f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "add_parser" and node.args and isinstance(node.args[0], ast.Constant)):
+                text = next((k.value.value for k in node.keywords
+                             if k.arg == "help" and isinstance(k.value, ast.Constant)), None)
+                out.append((node.args[0].value, text))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
