@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from bppsa.backends.cuda import cost_model, plan, runtime
-from bppsa.scan import tree_levels
 
 KERNEL_NAMES = {
     "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
@@ -388,51 +388,37 @@ def emulated_factored(lib, chain, g: np.ndarray, C: int | None = None, grads: bo
     parameter-gradient sums [NA, I + 1 + H] (what ``chain.param_grads`` takes), and the chunk size used."""
     n, B, H, _ = chain.shape
     dt = g.dtype
-    Wt, f = chain.Wt.numpy().astype(dt), chain.f.numpy().astype(dt)
     C, launches = cost_model.factored_plan(chain.kind, n, B, H, chain.I, C, grads=grads, L_m=L_m,
                                            itemsize=dt.itemsize, affine=c is not None)
-    K = -(-n // C)
-    mode = launches[-1].kernel == "torch.sum"
-    NA, NBV = (H if chain.kind == "rnn" else 4 * H), chain.I + 1 + H
-    wt_b, f_b = Buf(Wt), Buf(f)
-    agg = Buf(np.full((K, B, H, H), np.nan, dtype=dt))
-    carries = Buf(np.full((K, B, H), np.nan, dtype=dt) if K > 1 else g[None].copy())
-    P = Buf(np.full((n, B, H), np.nan, dtype=dt) if not mode else np.zeros(0, dtype=dt))
-    accs = Buf(np.full((K * B, NA, NBV), np.nan, dtype=dt) if mode else np.zeros(0, dtype=dt))
-    cin = Buf(c.astype(dt) if c is not None else np.zeros(1, dtype=dt))
-    middle = [x for x in launches if plan.factored_source(x) == "blelloch.cu"]
-    S = offsets = None
-    if middle:
-        S = np.full((tree_levels(K + 1, L_m) + 1, B, H), np.nan, dtype=dt)
-        S[0] = g
-        S = Buf(S)
-    elif K > 1:
-        first = np.full((K, B, H), np.nan, dtype=dt)
-        first[0] = g
-        carries = Buf(first)
-        offsets = Buf(np.full((K, B, H), np.nan, dtype=dt))
+    shapes = plan.factored_buffers(chain.kind, n, B, H, chain.I, C, launches, L_m)
+    arrs = {name: np.full(shape, np.nan, dtype=dt) for name, shape in shapes.items() if shape is not None}
+    if shapes["carries"][0] == 1:
+        arrs["carries"] = g[None].copy()  # one chunk: the down launch alone, from g
+    elif "S" not in arrs:
+        arrs["carries"][0] = g  # the affine scan's carry kernel starts from g
+    if "S" in arrs:
+        arrs["S"][0] = g  # the middle scan's spine starts from g
+    # the backend's own buffers (plan.factored_buffers/factored_operands), each with guard bands; where the GPU
+    # passes a one-element stand-in, an empty one: a kernel that wrote it fails the guard check
+    bufs = {name: Buf(a) for name, a in arrs.items()}
+    bufs.update({name: None for name, shape in shapes.items() if shape is None})
+    bufs.update(Wt=Buf(chain.Wt.numpy().astype(dt)), f=Buf(chain.f.numpy().astype(dt)),
+                c=None if c is None else Buf(c.astype(dt)), unused=Buf(np.zeros(0, dtype=dt)))
     total = None
     for step in launches:
         src = plan.factored_source(step)
         if src is None:
-            total = accs.value().sum(0)
-        elif src == "blelloch.cu":
-            emulated_launch(lib, step, dt.type, [agg, S, carries])
-        elif "_up_" in step.kernel:
-            emulated_launch(library_for(lib, step), step, dt.type, [wt_b, f_b, agg])
-        elif step.kernel == "bppsa_factored_carry":
-            emulated_launch(lib, step, dt.type, [agg, offsets, carries])
-        elif step.ints[-1] & 4:
-            emulated_launch(lib, step, dt.type, [wt_b, f_b, carries, cin, offsets, Buf(np.zeros(1, dtype=dt))])
+            total = torch.from_numpy(bufs["accs"].value()).sum(0).numpy()  # as the backend reduces: torch.sum
         else:
-            emulated_launch(lib, step, dt.type, [wt_b, f_b, carries, cin, P, accs])
-    return (total if mode else P.value()), C
+            emulated_launch(library_for(lib, step), step, dt.type, list(plan.factored_operands(step, bufs)))
+    for b in bufs.values():
+        if b is not None:
+            b.value()  # every guard band intact, the stand-in's included
+    return (total if shapes["P"] is None else bufs["P"].value()), C
 
 
 def backend_or_skip(cls_name: str):
     """``bppsa.backends.cuda.<cls_name>()`` on the GPU, or skip the test saying why it cannot run here."""
-    import torch
-
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     try:

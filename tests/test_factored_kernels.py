@@ -16,7 +16,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from cuda_emulator import backend_or_skip, build_emulator, emulated_factored
+from cuda_emulator import backend_or_skip, build_emulator, emulated_factored, emulated_launch, library_for
 
 from bppsa.backends.cpu.chain import GruChain, RnnChain
 from bppsa.backends.twin import TorchBackend
@@ -366,6 +366,40 @@ def test_cupy_factored_is_what_auto_picks_on_a_gpu():
     from bppsa.backends import get_backend
 
     assert get_backend("auto", torch.device("cuda")).name == "cupy-factored"
+
+
+@pytest.mark.parametrize("affine", [False, True], ids=["scan", "affine"])
+@pytest.mark.parametrize("grads", [False, True], ids=["P", "sums"])
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+@pytest.mark.parametrize("n,B,H,C", [(37, 2, 7, 8), (5, 2, 7, 8), (19, 2, 21, 8)])
+def test_the_backends_own_driver_on_emulated_kernels(emu, monkeypatch, kind, n, B, H, C, grads, affine):
+    """Without a GPU: ``CupyFactoredBackend._factored`` itself (its buffers, their seeding with g, each launch's
+    operands, the final reduction), its CUDA calls replaced by the emulator running each launch on the CPU tensors'
+    memory, gives the emulated path's result bit for bit (one chunk, a short last chunk, the register up kernel)."""
+    from bppsa.backends import cuda
+    from bppsa.backends.cuda import runtime
+
+    class Pointer:  # what emulated_launch reads of a buffer
+        def __init__(self, t):
+            self.ptr = t.data_ptr()
+
+    def launch(src, step, dtype, dev, args, stream):
+        emulated_launch(library_for(emu, step), step, np.float64 if dtype == torch.float64 else np.float32, list(args))
+
+    monkeypatch.setattr(runtime, "import_cupy", lambda: None)
+    monkeypatch.setattr(runtime, "check_cuda", lambda dtype, *ts: torch.device("cpu"))
+    monkeypatch.setattr(runtime, "smem_optin", lambda dev: 227 * 1024)
+    monkeypatch.setattr(runtime, "stream", lambda dev: None)
+    monkeypatch.setattr(runtime, "pointer", Pointer)
+    monkeypatch.setattr(runtime, "launch", launch)
+    I = 1 if kind == "rnn" else 5
+    chain = _chain(kind, n, B, H, I, seed=n + H)
+    gen = torch.Generator().manual_seed(n)
+    g = torch.randn(B, H, dtype=torch.float64, generator=gen)
+    c = torch.randn(n, B, H, dtype=torch.float64, generator=gen) if affine else None
+    got = cuda.CupyFactoredBackend()._factored(g, chain, None, grads, C=C, c=c)
+    want, _ = emulated_factored(emu, chain, g.numpy(), C=C, grads=grads, c=None if c is None else c.numpy())
+    assert not torch.isnan(got).any() and np.array_equal(got.numpy(), want)
 
 
 def test_backend_refuses_what_does_not_fit_in_shared_memory(monkeypatch):

@@ -34,7 +34,6 @@ import functools
 import torch
 
 from ...jacobians.recurrent import num_jacobians
-from ...scan import tree_levels
 from ..base import check_operands
 from ..chain import FactoredChain, GruChain, RnnChain
 from ..twin import TorchBackend
@@ -176,46 +175,33 @@ class CupyFactoredBackend(CupyBackend):
             raise ValueError(
                 f"backend 'cupy-factored' needs {need} bytes of shared memory per block for a {chain.kind} chain at "
                 f"H={H}, I={chain.I} in {g.dtype}, but this GPU allows {optin}; use backend 'cupy' or 'torch'")
-        K = -(-n // C)
-        mode = launches[-1].kernel == "torch.sum"
-        NA, NBV = (H if chain.kind == "rnn" else 4 * H), chain.I + 1 + H
+        shapes = plan.factored_buffers(chain.kind, n, B, H, chain.I, C, launches, L_m)
         g = g.contiguous()
-        Wt, f = chain.Wt.contiguous(), chain.f.contiguous()
-        ws = self.workspace
         unused = g.new_empty(1)  # for a pointer the kernel's mode never touches (one element: a real address)
-        c = c.contiguous() if c is not None else unused
-        carries = ws.get(("factored", "carries"), (K, B, H), g) if K > 1 else g[None]
-        agg = ws.get(("factored", "aggregates"), (K, B, H, H), g) if K > 1 else unused
-        P = g.new_empty((n, B, H)) if not mode else unused
-        accs = ws.get(("factored", "sums"), (K * B, NA, NBV), g) if mode else unused
-        middle = [x for x in launches if plan.factored_source(x) == "blelloch.cu"]
-        S = offsets = None
-        if middle:
-            S = g.new_empty((tree_levels(K + 1, L_m) + 1, B, H))  # the spine: g, then one vector per level
-            S[0].copy_(g)
-        elif K > 1:  # the affine scan's middle: carries[0] = g, then the carry kernel walks the chunks
-            carries[0].copy_(g)
-            offsets = g.new_empty((K, B, H))
-        out = None
-        s = runtime.stream(dev)
-        wt_p, f_p, agg_p, carries_p, c_p = (runtime.pointer(t) for t in (Wt, f, agg, carries, c))
+        bufs = {"Wt": chain.Wt.contiguous(), "f": chain.f.contiguous(), "c": None if c is None else c.contiguous()}
+        kept = {"carries": "carries", "agg": "aggregates", "accs": "sums"}  # reused from call to call (workspace)
+        for name, shape in shapes.items():
+            if shape is None:
+                bufs[name] = None
+            elif name == "carries" and shape[0] == 1:
+                bufs[name] = g[None]  # one chunk: the down launch alone, from g
+            else:
+                bufs[name] = (self.workspace.get(("factored", kept[name]), shape, g) if name in kept
+                              else g.new_empty(shape))
+        if bufs["S"] is not None:
+            bufs["S"][0].copy_(g)  # the middle scan's spine starts from g
+        elif shapes["carries"][0] > 1:
+            bufs["carries"][0].copy_(g)  # the affine scan's carry kernel starts from g
+        ptr = {k: runtime.pointer(unused if t is None else t) for k, t in bufs.items()}
+        ptr["unused"] = runtime.pointer(unused)
+        out, s = None, runtime.stream(dev)
         for step in launches:
             src = plan.factored_source(step)
             if src is None:
-                out = accs.sum(0)  # the one reduction over the blocks (torch, on the same stream)
-            elif src == "blelloch.cu":
-                runtime.launch(src, step, g.dtype, dev, (agg_p, runtime.pointer(S), carries_p), s)
-            elif "_up_" in step.kernel:
-                runtime.launch(src, step, g.dtype, dev, (wt_p, f_p, agg_p), s)
-            elif step.kernel == "bppsa_factored_carry":
-                runtime.launch(src, step, g.dtype, dev, (agg_p, runtime.pointer(offsets), carries_p), s)
-            elif step.ints[-1] & 4:  # the affine scan's offsets, from zero
-                runtime.launch(src, step, g.dtype, dev, (wt_p, f_p, carries_p, c_p, runtime.pointer(offsets),
-                                                         runtime.pointer(unused)), s)
+                out = bufs["accs"].sum(0)  # the one reduction over the blocks (torch, on the same stream)
             else:
-                runtime.launch(src, step, g.dtype, dev, (wt_p, f_p, carries_p, c_p, runtime.pointer(P),
-                                                         runtime.pointer(accs)), s)
-        return out if mode else P
+                runtime.launch(src, step, g.dtype, dev, plan.factored_operands(step, ptr), s)
+        return out if shapes["P"] is None else bufs["P"]
 
 
 @functools.lru_cache(maxsize=16)  # once per device: a backward's host time is what the GPU runs wait on

@@ -339,3 +339,38 @@ def factored_source(launch: Launch) -> str | None:
     if launch.consts:
         return "factored_up.cu"
     return "factored.cu" if launch.kernel.startswith("bppsa_factored_") else "blelloch.cu"
+
+
+
+def factored_buffers(kind: str, n: int, B: int, H: int, I: int, C: int, launches: tuple[Launch, ...],
+                     L_m: int | None) -> dict[str, tuple[int, ...] | None]:
+    """The work buffers of a factored plan (``C, launches`` from :func:`factored_plan`) by name, and their shapes;
+    None where no launch of the plan touches one (a one-element stand-in then gives the kernel a real address).
+    ``carries`` [K, B, H]: with one chunk, ∇h_T itself; with a middle scan (``S``: ∇h_T, then one vector per level)
+    its output; else (the affine scan's carry kernel) ∇h_T first.  ``P``: the scan's output; ``accs``: the
+    parameter-gradient sums per block (the plan ends in their ``torch.sum``); ``agg``: the chunks' aggregates;
+    ``offsets``: the affine scan's per-chunk offsets; ``c``: its per-step gradients."""
+    K = -(-n // C)
+    sums = launches[-1].kernel == "torch.sum"
+    middle = any(factored_source(x) == "blelloch.cu" for x in launches)
+    NA, NBV = (H if kind == "rnn" else 4 * H), I + 1 + H
+    return {"carries": (K, B, H), "agg": (K, B, H, H) if K > 1 else None, "P": None if sums else (n, B, H),
+            "accs": (K * B, NA, NBV) if sums else None,
+            "S": (_scan.tree_levels(K + 1, L_m) + 1, B, H) if middle else None,
+            "offsets": (K, B, H) if not middle and K > 1 else None}
+
+
+def factored_operands(launch: Launch, bufs: dict) -> tuple:
+    """The operands of one launch of a factored plan, in the kernel's order, from ``bufs``: the work buffers of
+    :func:`factored_buffers` (or their pointers) and ``Wt``, ``f``, ``c`` and ``unused`` (the stand-in)."""
+    b = {k: (bufs["unused"] if v is None else v) for k, v in bufs.items()}
+    src = factored_source(launch)
+    if src == "blelloch.cu":
+        return b["agg"], b["S"], b["carries"]
+    if "_up_" in launch.kernel:
+        return b["Wt"], b["f"], b["agg"]
+    if launch.kernel == "bppsa_factored_carry":
+        return b["agg"], b["offsets"], b["carries"]
+    if launch.ints[-1] & 4:  # the affine scan's offsets, from zero: no output of P or sums
+        return b["Wt"], b["f"], b["carries"], b["c"], b["offsets"], b["unused"]
+    return b["Wt"], b["f"], b["carries"], b["c"], b["P"], b["accs"]
