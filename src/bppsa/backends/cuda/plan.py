@@ -341,7 +341,6 @@ def factored_source(launch: Launch) -> str | None:
     return "factored.cu" if launch.kernel.startswith("bppsa_factored_") else "blelloch.cu"
 
 
-
 def factored_buffers(kind: str, n: int, B: int, H: int, I: int, C: int, launches: tuple[Launch, ...],
                      L_m: int | None) -> dict[str, tuple[int, ...] | None]:
     """The work buffers of a factored plan (``C, launches`` from :func:`factored_plan`) by name, and their shapes;
@@ -349,7 +348,8 @@ def factored_buffers(kind: str, n: int, B: int, H: int, I: int, C: int, launches
     ``carries`` [K, B, H]: with one chunk, ∇h_T itself; with a middle scan (``S``: ∇h_T, then one vector per level)
     its output; else (the affine scan's carry kernel) ∇h_T first.  ``P``: the scan's output; ``accs``: the
     parameter-gradient sums per block (the plan ends in their ``torch.sum``); ``agg``: the chunks' aggregates;
-    ``offsets``: the affine scan's per-chunk offsets; ``c``: its per-step gradients."""
+    ``offsets``: the affine scan's per-chunk offsets.  The operands a caller brings (``Wt``, ``f``, ``c``) are not
+    among them (:func:`factored_operands`)."""
     K = -(-n // C)
     sums = launches[-1].kernel == "torch.sum"
     middle = any(factored_source(x) == "blelloch.cu" for x in launches)
@@ -362,7 +362,8 @@ def factored_buffers(kind: str, n: int, B: int, H: int, I: int, C: int, launches
 
 def factored_operands(launch: Launch, bufs: dict) -> tuple:
     """The operands of one launch of a factored plan, in the kernel's order, from ``bufs``: the work buffers of
-    :func:`factored_buffers` (or their pointers) and ``Wt``, ``f``, ``c`` and ``unused`` (the stand-in)."""
+    :func:`factored_buffers` (or their pointers) and ``Wt``, ``f``, ``c`` (the affine scan's per-step gradients; None
+    where there are none) and ``unused`` (the stand-in every None is given as)."""
     b = {k: (bufs["unused"] if v is None else v) for k, v in bufs.items()}
     src = factored_source(launch)
     if src == "blelloch.cu":
