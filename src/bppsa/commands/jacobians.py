@@ -12,6 +12,7 @@ import torch
 from .. import io
 from ..bench.protocol import StopRule, interleave
 from ..bench.timing import timed
+from .argtypes import positive_int
 from .common import add_runtime_args, setup
 
 # VGG-11's first conv, ReLU and max-pool on a 32x32 image (the paper's Table 1 examples)
@@ -21,7 +22,7 @@ C_IN, C_OUT, SIZE, KERNEL, PADDING, POOL = 3, 64, 32, 3, 1, 2
 def register(sub) -> None:
     p = sub.add_parser("jacobians-table1",
                        help="Table 1: guaranteed-zero sparsity and analytic-vs-autograd generation time (CSV)")
-    p.add_argument("--repeats-analytic", type=int, default=20,
+    p.add_argument("--repeats-analytic", type=positive_int, default=20,
                    help="timed analytic generations per operator, at least (the paper: 1000); more, up to 10x, "
                         "until the median is known to +-5 %%")
     p.add_argument("--repeats-autograd", type=int, default=1,
