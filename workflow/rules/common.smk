@@ -58,10 +58,12 @@ TIMING_CLASSES = ("timing", "cpu_timing")
 RNN, GRU, IRMAS = config["rnn"], config["gru"], config["irmas"]
 BUDGET = config["bitstream"]["budget"]
 VGG, CIFAR, JAC = config["vgg11"], config["cifar10"], config["jacobians"]
+LENET = config["lenet5"]  # Fig 6 (workflow/rules/cnn.smk)
 RESULTS = f"results/{DEVICE}"
 RNN_DIR, GRU_DIR, VGG_DIR, JAC_DIR = (
     f"{RESULTS}/{name}" for name in ("rnn", "gru", "vgg11", "jacobians")
 )
+LENET_DIR = f"{RESULTS}/lenet5"
 REPORT, CLAIMS = "results/report.md", "results/claims.md"
 CIFAR_MANIFEST = f"{CIFAR['root']}/cifar10.json"
 # the set whose generation bitstream_bench measures (config bitstream.budget)
@@ -239,6 +241,14 @@ def get_cpu_benchmarks():
     return out
 
 
+def get_lenet5_curves():
+    """Fig 6: LeNet-5's curves in the workflow's dtype and in each of lenet5.also_dtypes."""
+    dtypes = [config["dtype"]] + [
+        d for d in LENET["also_dtypes"] if d != config["dtype"]
+    ]
+    return [f"{LENET_DIR}/curve_{d}.csv" for d in dtypes]
+
+
 def get_measurements():
     """Every file this configuration measures in its device folder: what the figures, the report and the
     claims read there. The profile's keys gate these; a figure is drawn where what it reads is among them.
@@ -256,6 +266,7 @@ def get_measurements():
             f"{VGG_DIR}/flops_summary.csv",
             f"{JAC_DIR}/table1_timings.csv",
         ]
+        + get_lenet5_curves()
     )
 
 

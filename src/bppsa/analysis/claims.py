@@ -330,7 +330,7 @@ def _onset(d: pd.DataFrame, tol: float):
     return int(above.min()) if len(above) else None
 
 
-def _float64_twin(c, T, dtype, d, twin, verdict, reason) -> tuple[str, str]:
+def _float64_twin(c, T, dtype, d, twin, verdict, reason, unit: str = "epoch") -> tuple[str, str]:
     """The verdict and reason of a curve row once the same curves were also trained in float64.
 
     Exact gradients differ only by round-off, which training may amplify but cannot create: in float64 the curves
@@ -346,19 +346,19 @@ def _float64_twin(c, T, dtype, d, twin, verdict, reason) -> tuple[str, str]:
     own_text = (f"; for comparison, the baseline's own {dtype} and float64 curves differ by up to {own:.2e}"
                 if np.isfinite(own) else "")
     if rel64 <= CURVE_TOL_FLOAT64:
-        return "partly", (f"exact in float64 ({rel64:.1e} ≤ {CURVE_TOL_FLOAT64:g} over every epoch): BPPSA's "
+        return "partly", (f"exact in float64 ({rel64:.1e} ≤ {CURVE_TOL_FLOAT64:g} over every {unit}): BPPSA's "
                           f"gradient is the baseline's, and the {dtype} gap ({rel:.2e}, above {CURVE_TOL:g} from "
-                          f"epoch {on32}) is {dtype} round-off amplified by training" + own_text)
+                          f"{unit} {on32}) is {dtype} round-off amplified by training" + own_text)
     if first64 <= CURVE_TOL_FLOAT64 and (on64 is None or on64 >= on32):
         exact = _onset(twin, CURVE_TOL_FLOAT64)  # the first epoch beyond float64 round-off
         agree = twin[twin["epoch"] < exact]
         return "partly", (f"{dtype} round-off amplified by training, not a wrong gradient: in float64 the curves "
-                          f"agree to {float(agree['rel'].max()):.1e} through epoch {int(agree['epoch'].max())} and "
-                          f"separate (> {CURVE_TOL:g}) from epoch {on64} ({dtype}: from epoch {on32}, "
-                          f"{float(d['rel'].iloc[0]):.1e} at epoch 1), the way round-off grows through an unstable "
-                          "phase of training; a wrong gradient would differ from epoch 1 in float64 too" + own_text)
-    return "not reproduced", (f"not round-off: in float64 the curves differ by {first64:.1e} at epoch 1 and "
-                              f"{rel64:.2e} at most (separating from epoch {on64}; {dtype}: {on32}); exact gradients "
+                          f"agree to {float(agree['rel'].max()):.1e} through {unit} {int(agree['epoch'].max())} and "
+                          f"separate (> {CURVE_TOL:g}) from {unit} {on64} ({dtype}: from {unit} {on32}, "
+                          f"{float(d['rel'].iloc[0]):.1e} at {unit} 1), the way round-off grows through an unstable "
+                          f"phase of training; a wrong gradient would differ from {unit} 1 in float64 too" + own_text)
+    return "not reproduced", (f"not round-off: in float64 the curves differ by {first64:.1e} at {unit} 1 and "
+                              f"{rel64:.2e} at most (separating from {unit} {on64}; {dtype}: {on32}); exact gradients "
                               "would agree to ~1e-16 at first: a difference between the two backwards to find")
 
 
@@ -598,8 +598,54 @@ def _roofline_miss(r) -> str:
             "docs/backends.md")
 
 
+@reads("lenet5/curve_*.csv")
+def lenet5_curve_claims(results: Path) -> list[Claim]:
+    """BPPSA trains LeNet-5 as autograd does (Fig 6): the same training loss, iteration by iteration, from the same
+    seed and batches, judged as Fig 7's curves are (the float64 twin tells round-off from a wrong gradient)."""
+    out = []
+    for label, folder in device_dirs(results):
+        cdir = folder / "lenet5"
+        frames = [f for f in (pd.read_csv(p) for p in sorted(cdir.glob("curve_*.csv"))) if len(f)] \
+            if cdir.is_dir() else []
+        if not frames:
+            continue
+        c = pd.concat(frames, ignore_index=True)
+        c["dtype"] = c["dtype"].astype(str)
+        # in the shape of the recurrent curves (method baseline/bppsa, epoch = iteration), for _float64_twin
+        train = c[c["split"] == "train"].assign(method=lambda d: d["method"].replace({"autograd": "baseline"}),
+                                                seq_len=0, epoch=lambda d: d["iteration"])
+        per, test = {}, {}
+        for dt, g in c.groupby("dtype"):
+            for split, store in (("train", per), ("test", test)):
+                t = g[g["split"] == split].pivot_table(index="iteration", columns="method", values="loss")
+                if {"autograd", "bppsa"} <= set(t.columns):
+                    rel = ((t["bppsa"] - t["autograd"]).abs() / t["autograd"].abs()).dropna()
+                    store[dt] = pd.DataFrame({"epoch": rel.index.astype(int), "rel": rel.to_numpy()})
+        if not per:
+            continue
+        dtype = min(per, key=lambda dt: (dt != "float32", dt != "float64", dt))
+        d = per[dtype]
+        rel = float(d["rel"].max())
+        first = c.iloc[0]
+        measured = (f"largest per-iteration training-loss difference {rel:.2e} (relative) over {len(d)} iterations"
+                    f"{f' in {dtype}' if len(per) > 1 else ''}")
+        if dtype in test:
+            measured += f", test loss {float(test[dtype]['rel'].max()):.2e} over {len(test[dtype])} evaluations"
+        verdict, reason = curve_verdict(rel)
+        twin = per.get("float64") if dtype != "float64" else None
+        if twin is not None:
+            measured += f"; {float(twin['rel'].max()):.2e} in float64"
+            verdict, reason = _float64_twin(train, 0, dtype, d, twin, verdict, reason, unit="iteration")
+        out.append(Claim("BPPSA trains LeNet-5 as autograd does: training and test loss overlap (Fig 6)",
+                         "overlapping (Fig 6: CIFAR-10, B=256, SGD lr 0.001 momentum 0.9, ~8,000 iterations)",
+                         paper.CURVES_DEVICE,
+                         f"{measured} (B={int(first['batch'])}, lr {first['lr']:g}, L_m={first['L_m']}; data: "
+                         f"{first['data']})", label, verdict, reason))
+    return out
+
+
 # -- the table -----------------------------------------------------------------------------------------
-ROWS = (speedup_claims, trend_claims, curve_claims, table1_claims, vgg_claims, cpu_speed_claims)
+ROWS = (speedup_claims, trend_claims, curve_claims, table1_claims, vgg_claims, cpu_speed_claims, lenet5_curve_claims)
 READS = tuple(dict.fromkeys(pattern for row in ROWS for pattern in row.reads))
 
 

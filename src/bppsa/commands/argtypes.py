@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["positive_int"]
+__all__ = ["nonnegative_int", "positive_int"]
 
 
 def positive_int(text: str) -> int:
@@ -18,4 +18,15 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0 (a count where 0 means 'none' or 'all', as its help says)."""
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
     return value
