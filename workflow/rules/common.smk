@@ -59,6 +59,9 @@ RNN, GRU, IRMAS = config["rnn"], config["gru"], config["irmas"]
 BUDGET = config["bitstream"]["budget"]
 VGG, CIFAR, JAC = config["vgg11"], config["cifar10"], config["jacobians"]
 LENET = config["lenet5"]  # Fig 6 (workflow/rules/cnn.smk)
+VGG_SCAN = config[
+    "vgg11_scan"
+]  # the pruned VGG-11 retrained through the scan (cnn.smk)
 RESULTS = f"results/{DEVICE}"
 RNN_DIR, GRU_DIR, VGG_DIR, JAC_DIR = (
     f"{RESULTS}/{name}" for name in ("rnn", "gru", "vgg11", "jacobians")
@@ -241,12 +244,16 @@ def get_cpu_benchmarks():
     return out
 
 
-def get_lenet5_curves():
-    """Fig 6: LeNet-5's curves in the workflow's dtype and in each of lenet5.also_dtypes."""
+def get_cnn_measurements():
+    """Fig 6: LeNet-5's curves in the workflow's dtype and in each of lenet5.also_dtypes; the pruned VGG-11
+    retrained through the scan where vgg11_scan.iterations > 0."""
     dtypes = [config["dtype"]] + [
         d for d in LENET["also_dtypes"] if d != config["dtype"]
     ]
-    return [f"{LENET_DIR}/curve_{d}.csv" for d in dtypes]
+    scan = [f"{VGG_DIR}/retrain_scan.csv", f"{VGG_DIR}/retrain_scan_steps.csv"]
+    return [f"{LENET_DIR}/curve_{d}.csv" for d in dtypes] + (
+        scan if VGG_SCAN["iterations"] else []
+    )
 
 
 def get_measurements():
@@ -266,7 +273,7 @@ def get_measurements():
             f"{VGG_DIR}/flops_summary.csv",
             f"{JAC_DIR}/table1_timings.csv",
         ]
-        + get_lenet5_curves()
+        + get_cnn_measurements()
     )
 
 

@@ -644,8 +644,75 @@ def lenet5_curve_claims(results: Path) -> list[Claim]:
     return out
 
 
+@reads("vgg11/retrain_scan.csv", "vgg11/retrain_scan_steps.csv")
+def vgg_scan_claims(results: Path) -> list[Claim]:
+    """The pruned VGG-11 retrained through the scan (beside Fig 10): does the static FLOP of a scan step predict
+    its time, and how long an iteration takes against autograd's (a GPU claim, judged on a GPU only)."""
+    from .cnn import flop_prediction, generation_share, step_table, timing_summary
+
+    out = []
+    for label, folder in device_dirs(results):
+        it_path, st_path = folder / "vgg11" / "retrain_scan.csv", folder / "vgg11" / "retrain_scan_steps.csv"
+        if not (it_path.is_file() and st_path.is_file()):
+            continue
+        rows, steps = pd.read_csv(it_path), pd.read_csv(st_path)
+        if rows.empty or steps.empty:
+            continue
+        first = rows.iloc[0]
+        s = timing_summary(rows)
+        share = generation_share(steps)
+        where = (f"B={int(first['batch'])}, L_m={first['L_m']}, {first['device_type']}; BPPSA's backward: "
+                 f"generation {s['share_jacobian']:.0%}, scan {s['share_scan']:.0%}, parameter gradients "
+                 f"{s['share_param_grads']:.0%}")
+        med, lo, hi = s["ratio_total"]
+        measured = f"BPPSA/autograd per iteration {fmt_ci(med, lo, hi)} over {s['rounds']} paired iterations ({where})"
+        out.append(Claim("Retraining the pruned VGG-11 through the scan: time per iteration against autograd",
+                         "— (Sec 4.3 projects it from FLOP; no retraining is timed)", "static analysis", measured,
+                         label, *retrain_verdict(lo, hi, is_gpu(label) or first["device_type"] == "cuda")))
+        pred = flop_prediction(step_table(steps[steps["iteration"] >= 0], _step_flops(steps), int(first["batch"])))
+        measured = (f"Spearman ρ = {pred['rho']:.2f} between each scan product's time and its static FLOP over "
+                    f"{pred['n']} products (one-sided p {pred['p']:.2g}); median {pred['s_per_gflop']:.3g} s/GFLOP; "
+                    f"Jacobian generation {share:.0%} of the profiled backward")
+        out.append(Claim("Fig 10's FLOP per scan step predicts the step's time (pruned VGG-11 retrained through the "
+                         "scan)", "FLOP as the cost of a step (Fig 10)", "static analysis", measured, label,
+                         *flop_time_verdict(pred["rho"], pred["p"])))
+    return out
+
+
+def _step_flops(steps: pd.DataFrame) -> pd.DataFrame:
+    """The static FLOP per sample of each scan product, as vgg11-retrain-scan recorded it beside the product."""
+    s = steps[steps["what"] == "scan"]
+    return s.groupby(["phase", "d", "l", "r"], as_index=False)["flop_per_sample"].first().rename(
+        columns={"flop_per_sample": "flop"})
+
+
+def retrain_verdict(lo: float, hi: float, gpu: bool) -> tuple[str, str]:
+    """BPPSA's retraining iteration over autograd's (paired ratio interval ``lo``..``hi``)."""
+    if not gpu:
+        return "not measurable here", "the paper's case for BPPSA is a GPU's parallelism; this is a CPU"
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return "not measurable here", "too few paired iterations for an interval"
+    if hi < 1:
+        return "holds", "BPPSA's iteration is faster (the whole interval below 1)"
+    if lo < 1:
+        return "partly", "not told apart from autograd's (the interval spans 1)"
+    return "not reproduced", "BPPSA's iteration is slower (the whole interval above 1); see the shares"
+
+
+def flop_time_verdict(rho: float, p: float) -> tuple[str, str]:
+    """Whether the static FLOP of a scan product orders the products' measured times (Spearman's ρ)."""
+    if not np.isfinite(rho):
+        return "not measurable here", "fewer than 3 products with FLOP"
+    if rho >= 0.7 and p < TREND_ALPHA:
+        return "holds", "ρ ≥ 0.7, one-sided p < 0.05"
+    if rho > 0 and p < TREND_ALPHA:
+        return "partly", "positive (p < 0.05) but ρ < 0.7: FLOP orders the steps only roughly"
+    return "not reproduced", "no significant positive rank correlation"
+
+
 # -- the table -----------------------------------------------------------------------------------------
-ROWS = (speedup_claims, trend_claims, curve_claims, table1_claims, vgg_claims, cpu_speed_claims, lenet5_curve_claims)
+ROWS = (speedup_claims, trend_claims, curve_claims, lenet5_curve_claims, table1_claims, vgg_claims, vgg_scan_claims,
+        cpu_speed_claims)
 READS = tuple(dict.fromkeys(pattern for row in ROWS for pattern in row.reads))
 
 

@@ -167,6 +167,7 @@ def build(results: str | Path = "results") -> str:
     table1 = results / "table_1_last_column.txt"
     out.append(_section("Table 1", "```\n" + table1.read_text().strip() + "\n```" if table1.exists() else "Not run."))
     out.append(_section("Pruned VGG-11 (Fig 10)", _vgg(results)))
+    out.append(_section("Pruned VGG-11 retrained through the scan (beside Fig 10)", _vgg_scan(results)))
     return "\n".join(out)
 
 
@@ -186,5 +187,33 @@ def _vgg(results: Path) -> str:
     return "\n\n".join(vgg) if vgg else "Not run."
 
 
-SECTIONS = (_environments, _exactness, _speedups, _speed, _curves, _vgg)  # those that read device folders
+@reads("vgg11/retrain_scan.csv", "vgg11/retrain_scan_steps.csv")
+def _vgg_scan(results: Path) -> str:
+    """Per device: BPPSA's retraining iteration against autograd's, where its backward goes, and each tree level's
+    measured time beside its static FLOP (bppsa vgg11-retrain-scan; docs/cnn.md)."""
+    from .cnn import per_iteration, timing_summary
+
+    parts = []
+    for label, folder in device_dirs(results):
+        it_path, st_path = folder / "vgg11" / "retrain_scan.csv", folder / "vgg11" / "retrain_scan_steps.csv"
+        if not (it_path.is_file() and st_path.is_file()):
+            continue
+        rows, steps = pd.read_csv(it_path), pd.read_csv(st_path)
+        s = timing_summary(rows)
+        med = per_iteration(rows).groupby("method").median(numeric_only=True).drop(columns="iter")
+        scan = steps[steps["what"] == "scan"]
+        levels = scan.groupby(["iteration", "phase", "d"]).agg(seconds=("seconds", "sum"),
+                                                                flop_batch=("flop_batch", "sum"),
+                                                                products=("seconds", "size"))
+        levels = levels.groupby(["phase", "d"]).median().reset_index()
+        parts.append(f"**{label}** ({rows['network'].iloc[0]}, B={int(rows['batch'].iloc[0])}, "
+                     f"L_m={rows['L_m'].iloc[0]}): BPPSA/autograd per iteration "
+                     f"{claims.fmt_ci(*s['ratio_total'])}, backward {claims.fmt_ci(*s['ratio_backward_total'])} over "
+                     f"{s['rounds']} paired iterations; median seconds per phase:\n\n" + _md(med.reset_index())
+                     + "\n\nScan levels (median over the profiled iterations; FLOP: the static count for the batch):"
+                     "\n\n" + _md(levels))
+    return "\n\n".join(parts) if parts else "Not run (config vgg11_scan.iterations: 0)."
+
+
+SECTIONS = (_environments, _exactness, _speedups, _speed, _curves, _vgg, _vgg_scan)  # those that read device folders
 READS = tuple(dict.fromkeys([*(pattern for section in SECTIONS for pattern in section.reads), *claims.READS]))

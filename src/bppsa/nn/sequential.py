@@ -85,9 +85,15 @@ def spmv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 class Recorder:
-    """Where the backward's time goes (item 5's measurement): the Jacobians' generation per layer and every scan
-    product with its level, shapes and non-zeros.  Each interval ends with a device synchronisation, so it is the
-    device's time; it costs that synchronisation, so a recorder is attached only when measuring."""
+    """Where the backward's time goes: the Jacobians' generation per layer and every scan product with its level,
+    positions, shapes and non-zeros (``per_product``).  Each interval ends with a device synchronisation, so it is
+    the device's time; it costs that synchronisation, so a recorder is attached only when measuring.
+
+    Any object with ``phase(like, what=..., **info)`` (a context manager) can be ``Sequential.recorder``: ``what``
+    is ``jacobian`` (one layer's generation), ``scan`` (the whole scan, or with ``per_product`` each product) or
+    ``params`` (one layer's parameter gradients)."""
+
+    per_product = True
 
     def __init__(self):
         self.rows: list[dict] = []
@@ -143,12 +149,13 @@ class _ScanBackward(torch.autograd.Function):
 
         record = None
         matmat, matvec = spmm, spmv
-        if rec is not None:
+        per_product = rec is not None and getattr(rec, "per_product", False)
+        if per_product:
             pending = {}
 
             def timed(f, kind):
                 def run(a, b):
-                    with phase(gout, what="scan", kind=kind) as _:
+                    with phase(gout, what="scan", kind=kind):
                         out = f(a, b)
                     pending["row"] = rec.rows[-1]
                     return out
@@ -162,7 +169,8 @@ class _ScanBackward(torch.autograd.Function):
 
             matmat, matvec = timed(spmm, "mm"), timed(spmv, "mv")
         with torch.no_grad():
-            prefixes, _ = _scan.reference_scan(g, J, seq.L_m, matmat=matmat, matvec=matvec, record=record)
+            with phase(gout, what="scan") if not per_product else contextlib.nullcontext():
+                prefixes, _ = _scan.reference_scan(g, J, seq.L_m, matmat=matmat, matvec=matvec, record=record)
             grads = {}
             for i, m in enumerate(layers):
                 names = [name for name, p in m.named_parameters(recurse=False) if p.requires_grad]
