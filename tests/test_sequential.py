@@ -247,3 +247,15 @@ def test_registry_is_the_one_generator():
             assert "def conv2d_jacobian_t" not in text and "def maxpool2d_jacobian_t" not in text, path
     assert {"Conv2d", "ReLU", "LeakyReLU", "Tanh", "MaxPool2d", "AvgPool2d", "Flatten", "Linear", "Dropout",
             "BatchNorm2d"} <= set(operators.supported_names())
+
+
+def test_the_readme_example_runs():
+    """README's five-line bppsa.nn.Sequential example, as written."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "bppsa.nn.Sequential(" in b]
+    scope = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    assert all(p.grad is not None for p in scope["net"].parameters())
