@@ -65,11 +65,18 @@ def block_diag_csr(rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor, B
     within a row (one sample's pattern in row-major order); ``drop_zeros`` removes entries whose value is 0."""
     nnz = rows.numel()
     dev = vals.device
-    vals = vals.expand(B, nnz) if vals.dim() == 1 else vals
+    shared = vals.dim() == 1
+    vals = vals.expand(B, nnz) if shared else vals
     offs = torch.arange(B, device=dev)
-    r = (rows[None, :] + (offs * n_in)[:, None]).reshape(-1)
     c = (cols[None, :] + (offs * n_out)[:, None]).reshape(-1)
     v = vals.reshape(-1)
+    if not drop_zeros or (shared and not bool((v[:nnz] == 0).any())):
+        # every block has the sample's pattern: its row pointers, shifted block by block
+        counts = torch.bincount(rows, minlength=n_in)
+        crow = torch.zeros(B * n_in + 1, dtype=torch.int64, device=dev)
+        crow[1:] = (torch.cumsum(counts, 0)[None, :] + (offs * nnz)[:, None]).reshape(-1)
+        return torch.sparse_csr_tensor(crow, c, v.contiguous(), (B * n_in, B * n_out), check_invariants=False)
+    r = (rows[None, :] + (offs * n_in)[:, None]).reshape(-1)
     if drop_zeros:
         keep = v != 0
         r, c, v = r[keep], c[keep], v[keep]

@@ -67,13 +67,44 @@ def _one_per_row(m: torch.Tensor) -> bool:
     return m._nnz() <= m.shape[0] and bool(((crow[1:] - crow[:-1]) <= 1).all())
 
 
+def _diagonal(m: torch.Tensor) -> bool:
+    """Whether ``m`` is square with entries on its diagonal only (an element-wise layer's Jacobian)."""
+    if m.shape[0] != m.shape[1] or not _one_per_row(m):
+        return False
+    crow = m.crow_indices()
+    rows = torch.repeat_interleave(torch.arange(m.shape[0], device=crow.device), crow[1:] - crow[:-1],
+                                   output_size=m._nnz())
+    return bool(torch.equal(rows, m.col_indices()))
+
+
+def _scale_columns(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``a · d`` for a diagonal ``d``: column j of ``a`` times ``d[j, j]``, the columns ``d`` has no entry for
+    dropped -- a gather of the scales, no multiply-add."""
+    d_crow = d.crow_indices()
+    present = (d_crow[1:] - d_crow[:-1]).bool()
+    scale = torch.zeros(d.shape[0], dtype=d.values().dtype, device=d_crow.device)
+    scale[present] = d.values()
+    a_crow, a_col = a.crow_indices(), a.col_indices()
+    vals = a.values() * scale.index_select(0, a_col)
+    if bool(present.all()):
+        return torch.sparse_csr_tensor(a_crow, a_col, vals, a.shape, check_invariants=False)
+    keep = present.index_select(0, a_col)
+    kept = torch.zeros(a_col.numel() + 1, dtype=torch.int64, device=a_col.device)
+    torch.cumsum(keep, 0, out=kept[1:])
+    return torch.sparse_csr_tensor(kept.index_select(0, a_crow), a_col[keep], vals[keep], a.shape,
+                                   check_invariants=False)
+
+
 def spmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """CSR · CSR (an up-sweep product off the spine): torch's sparse product (cuSPARSE on a GPU), or a row gather
-    where ``a`` has at most one entry per row (the same matrix, entries and explicit zeros alike)."""
+    """CSR · CSR (an up-sweep product off the spine): torch's sparse product (cuSPARSE on a GPU), or, the same
+    matrix (entries and explicit zeros alike) without multiply-adds, a row gather where ``a`` has at most one entry
+    per row and a column scaling where ``b`` is diagonal."""
     if a._nnz() == 0 or b._nnz() == 0:
         return _empty_csr(a.shape[0], b.shape[1], a.values())
     if _one_per_row(a):
         return _select_rows(a, b)
+    if _diagonal(b):
+        return _scale_columns(a, b)
     return a @ b
 
 
