@@ -259,3 +259,27 @@ def test_the_readme_example_runs():
     scope = {}
     exec(compile(block, "README.md", "exec"), scope)
     assert all(p.grad is not None for p in scope["net"].parameters())
+
+
+def test_the_products_fast_paths_are_the_sparse_product():
+    """A row gather (left operand one entry per row) and a column scaling (right operand diagonal, entries missing
+    where a ReLU dropped them) give the matrix torch's sparse product gives, explicit zeros included."""
+    from bppsa.nn.sequential import spmm, spmv
+
+    g = torch.Generator().manual_seed(0)
+    dense = torch.randn(7, 6, dtype=torch.float64, generator=g) * (torch.rand(7, 6, generator=g) < 0.5)
+    a = dense.to_sparse_csr()
+    diag = torch.diag(torch.tensor([1.0, 0.0, 2.0, -1.0, 0.5, 3.0], dtype=torch.float64))
+    d = torch.sparse_csr_tensor(torch.tensor([0, 1, 1, 2, 3, 4, 5]), torch.tensor([0, 2, 3, 4, 5]),
+                                torch.tensor([1.0, 2.0, -1.0, 0.5, 3.0], dtype=torch.float64), (6, 6),
+                                check_invariants=True)
+    sel = torch.sparse_csr_tensor(torch.tensor([0, 1, 1, 2, 3]), torch.tensor([3, 0, 6]),
+                                  torch.tensor([2.0, 0.0, -1.5], dtype=torch.float64), (4, 7), check_invariants=True)
+    assert torch.equal(spmm(a, d).to_dense(), dense @ diag)
+    assert torch.equal(spmm(sel, a).to_dense(), sel.to_dense() @ dense)
+    assert spmm(sel, a)._nnz() == (a.crow_indices().diff()[[3, 0, 6]]).sum()  # the zero-scaled row kept, explicit
+    v = torch.randn(6, dtype=torch.float64, generator=g)
+    assert torch.allclose(spmv(a, v), dense @ v)
+    empty = torch.sparse_csr_tensor(torch.zeros(3, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                                    torch.zeros(0, dtype=torch.float64), (2, 7), check_invariants=True)
+    assert spmm(empty, a).shape == (2, 6) and spmm(empty, a)._nnz() == 0
