@@ -283,3 +283,9 @@ def test_the_products_fast_paths_are_the_sparse_product():
     empty = torch.sparse_csr_tensor(torch.zeros(3, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
                                     torch.zeros(0, dtype=torch.float64), (2, 7), check_invariants=True)
     assert spmm(empty, a).shape == (2, 6) and spmm(empty, a)._nnz() == 0
+    # int32 indices (what cuSPARSE's SpGEMM returns) come out as int64, as the operators build them
+    a32 = torch.sparse_csr_tensor(a.crow_indices().int(), a.col_indices().int(), a.values(), a.shape,
+                                  check_invariants=True)
+    for out in (spmm(a32, d), spmm(sel, a32), spmm(a32, a32.t().to_sparse_csr())):
+        assert out.crow_indices().dtype == out.col_indices().dtype == torch.int64
+    assert torch.equal(spmm(sel, a32).to_dense(), sel.to_dense() @ dense)

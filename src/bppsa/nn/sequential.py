@@ -101,11 +101,21 @@ def spmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     per row and a column scaling where ``b`` is diagonal."""
     if a._nnz() == 0 or b._nnz() == 0:
         return _empty_csr(a.shape[0], b.shape[1], a.values())
+    a, b = _int64(a), _int64(b)
     if _one_per_row(a):
         return _select_rows(a, b)
     if _diagonal(b):
         return _scale_columns(a, b)
-    return a @ b
+    return _int64(a @ b)
+
+
+def _int64(m: torch.Tensor) -> torch.Tensor:
+    """``m`` with int64 indices, as every operator builds them (cuSPARSE's SpGEMM returns int32 ones, and a CSR's
+    row pointers and columns must share a dtype in the products that follow)."""
+    if m.crow_indices().dtype == torch.int64:
+        return m
+    return torch.sparse_csr_tensor(m.crow_indices().long(), m.col_indices().long(), m.values(), m.shape,
+                                   check_invariants=False)
 
 
 def spmv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
