@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bppsa.analysis import claims
+from bppsa.analysis import claims, report
 from bppsa.analysis.cnn import flop_prediction, step_table, timing_summary
 from bppsa.cli import main
 
@@ -31,6 +31,11 @@ def test_bench_cnn_lenet5_records_paired_rounds_and_the_backwards_parts(manifest
     s = timing_summary(df)
     assert s["rounds"] == 3 and s["ratio_backward_total"][0] > 0
     assert 0 < s["share_jacobian"] < 1 and 0 < s["share_scan"] < 1
+    folder = tmp_path / "results" / "cpu" / "cnn"
+    folder.mkdir(parents=True)
+    df.to_csv(folder / "bench_lenet5_B2.csv", index=False)
+    text = report._cnn_bench(tmp_path / "results")
+    assert "lenet5" in text and "BPPSA/autograd backward" in text and "| cpu |" in text
 
 
 def test_vgg11_retrain_scan_retrains_as_autograd_and_prices_each_step(manifest, tmp_path):
@@ -53,6 +58,8 @@ def test_vgg11_retrain_scan_retrains_as_autograd_and_prices_each_step(manifest, 
     folder.mkdir(parents=True)
     df.to_csv(folder / "retrain_scan.csv", index=False)
     st.to_csv(folder / "retrain_scan_steps.csv", index=False)
+    text = report._vgg_scan(tmp_path / "results")
+    assert "BPPSA/autograd per iteration" in text and "Scan levels" in text
     rows = claims.vgg_scan_claims(tmp_path / "results")
     assert [r.verdict for r in rows][0] == "not measurable here"  # a CPU: the paper's case is a GPU's
     assert "Spearman" in rows[1].measured and rows[1].verdict in claims.VERDICTS

@@ -54,3 +54,25 @@ rule vgg11_retrain_scan:
         "--iterations {params.iterations} --batch-size {params.batch_size} --lr {params.lr} "
         "--L-m {params.L_m} --profile-iterations {params.profile_iterations} --threads {threads} "
         "{params.args} --out {output.iterations} --out-steps {output.steps} > {log} 2>&1"
+
+
+# the bench-cnn cases (cnn_bench): autograd vs BPPSA training steps, interleaved, on this device
+rule cnn_bench:
+    input:
+        unpack(get_cnn_bench_input),
+    output:
+        f"{RESULTS}/cnn/bench_{{net}}_B{{B}}.csv",
+    log:
+        "logs/cnn_bench/{net}_B{B}.log",
+    wildcard_constraints:
+        net="lenet5|vgg11",
+    threads: job_threads("timing")
+    resources:
+        **job_resources("timing"),
+    params:
+        args=runtime_args(),
+        protocol=protocol_args(),
+        net_args=get_cnn_bench_args,
+    shell:
+        "bppsa bench-cnn --model {wildcards.net} --batch {wildcards.B} --data {input.data:q} "
+        "{params.net_args} {params.protocol} --threads {threads} {params.args} --out {output} > {log} 2>&1"

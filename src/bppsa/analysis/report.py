@@ -169,6 +169,7 @@ def build(results: str | Path = "results") -> str:
     out.append(_section("Table 1", "```\n" + table1.read_text().strip() + "\n```" if table1.exists() else "Not run."))
     out.append(_section("Pruned VGG-11 (Fig 10)", _vgg(results)))
     out.append(_section("Pruned VGG-11 retrained through the scan (beside Fig 10)", _vgg_scan(results)))
+    out.append(_section("CNN training steps, autograd vs BPPSA (bench-cnn)", _cnn_bench(results)))
     return "\n".join(out)
 
 
@@ -216,5 +217,27 @@ def _vgg_scan(results: Path) -> str:
     return "\n\n".join(parts) if parts else "Not run (config vgg11_scan.iterations: 0)."
 
 
-SECTIONS = (_environments, _exactness, _speedups, _speed, _curves, _vgg, _vgg_scan)  # those that read device folders
+@reads("cnn/bench_*.csv")
+def _cnn_bench(results: Path) -> str:
+    """Per device and case: medians with intervals of the training iteration and the backward, the paired ratio
+    BPPSA/autograd, and where BPPSA's backward goes."""
+    from .cnn import timing_summary
+
+    rows = []
+    for label, folder in device_dirs(results):
+        for path in sorted((folder / "cnn").glob("bench_*.csv")) if (folder / "cnn").is_dir() else []:
+            df = pd.read_csv(path)
+            if df.empty:
+                continue
+            s, first = timing_summary(df), df.iloc[0]
+            rows.append({"device": label, "model": first["model"], "B": int(first["batch"]), "L_m": first["L_m"],
+                         "rounds": s["rounds"], "autograd backward (ms)": 1e3 * s["autograd_backward_total"][0],
+                         "BPPSA backward (ms)": 1e3 * s["bppsa_backward_total"][0],
+                         "BPPSA/autograd backward": claims.fmt_ci(*s["ratio_backward_total"]),
+                         "generation": f"{s['share_jacobian']:.0%}", "scan": f"{s['share_scan']:.0%}",
+                         "param grads": f"{s['share_param_grads']:.0%}"})
+    return _md(pd.DataFrame(rows)) if rows else "Not run (config cnn_bench: no batches)."
+
+
+SECTIONS = (_environments, _exactness, _speedups, _speed, _curves, _vgg, _vgg_scan, _cnn_bench)  # read device folders
 READS = tuple(dict.fromkeys([*(pattern for section in SECTIONS for pattern in section.reads), *claims.READS]))
