@@ -146,7 +146,8 @@ def test_figure_and_analysis_jobs_start_without_torch():
             "for cmd in ('plot', 'speedups', 'report', 'make-irmas',\n"
             "            'make-bitstream', 'bench-bitstream'):\n"
             "    build_parser(cmd)\n"
-            "import bppsa.plots.rnn, bppsa.plots.gru, bppsa.plots.fig10, bppsa.plots.table1\n"
+            "import bppsa.plots.rnn, bppsa.plots.gru, bppsa.plots.fig10, bppsa.plots.table1, bppsa.plots.fig6\n"
+            "import bppsa.analysis.cnn\n"
             "import bppsa.analysis.speedups, bppsa.analysis.report, bppsa.analysis.claims, bppsa.data.irmas\n"
             "import bppsa.data.bitstream\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
