@@ -216,8 +216,10 @@ def test_unsupported_layer_is_refused_by_name_before_any_work():
     with pytest.raises(ValueError, match=r"layer '1' \(Softmax\)"):
         net(torch.randn(2, 3, requires_grad=True))
     assert not calls  # no layer ran
+    with pytest.raises(ValueError, match=r"layer '0' \(Linear\).*Flatten before it"):  # refused in the forward
+        bnn.Sequential(nn.Linear(3, 2))(torch.randn(2, 4, 3, requires_grad=True))
     bn = bnn.Sequential(nn.BatchNorm2d(2))  # training mode: refused when it runs
-    with pytest.raises(ValueError, match="eval"):
+    with pytest.raises(ValueError, match=r"layer '0' \(BatchNorm2d\).*eval"):
         bn(torch.randn(2, 2, 3, 3, requires_grad=True))
 
 

@@ -152,13 +152,21 @@ class Recorder:
         self.rows.append(dict(info, seconds=time.perf_counter() - t0))
 
 
+def _layer_forward(op, name: str, module: nn.Module, x: torch.Tensor):
+    """One layer's forward by its operator; a refusal names the layer."""
+    try:
+        return op.forward(module, x)
+    except _ops.Unsupported as exc:
+        raise _ops.Unsupported(f"bppsa.nn.Sequential: layer '{name}' ({type(module).__name__}): {exc}") from None
+
+
 class _ScanBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, seq: Sequential, x: torch.Tensor, *params: torch.Tensor):
         ops = seq._operators()
         acts, extra = [x], []
-        for op, m in zip(ops, seq):
-            y, c = op.forward(m, acts[-1])
+        for op, (name, m) in zip(ops, seq.named_children()):
+            y, c = _layer_forward(op, name, m, acts[-1])
             acts.append(y)
             extra.append(c)
         out = acts[-1]
@@ -259,8 +267,8 @@ class Sequential(nn.Sequential):
         if not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))):
             with torch.no_grad():  # nothing to differentiate: the layers' own forward, as torch's Sequential
                 y = x
-                for op, m in zip(self._operators(), self):
-                    y = op.forward(m, y)[0]
+                for op, (name, m) in zip(self._operators(), self.named_children()):
+                    y = _layer_forward(op, name, m, y)[0]
                 return y
         if x.dtype not in (torch.float32, torch.float64):
             raise TypeError(f"bppsa.nn.Sequential: dtype {x.dtype} is not supported (float32 and float64 are)")
