@@ -146,10 +146,54 @@ def test_figure_and_analysis_jobs_start_without_torch():
             "for cmd in ('plot', 'speedups', 'report', 'make-irmas',\n"
             "            'make-bitstream', 'bench-bitstream'):\n"
             "    build_parser(cmd)\n"
-            "import bppsa.plots.rnn, bppsa.plots.gru, bppsa.plots.fig10, bppsa.plots.table1\n"
+            "import bppsa.plots.rnn, bppsa.plots.gru, bppsa.plots.fig10, bppsa.plots.table1, bppsa.plots.fig6\n"
+            "import bppsa.analysis.cnn\n"
             "import bppsa.analysis.speedups, bppsa.analysis.report, bppsa.analysis.claims, bppsa.data.irmas\n"
             "import bppsa.data.bitstream\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("argv, name, value", [
+    (["verify", "--model", "rnn", "--seq-len", "10", "--batch", "0"], "--batch", "0"),
+    (["verify", "--model", "rnn", "--seq-len", "-5", "--batch", "2"], "--seq-len", "-5"),
+    (["verify", "--seq-len", "10", "--batch", "2", "--hidden", "0"], "--hidden", "0"),
+    (["verify", "--seq-len", "ten", "--batch", "2"], "--seq-len", "ten"),
+    (["bench", "--data", "x.npz", "--batch", "-1", "--lr", "1e-3", "--out", "x.csv"], "--batch", "-1"),
+    (["make-bitstream", "--seq-len", "0", "--samples", "4", "--out", "x.npz"], "--seq-len", "0"),
+    (["vgg11-flops", "--data", "m.json", "--networks", "pruned", "--samples", "0", "--L-m", "2",
+      "--dense-limit-gb", "1", "--out", "x.csv"], "--samples", "0"),
+])
+def test_size_arguments_are_positive_integers_named_by_the_parser(argv, name, value, capsys):
+    """Every size argument goes through the shared ``positive_int`` type: argparse stops before any work and
+    names the argument (not 'max() arg is an empty sequence' from deep inside)."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {name}: must be a positive integer, got '{value}'" in err
+
+
+def test_every_size_argument_uses_the_shared_type():
+    """No size argument of any command is parsed by a bare ``int`` (which lets 0 and -5 through)."""
+    import argparse
+    import importlib
+
+    from bppsa import commands
+    from bppsa.commands.argtypes import positive_int
+
+    sizes = {"--seq-len", "--seq-lens", "--batch", "--batches", "--batch-size", "--hidden", "--input-size",
+             "--samples", "--epochs", "--retrain-epochs", "--iters", "--clips", "--rounds", "--images", "--iterations",
+             "--width-channels", "--test-every", "--test-batches"}
+    seen = 0
+    for module in commands.MODULES:
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(f"bppsa.commands.{module}").register(sub)
+        for cmd, parser in sub.choices.items():
+            for action in parser._actions:
+                if set(action.option_strings) & sizes and action.type is not None:
+                    seen += 1
+                    assert action.type is positive_int, f"bppsa {cmd} {action.option_strings[0]}: {action.type}"
+    assert seen >= 20

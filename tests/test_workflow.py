@@ -136,6 +136,7 @@ REPORT_ENTRIES = {
     "results/fig_9.png": ("fig_9.rst", "GRU (Sec 5.2)"),
     "results/fig_13.png": ("fig_13.rst", "GRU (Sec 5.2)"),
     "results/fig_10.png": ("fig_10.rst", "Pruned VGG-11 (Sec 5.3)"),
+    "results/fig_6.png": ("fig_6.rst", "LeNet-5 (Sec 3.5)"),
     "results/table_1_last_column.txt": ("table_1.rst", "Sparse Jacobians (Sec 3.4)"),
     "results/report.md": ("report_md.rst", "Claims and report"),
     "results/claims.md": ("claims_md.rst", "Claims and report"),

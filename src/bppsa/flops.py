@@ -1,8 +1,9 @@
 """Static FLOP analysis of BPPSA over CSR transposed Jacobians (Sec 4.3, 5.3, Fig 10).
 
-For one sample, the chain of transposed Jacobians of a network's conv part (conv, ReLU, max-pool)
-is scanned by :func:`bppsa.scan.reference_scan` itself -- the one definition of the tree that the
-torch scan and the CUDA launch plan are held to (node values at the last index of their block, the
+For one sample, the chain of transposed Jacobians of a network's conv part (conv, ReLU, max-pool; any layer of
+the operator registry :mod:`bppsa.jacobians.operators`) is scanned by :func:`bppsa.scan.reference_scan`
+itself -- the one definition of the tree that the torch scan and the CUDA launch plan are held to
+(node values at the last index of their block, the
 left spine carrying vectors, a linear scan over the blocks of level ``L_m`` in the middle, then the
 matching matrix-vector down-sweep) -- with sparse products that count their FLOP.  Every product
 is carried out for real with scipy CSR operands (so the next step sees the product's true structure
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from . import scan as _scan
-from .jacobians import sparse as sparse_jacobians
+from .jacobians import operators
 
 __all__ = [
     "product_flop",
@@ -202,41 +203,28 @@ def baseline_with_flops(g: np.ndarray, J: list[sp.csr_matrix], names: list[str] 
     return out, ops
 
 
+KIND = {"Conv2d": "conv", "ReLU": "relu", "MaxPool2d": "pool"}  # Fig 10's layer names
+
+
 def layer_chain(features: nn.Sequential, x: torch.Tensor, *, drop_zeros: bool = True, dtype=np.float64):
-    """Transposed Jacobians of a conv/ReLU/max-pool chain at one sample ``x`` (C, H, W), in
-    back-propagation order (last layer first), with their layer names; also the activations
-    (``acts[i]`` is the input of layer i, ``acts[-1]`` the output)."""
-    acts = [x.detach()]
-    with torch.no_grad():
-        for layer in features:
-            acts.append(layer(acts[-1].unsqueeze(0))[0])
+    """Transposed Jacobians of a layer chain at one sample ``x`` (C, H, W), in back-propagation order (last layer
+    first), with their layer names (conv1, relu1, pool1, ...); also the activations (``acts[i]`` is the input of
+    layer i, ``acts[-1]`` the output).  Each comes from the operator registry
+    (:func:`bppsa.jacobians.operators.sample_jacobian_t`), as scipy CSR for the FLOP-counting products."""
+    tdtype = torch.float64 if np.dtype(dtype) == np.float64 else torch.float32
+    acts = [x.detach().to(tdtype)]
     J, names = [], []
     counters: dict[str, int] = {}
-    for i, layer in enumerate(features):
-        xin = acts[i]
-        if isinstance(layer, nn.Conv2d):
-            plain = layer.stride == (1, 1) and layer.dilation == (1, 1) and layer.groups == 1
-            if not plain or layer.padding[0] != layer.padding[1]:
-                raise ValueError(f"layer {i} ({layer}): only stride-1, undilated, ungrouped, square-padded convs "
-                                 "are supported")
-            m = sparse_jacobians.conv2d_jacobian_t(layer.weight, tuple(xin.shape), layer.padding[0],
-                                                   drop_zeros=drop_zeros, dtype=dtype)
-            kind = "conv"
-        elif isinstance(layer, nn.ReLU):
-            m = sparse_jacobians.relu_jacobian_t(xin, drop_zeros=drop_zeros, dtype=dtype)
-            kind = "relu"
-        elif isinstance(layer, nn.MaxPool2d):
-            k = layer.kernel_size if isinstance(layer.kernel_size, int) else layer.kernel_size[0]
-            s = layer.stride if isinstance(layer.stride, int) else layer.stride[0]
-            if s != k or layer.padding not in (0, (0, 0)):
-                raise ValueError(f"layer {i} ({layer}): only max-pooling with stride = window and no padding "
-                                 "is supported")
-            m = sparse_jacobians.maxpool2d_jacobian_t(xin, k, drop_zeros=drop_zeros, dtype=dtype)
-            kind = "pool"
-        else:
-            raise ValueError(f"layer {i} ({type(layer).__name__}) has no analytic transposed Jacobian")
+    try:  # every layer has an operator, before any work
+        operators.check_supported((str(i), layer) for i, layer in enumerate(features))
+    except operators.Unsupported as exc:
+        raise ValueError(f"FLOP analysis: {exc}") from None
+    for layer in features:
+        m, y = operators.sample_jacobian_t(layer, acts[-1], drop_zeros=drop_zeros, dtype=tdtype)
+        acts.append(y)
+        kind = KIND.get(type(layer).__name__, type(layer).__name__.lower())
         counters[kind] = counters.get(kind, 0) + 1
-        J.append(m)
+        J.append(operators.to_scipy(m))
         names.append(f"{kind}{counters[kind]}")
     return J[::-1], names[::-1], acts
 

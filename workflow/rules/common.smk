@@ -58,10 +58,13 @@ TIMING_CLASSES = ("timing", "cpu_timing")
 RNN, GRU, IRMAS = config["rnn"], config["gru"], config["irmas"]
 BUDGET = config["bitstream"]["budget"]
 VGG, CIFAR, JAC = config["vgg11"], config["cifar10"], config["jacobians"]
+# workflow/rules/cnn.smk: Fig 6, the pruned VGG-11 retrained through the scan, the bench-cnn cases
+LENET, VGG_SCAN, CNN_BENCH = config["lenet5"], config["vgg11_scan"], config["cnn_bench"]
 RESULTS = f"results/{DEVICE}"
 RNN_DIR, GRU_DIR, VGG_DIR, JAC_DIR = (
     f"{RESULTS}/{name}" for name in ("rnn", "gru", "vgg11", "jacobians")
 )
+LENET_DIR = f"{RESULTS}/lenet5"
 REPORT, CLAIMS = "results/report.md", "results/claims.md"
 CIFAR_MANIFEST = f"{CIFAR['root']}/cifar10.json"
 # the set whose generation bitstream_bench measures (config bitstream.budget)
@@ -239,6 +242,39 @@ def get_cpu_benchmarks():
     return out
 
 
+def get_cnn_measurements():
+    """Fig 6: LeNet-5's curves in the workflow's dtype and in each of lenet5.also_dtypes; the pruned VGG-11
+    retrained through the scan where vgg11_scan.iterations > 0; the bench-cnn cases of cnn_bench.
+    """
+    dtypes = [config["dtype"]] + [
+        d for d in LENET["also_dtypes"] if d != config["dtype"]
+    ]
+    scan = [f"{VGG_DIR}/retrain_scan.csv", f"{VGG_DIR}/retrain_scan_steps.csv"]
+    bench = [
+        f"{RESULTS}/cnn/bench_{net}_B{B}.csv"
+        for net in ("lenet5", "vgg11")
+        for B in CNN_BENCH[f"{net}_batches"]
+    ]
+    return (
+        [f"{LENET_DIR}/curve_{d}.csv" for d in dtypes]
+        + (scan if VGG_SCAN["iterations"] else [])
+        + bench
+    )
+
+
+def get_cnn_bench_input(wildcards):
+    """The data, and for VGG-11 the pruned-retrained checkpoint of vgg11_train."""
+    models = {"models": f"{VGG_DIR}/models.pt"} if wildcards.net == "vgg11" else {}
+    return {"data": CIFAR_MANIFEST, **models}
+
+
+def get_cnn_bench_args(wildcards, input):
+    """bench-cnn's network flags: VGG-11's checkpoint, and each network's L_m (cnn_bench.<net>_L_m)."""
+    models = f"--models {input.models}" if wildcards.net == "vgg11" else ""
+    L_m = CNN_BENCH[f"{wildcards.net}_L_m"]
+    return f"{models} --L-m {L_m_arg(L_m)}"
+
+
 def get_measurements():
     """Every file this configuration measures in its device folder: what the figures, the report and the
     claims read there. The profile's keys gate these; a figure is drawn where what it reads is among them.
@@ -256,6 +292,7 @@ def get_measurements():
             f"{VGG_DIR}/flops_summary.csv",
             f"{JAC_DIR}/table1_timings.csv",
         ]
+        + get_cnn_measurements()
     )
 
 

@@ -330,7 +330,7 @@ def _onset(d: pd.DataFrame, tol: float):
     return int(above.min()) if len(above) else None
 
 
-def _float64_twin(c, T, dtype, d, twin, verdict, reason) -> tuple[str, str]:
+def _float64_twin(c, T, dtype, d, twin, verdict, reason, unit: str = "epoch") -> tuple[str, str]:
     """The verdict and reason of a curve row once the same curves were also trained in float64.
 
     Exact gradients differ only by round-off, which training may amplify but cannot create: in float64 the curves
@@ -346,19 +346,19 @@ def _float64_twin(c, T, dtype, d, twin, verdict, reason) -> tuple[str, str]:
     own_text = (f"; for comparison, the baseline's own {dtype} and float64 curves differ by up to {own:.2e}"
                 if np.isfinite(own) else "")
     if rel64 <= CURVE_TOL_FLOAT64:
-        return "partly", (f"exact in float64 ({rel64:.1e} ≤ {CURVE_TOL_FLOAT64:g} over every epoch): BPPSA's "
+        return "partly", (f"exact in float64 ({rel64:.1e} ≤ {CURVE_TOL_FLOAT64:g} over every {unit}): BPPSA's "
                           f"gradient is the baseline's, and the {dtype} gap ({rel:.2e}, above {CURVE_TOL:g} from "
-                          f"epoch {on32}) is {dtype} round-off amplified by training" + own_text)
+                          f"{unit} {on32}) is {dtype} round-off amplified by training" + own_text)
     if first64 <= CURVE_TOL_FLOAT64 and (on64 is None or on64 >= on32):
         exact = _onset(twin, CURVE_TOL_FLOAT64)  # the first epoch beyond float64 round-off
         agree = twin[twin["epoch"] < exact]
         return "partly", (f"{dtype} round-off amplified by training, not a wrong gradient: in float64 the curves "
-                          f"agree to {float(agree['rel'].max()):.1e} through epoch {int(agree['epoch'].max())} and "
-                          f"separate (> {CURVE_TOL:g}) from epoch {on64} ({dtype}: from epoch {on32}, "
-                          f"{float(d['rel'].iloc[0]):.1e} at epoch 1), the way round-off grows through an unstable "
-                          "phase of training; a wrong gradient would differ from epoch 1 in float64 too" + own_text)
-    return "not reproduced", (f"not round-off: in float64 the curves differ by {first64:.1e} at epoch 1 and "
-                              f"{rel64:.2e} at most (separating from epoch {on64}; {dtype}: {on32}); exact gradients "
+                          f"agree to {float(agree['rel'].max()):.1e} through {unit} {int(agree['epoch'].max())} and "
+                          f"separate (> {CURVE_TOL:g}) from {unit} {on64} ({dtype}: from {unit} {on32}, "
+                          f"{float(d['rel'].iloc[0]):.1e} at {unit} 1), the way round-off grows through an unstable "
+                          f"phase of training; a wrong gradient would differ from {unit} 1 in float64 too" + own_text)
+    return "not reproduced", (f"not round-off: in float64 the curves differ by {first64:.1e} at {unit} 1 and "
+                              f"{rel64:.2e} at most (separating from {unit} {on64}; {dtype}: {on32}); exact gradients "
                               "would agree to ~1e-16 at first: a difference between the two backwards to find")
 
 
@@ -598,8 +598,121 @@ def _roofline_miss(r) -> str:
             "docs/backends.md")
 
 
+@reads("lenet5/curve_*.csv")
+def lenet5_curve_claims(results: Path) -> list[Claim]:
+    """BPPSA trains LeNet-5 as autograd does (Fig 6): the same training loss, iteration by iteration, from the same
+    seed and batches, judged as Fig 7's curves are (the float64 twin tells round-off from a wrong gradient)."""
+    out = []
+    for label, folder in device_dirs(results):
+        cdir = folder / "lenet5"
+        frames = [f for f in (pd.read_csv(p) for p in sorted(cdir.glob("curve_*.csv"))) if len(f)] \
+            if cdir.is_dir() else []
+        if not frames:
+            continue
+        c = pd.concat(frames, ignore_index=True)
+        c["dtype"] = c["dtype"].astype(str)
+        # in the shape of the recurrent curves (method baseline/bppsa, epoch = iteration), for _float64_twin
+        train = c[c["split"] == "train"].assign(method=lambda d: d["method"].replace({"autograd": "baseline"}),
+                                                seq_len=0, epoch=lambda d: d["iteration"])
+        per, test = {}, {}
+        for dt, g in c.groupby("dtype"):
+            for split, store in (("train", per), ("test", test)):
+                t = g[g["split"] == split].pivot_table(index="iteration", columns="method", values="loss")
+                if {"autograd", "bppsa"} <= set(t.columns):
+                    rel = ((t["bppsa"] - t["autograd"]).abs() / t["autograd"].abs()).dropna()
+                    store[dt] = pd.DataFrame({"epoch": rel.index.astype(int), "rel": rel.to_numpy()})
+        if not per:
+            continue
+        dtype = min(per, key=lambda dt: (dt != "float32", dt != "float64", dt))
+        d = per[dtype]
+        rel = float(d["rel"].max())
+        first = c.iloc[0]
+        measured = (f"largest per-iteration training-loss difference {rel:.2e} (relative) over {len(d)} iterations"
+                    f"{f' in {dtype}' if len(per) > 1 else ''}")
+        if dtype in test:
+            measured += f", test loss {float(test[dtype]['rel'].max()):.2e} over {len(test[dtype])} evaluations"
+        verdict, reason = curve_verdict(rel)
+        twin = per.get("float64") if dtype != "float64" else None
+        if twin is not None:
+            measured += f"; {float(twin['rel'].max()):.2e} in float64"
+            verdict, reason = _float64_twin(train, 0, dtype, d, twin, verdict, reason, unit="iteration")
+        out.append(Claim("BPPSA trains LeNet-5 as autograd does: training and test loss overlap (Fig 6)",
+                         "overlapping (Fig 6: CIFAR-10, B=256, SGD lr 0.001 momentum 0.9, ~8,000 iterations)",
+                         paper.CURVES_DEVICE,
+                         f"{measured} (B={int(first['batch'])}, lr {first['lr']:g}, L_m={first['L_m']}; data: "
+                         f"{first['data']})", label, verdict, reason))
+    return out
+
+
+@reads("vgg11/retrain_scan.csv", "vgg11/retrain_scan_steps.csv")
+def vgg_scan_claims(results: Path) -> list[Claim]:
+    """The pruned VGG-11 retrained through the scan (beside Fig 10): does the static FLOP of a scan step predict
+    its time, and how long an iteration takes against autograd's (a GPU claim, judged on a GPU only)."""
+    from .cnn import flop_prediction, generation_share, step_table, timing_summary
+
+    out = []
+    for label, folder in device_dirs(results):
+        it_path, st_path = folder / "vgg11" / "retrain_scan.csv", folder / "vgg11" / "retrain_scan_steps.csv"
+        if not (it_path.is_file() and st_path.is_file()):
+            continue
+        rows, steps = pd.read_csv(it_path), pd.read_csv(st_path)
+        if rows.empty or steps.empty:
+            continue
+        first = rows.iloc[0]
+        s = timing_summary(rows)
+        share = generation_share(steps)
+        where = (f"B={int(first['batch'])}, L_m={first['L_m']}, {first['device_type']}; BPPSA's backward: "
+                 f"generation {s['share_jacobian']:.0%}, scan {s['share_scan']:.0%}, parameter gradients "
+                 f"{s['share_param_grads']:.0%}")
+        med, lo, hi = s["ratio_total"]
+        measured = f"BPPSA/autograd per iteration {fmt_ci(med, lo, hi)} over {s['rounds']} paired iterations ({where})"
+        out.append(Claim("Retraining the pruned VGG-11 through the scan: time per iteration against autograd",
+                         "— (Sec 4.3 projects it from FLOP; no retraining is timed)", "static analysis", measured,
+                         label, *retrain_verdict(lo, hi, is_gpu(label) or first["device_type"] == "cuda")))
+        pred = flop_prediction(step_table(steps[steps["iteration"] >= 0], _step_flops(steps), int(first["batch"])))
+        measured = (f"Spearman ρ = {pred['rho']:.2f} between each scan product's time and its static FLOP over "
+                    f"{pred['n']} products (one-sided p {pred['p']:.2g}); median {pred['s_per_gflop']:.3g} s/GFLOP; "
+                    f"Jacobian generation {share:.0%} of the profiled backward")
+        out.append(Claim("Fig 10's FLOP per scan step predicts the step's time (pruned VGG-11 retrained through the "
+                         "scan)", "FLOP as the cost of a step (Fig 10)", "static analysis", measured, label,
+                         *flop_time_verdict(pred["rho"], pred["p"])))
+    return out
+
+
+def _step_flops(steps: pd.DataFrame) -> pd.DataFrame:
+    """The static FLOP per sample of each scan product, as vgg11-retrain-scan recorded it beside the product."""
+    s = steps[steps["what"] == "scan"]
+    return s.groupby(["phase", "d", "l", "r"], as_index=False)["flop_per_sample"].first().rename(
+        columns={"flop_per_sample": "flop"})
+
+
+def retrain_verdict(lo: float, hi: float, gpu: bool) -> tuple[str, str]:
+    """BPPSA's retraining iteration over autograd's (paired ratio interval ``lo``..``hi``)."""
+    if not gpu:
+        return "not measurable here", "the paper's case for BPPSA is a GPU's parallelism; this is a CPU"
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return "not measurable here", "too few paired iterations for an interval"
+    if hi < 1:
+        return "holds", "BPPSA's iteration is faster (the whole interval below 1)"
+    if lo < 1:
+        return "partly", "not told apart from autograd's (the interval spans 1)"
+    return "not reproduced", "BPPSA's iteration is slower (the whole interval above 1); see the shares"
+
+
+def flop_time_verdict(rho: float, p: float) -> tuple[str, str]:
+    """Whether the static FLOP of a scan product orders the products' measured times (Spearman's ρ)."""
+    if not np.isfinite(rho):
+        return "not measurable here", "fewer than 3 products with FLOP"
+    if rho >= 0.7 and p < TREND_ALPHA:
+        return "holds", "ρ ≥ 0.7, one-sided p < 0.05"
+    if rho > 0 and p < TREND_ALPHA:
+        return "partly", "positive (p < 0.05) but ρ < 0.7: FLOP orders the steps only roughly"
+    return "not reproduced", "no significant positive rank correlation"
+
+
 # -- the table -----------------------------------------------------------------------------------------
-ROWS = (speedup_claims, trend_claims, curve_claims, table1_claims, vgg_claims, cpu_speed_claims)
+ROWS = (speedup_claims, trend_claims, curve_claims, lenet5_curve_claims, table1_claims, vgg_claims, vgg_scan_claims,
+        cpu_speed_claims)
 READS = tuple(dict.fromkeys(pattern for row in ROWS for pattern in row.reads))
 
 

@@ -6,6 +6,7 @@ alone: a job that draws a figure or reads CSVs then starts without torch (about 
 """
 
 MODULES = {
+    "cnn": ("lenet5-curves", "bench-cnn", "vgg11-retrain-scan"),
     "datasets": ("make-bitstream", "bench-bitstream"),
     "doctor": ("doctor", "device"),
     "gpu": ("gpu-model", "gpu-measured", "bench-membound"),

@@ -1,18 +1,20 @@
 """`bppsa make-bitstream` and `bppsa bench-bitstream` (the bitstream sets need no torch)."""
 from __future__ import annotations
 
+from .argtypes import positive_int
+
 
 def register(sub) -> None:
     p = sub.add_parser("make-bitstream", help="generate a bitstream dataset (Eq. 8)")
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--samples", type=int, required=True)
+    p.add_argument("--seq-len", type=positive_int, required=True)
+    p.add_argument("--samples", type=positive_int, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     p.set_defaults(func=_make_bitstream)
 
     p = sub.add_parser("bench-bitstream", help="time, peak memory and size of generating one bitstream set (CSV)")
-    p.add_argument("--seq-len", type=int, default=30000)
-    p.add_argument("--samples", type=int, default=32000)
+    p.add_argument("--seq-len", type=positive_int, default=30000)
+    p.add_argument("--samples", type=positive_int, default=32000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     p.set_defaults(func=_bench_bitstream)

@@ -11,6 +11,7 @@ from .. import device as _device
 from ..bench import membound
 from ..io import write_csv
 from ..precision import DTYPES
+from .argtypes import positive_int
 
 
 def bench_membound(args) -> int:
@@ -35,13 +36,11 @@ def bench_membound(args) -> int:
 
 
 def _ints(text: str, what: str) -> list[int]:
+    """Comma-separated sizes, each checked by the parsers' shared :func:`positive_int`, naming ``what``."""
     try:
-        vals = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise ValueError(f"{what}: comma-separated integers, got {text!r}") from None
-    if min(vals) < 1:
-        raise ValueError(f"{what} must be >= 1, got {text!r}")
-    return vals
+        return [positive_int(v) for v in text.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"{what} must be >= 1: comma-separated positive integers, got {text!r} ({exc})") from None
 
 
 def _seq_lens(text: str, input_size: int) -> list[tuple[int, int]]:
@@ -186,8 +185,8 @@ def register(subparsers) -> None:
     m.add_argument("--seq-len", default="30000",
                    help="sequence length T, or T:I with that length's input size (comma-separated for several)")
     m.add_argument("--batch", default="16", help="batch size B (comma-separated for several)")
-    m.add_argument("--hidden", type=int, default=20, help="hidden size H")
-    m.add_argument("--input-size", type=int, default=1, help="input size I (the bitstream RNN's is 1)")
+    m.add_argument("--hidden", type=positive_int, default=20, help="hidden size H")
+    m.add_argument("--input-size", type=positive_int, default=1, help="input size I (the bitstream RNN's is 1)")
     m.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     m.add_argument("--gpu", default="h100",
                    help="rtx2070, rtx2080ti, v100, a100, h100 (comma-separated, or 'all'), or numbers "
@@ -217,15 +216,15 @@ def register(subparsers) -> None:
         help="time the scan backward per backend against the GPU's memory-traffic bound (CUDA only)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--seq-len", type=int, default=1000, help="sequence length T")
-    p.add_argument("--batch", type=int, default=16, help="batch size B")
-    p.add_argument("--hidden", type=int, default=20, help="hidden size H")
+    p.add_argument("--seq-len", type=positive_int, default=1000, help="sequence length T")
+    p.add_argument("--batch", type=positive_int, default=16, help="batch size B")
+    p.add_argument("--hidden", type=positive_int, default=20, help="hidden size H")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--layout", choices=["paper", "fused"], default="paper")
     p.add_argument("--L-m", dest="L_m", type=int, default=None,
                    help="up-sweep levels before a linear middle scan (default: full scan)")
     p.add_argument("--backends", default="cupy,torch", help="comma-separated backends to time")
-    p.add_argument("--iters", type=int, default=50, help="timed repeats")
+    p.add_argument("--iters", type=positive_int, default=50, help="timed repeats")
     p.add_argument("--warmup", type=int, default=5, help="untimed repeats first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")

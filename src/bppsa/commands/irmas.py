@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .. import io
 from ..data import irmas
+from .argtypes import positive_int
 
 
 def register(sub) -> None:
@@ -21,7 +22,7 @@ def register(sub) -> None:
     p.add_argument("--root", default="data/irmas", help="where downloads and the stand-in live")
     p.add_argument("--url", default=irmas.URL, help="with --source download: where from (config irmas.url; a mirror)")
     p.add_argument("--md5", default=irmas.MD5, help="with --source download: the zip's MD5 (config irmas.md5)")
-    p.add_argument("--clips", type=int, required=True,
+    p.add_argument("--clips", type=positive_int, required=True,
                    help="stand-in size (config irmas.synthetic_clips; 6705 = the real training set's)")
     p.add_argument("--seed", type=int, default=0, help="stand-in seed")
     p.add_argument("--threads", type=int, default=1, help="worker processes for the stand-in")

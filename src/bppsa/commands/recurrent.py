@@ -24,12 +24,13 @@ from ..data.sequences import open_dataset
 from ..models import MODELS, SPECS, build, check_layout
 from ..precision import DTYPES
 from ..verify import verify
+from .argtypes import positive_int
 from .common import add_runtime_args, optional_int, setup
 
 
 def _model_args(p, data_required: bool) -> None:
     p.add_argument("--model", choices=MODELS, default="rnn")
-    p.add_argument("--hidden", type=int, default=None, help="default: the model's (bppsa.models.SPECS)")
+    p.add_argument("--hidden", type=positive_int, default=None, help="default: the model's (bppsa.models.SPECS)")
     p.add_argument("--backend", choices=BACKENDS, default="auto")
     p.add_argument("--layout", choices=sorted({lay for s in SPECS.values() for lay in s.layouts}), default="fused",
                    help="Jacobian layout; the GRU has 'fused' only")
@@ -43,16 +44,16 @@ def _model_args(p, data_required: bool) -> None:
 def register(sub) -> None:
     p = sub.add_parser("verify", help="one batch through autograd and BPPSA; compare every gradient")
     _model_args(p, data_required=False)
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--input-size", type=int, default=None, help="default: the model's (bppsa.models.SPECS)")
+    p.add_argument("--seq-len", type=positive_int, required=True)
+    p.add_argument("--batch", type=positive_int, required=True)
+    p.add_argument("--input-size", type=positive_int, default=None, help="default: the model's (bppsa.models.SPECS)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.set_defaults(func=_verify, dtype="float64")
 
     p = sub.add_parser("bench", help="time the baseline and BPPSA variants of one configuration, interleaved "
                                      "(tidy CSV, one row per variant x mode x iteration x phase)")
     _model_args(p, data_required=True)
-    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--batch", type=positive_int, required=True)
     p.add_argument("--variants", nargs="+", default=["baseline", "bppsa-fused"], choices=VARIANTS,
                    help="the first is the reference of the speedups (default: baseline bppsa-fused)")
     p.add_argument("--packed-baseline", choices=["auto", "on", "off"], default="auto",
@@ -69,9 +70,9 @@ def register(sub) -> None:
 
     p = sub.add_parser("train", help="train both ways; per-epoch loss, accuracy and wall-clock (CSV)")
     _model_args(p, data_required=True)
-    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--batch", type=positive_int, required=True)
     p.add_argument("--method", choices=METHODS, required=True)
-    p.add_argument("--epochs", type=int, required=True)
+    p.add_argument("--epochs", type=positive_int, required=True)
     p.add_argument("--lr", type=float, required=True, help="config rnn.lr / gru.lr")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_train)

@@ -10,6 +10,7 @@ from .. import io
 from ..bench import roofline, speed
 from ..bench.protocol import StopRule, interleave
 from ..precision import DTYPES
+from .argtypes import positive_int
 from .common import optional_int
 from .speed import add_model_args, add_timing_args, cpu_setup, labelled
 
@@ -18,11 +19,11 @@ def register(sub) -> None:
     p = sub.add_parser("roofline", help="the scan against this CPU's measured GEMM FLOP/s, copy bandwidth and "
                                         "multiply-add latency (CSV)")
     add_model_args(p)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 16])
     p.add_argument("--L-m", dest="L_m", type=optional_int, default=None)
     p.add_argument("--backends", nargs="+", default=["cpu", "torch"], choices=["cpu", "torch"])
-    p.add_argument("--gemm-n", type=int, default=2048, help="size of the GEMM that measures the compute roof")
-    p.add_argument("--copy-mib", type=int, default=256, help="size of the copy that measures the memory roof")
+    p.add_argument("--gemm-n", type=positive_int, default=2048, help="size of the GEMM that measures the compute roof")
+    p.add_argument("--copy-mib", type=positive_int, default=256, help="size of the copy that measures the memory roof")
     add_timing_args(p, _roofline)
 
 

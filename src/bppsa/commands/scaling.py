@@ -11,16 +11,18 @@ from ..bench.protocol import StopRule
 from ..device import default_threads
 from ..models import MODELS
 from ..precision import DTYPES
+from .argtypes import positive_int
 from .speed import add_timing_args, cpu_setup, labelled
 
 
 def register(sub) -> None:
     p = sub.add_parser("scaling", help="autograd / BPPSA / compiled sequential backward vs threads (CSV)")
     p.add_argument("--model", choices=MODELS, default="rnn")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[1000, 10000], help="the RNN's bitstream lengths")
+    p.add_argument("--seq-lens", type=positive_int, nargs="+", default=[1000, 10000],
+                   help="the RNN's bitstream lengths")
     p.add_argument("--data", default=None, help="a dataset file to take the batches from (required for the GRU)")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--hidden", type=int, default=None, help="default: the model's (bppsa.models.SPECS)")
+    p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--hidden", type=positive_int, default=None, help="default: the model's (bppsa.models.SPECS)")
     p.add_argument("--max-threads", type=int, default=0, help="time 1 .. this many threads (0: every core)")
     add_timing_args(p, _scaling)
 

@@ -11,6 +11,7 @@ import pandas as pd
 from .. import io
 from ..analysis import gpu_hours
 from ..bench import preflight
+from .argtypes import positive_int
 
 
 def register(sub) -> None:
@@ -20,7 +21,8 @@ def register(sub) -> None:
     p.add_argument("--configfile", default="config/paper.yaml", help="the profile to check (default: %(default)s)")
     p.add_argument("--out", required=True,
                    help="CSV, one row per configuration (e.g. results/<device>/paper_shapes.csv)")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds per method, after one untimed (default: 3)")
+    p.add_argument("--rounds", type=positive_int, default=3,
+                   help="timed rounds per method, after one untimed (default: 3)")
     p.add_argument("--no-fp64", dest="fp64", action="store_false", help="skip the float64 exactness check")
     p.add_argument("--no-vgg-flops", dest="vgg_flops", action="store_false",
                    help="skip the one-sample VGG-11 FLOP analysis rows (vgg11.flops.networks)")

@@ -12,6 +12,7 @@ from ..bench import speed
 from ..bench.protocol import StopRule, add_stop_rule_args
 from ..models import MODELS, check_layout
 from ..precision import DTYPES
+from .argtypes import positive_int
 from .common import add_runtime_args, optional_int, setup
 
 
@@ -42,7 +43,7 @@ def labelled(df: pd.DataFrame, args, **extra) -> pd.DataFrame:
 def register(sub) -> None:
     p = sub.add_parser("speed", help="RNN/GRU backward and scan-alone speed ratios (CSV)")
     add_model_args(p)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 16])
     p.add_argument("--layouts", nargs="+", default=["fused"], choices=["fused", "paper"])
     p.add_argument("--L-m", dest="L_ms", type=optional_int, nargs="+", default=[None],
                    help="scan variants to time (none = full Blelloch)")
@@ -56,9 +57,9 @@ def add_model_args(p) -> None:
     """Which recurrent model and inputs a CPU benchmark times: the RNN on bitstreams of --seq-len, or any
     model on the first samples of --data (the GRU: an MFCC set)."""
     p.add_argument("--model", choices=MODELS, default="rnn")
-    p.add_argument("--seq-len", type=int, default=1000, help="the RNN's bitstream length (without --data)")
+    p.add_argument("--seq-len", type=positive_int, default=1000, help="the RNN's bitstream length (without --data)")
     p.add_argument("--data", default=None, help="a dataset file to take the batches from (required for the GRU)")
-    p.add_argument("--hidden", type=int, default=None, help="default: the model's (bppsa.models.SPECS)")
+    p.add_argument("--hidden", type=positive_int, default=None, help="default: the model's (bppsa.models.SPECS)")
 
 
 def _speed(args) -> int:

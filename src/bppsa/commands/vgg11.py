@@ -14,6 +14,7 @@ from .. import flops as fl
 from .. import io, paper
 from ..data import cifar
 from ..models import vgg
+from .argtypes import positive_int
 from .common import add_runtime_args, optional_int, setup
 
 
@@ -36,9 +37,10 @@ def register(sub) -> None:
                        help="train VGG-11, prune it by magnitude, retrain with masks held; accuracies (CSV)")
     _data_args(p)
     p.add_argument("--width", type=float, required=True, help="conv width multiplier (1.0 = the real VGG-11)")
-    p.add_argument("--epochs", type=int, required=True, help="training epochs (the paper: 100)")
-    p.add_argument("--retrain-epochs", type=int, required=True, help="retraining epochs after pruning (the paper: 100)")
-    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--epochs", type=positive_int, required=True, help="training epochs (the paper: 100)")
+    p.add_argument("--retrain-epochs", type=positive_int, required=True,
+                   help="retraining epochs after pruning (the paper: 100)")
+    p.add_argument("--batch-size", type=positive_int, required=True)
     p.add_argument("--lr", type=float, required=True)
     p.add_argument("--weight-decay", type=float, required=True)
     p.add_argument("--no-augment", dest="augment", action="store_false")
@@ -58,7 +60,8 @@ def register(sub) -> None:
     p.add_argument("--prune", type=float, default=0.97, help="with --untrained: pruned fraction")
     p.add_argument("--scheme", choices=vgg.SCHEMES, default="class-uniform")
     p.add_argument("--networks", nargs="+", choices=["pruned", "dense"], required=True)
-    p.add_argument("--samples", type=int, required=True, help="test images analysed (one batch, one scan per sample)")
+    p.add_argument("--samples", type=positive_int, required=True,
+                   help="test images analysed (one batch, one scan per sample)")
     p.add_argument("--L-m", dest="L_m", type=optional_int, required=True,
                    help="up-sweep levels before the linear middle scan (the paper: L0-L2, i.e. 2; 'none' = full)")
     p.add_argument("--keep-zeros", dest="drop_zeros", action="store_false",

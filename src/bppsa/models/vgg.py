@@ -1,7 +1,7 @@
 """VGG-11 for 32x32 images (the CIFAR variant), magnitude pruning (See et al., 2016) and retraining.
 
 The conv part is a plain chain of Conv2d(3x3, padding 1) -> ReLU [-> MaxPool2d(2, 2)], so its
-transposed Jacobians are exactly the three CSR kinds of :mod:`bppsa.jacobians.sparse`; the
+transposed Jacobians are three operators of :mod:`bppsa.jacobians.operators`; the
 classifier is one linear layer, as in the common CIFAR VGG.  No batch norm: the paper's Jacobian
 chain (Sec 4.3, Fig 3) has convolutions, ReLUs and max-pools only.
 """

@@ -10,5 +10,6 @@ Each layer is a custom op (:mod:`.ops`; the math in :mod:`.backward`), so the la
 torch.compile(fullgraph=True).  docs/library.md lists the options, the refusals and the cost model.
 """
 from .modules import GRU, RNN
+from .sequential import Recorder, Sequential
 
-__all__ = ["GRU", "RNN"]
+__all__ = ["GRU", "RNN", "Recorder", "Sequential"]

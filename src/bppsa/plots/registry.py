@@ -132,4 +132,7 @@ FIGURES: dict[str, Figure] = {f.name: f for f in (
                    "Worker scaling: {model}"),
             Output(f"results/{DEVICE}/{{model}}/scaling_crossover.csv")),
            overlay=False),
+    Figure("lenet5", "Fig 6: LeNet-5's training and test loss per iteration, autograd vs BPPSA, and their difference",
+           "bppsa.plots.fig6:draw", ("lenet5/curve_*.csv",),
+           (Output("results/fig_6.png", "fig_6.rst", "LeNet-5 (Sec 3.5)", "Fig 6: training curves"),)),
 )}
