@@ -6,6 +6,18 @@ summary of its contiguous chunk of an affine recurrence ``x -> M x + c`` (the ch
 (or after it, with ``reverse=True``: back-propagation scans from the last rank).  docs/distributed.md has the
 whole API, the strategies and how to launch several processes.
 """
-from .rank_scan import STRATEGIES, RankFailure, compose, default_strategy, local_carries, rank_scan
+from .rank_scan import (
+    STRATEGIES,
+    RankFailure,
+    all_gather_ints,
+    all_reduce_sum,
+    compose,
+    default_strategy,
+    local_carries,
+    rank_scan,
+    recv_from,
+    send_to,
+)
 
-__all__ = ["STRATEGIES", "RankFailure", "compose", "default_strategy", "local_carries", "rank_scan"]
+__all__ = ["STRATEGIES", "RankFailure", "all_gather_ints", "all_reduce_sum", "compose", "default_strategy",
+           "local_carries", "rank_scan", "recv_from", "send_to"]

@@ -43,7 +43,8 @@ import math
 import torch
 import torch.distributed as dist
 
-__all__ = ["STRATEGIES", "RankFailure", "compose", "default_strategy", "local_carries", "rank_scan"]
+__all__ = ["STRATEGIES", "RankFailure", "all_gather_ints", "all_reduce_sum", "compose", "default_strategy",
+           "local_carries", "rank_scan", "recv_from", "send_to"]
 
 STRATEGIES = ("rounds", "allgather")
 
@@ -263,3 +264,42 @@ def _rounds(M, c, group, p, pos, rank_of, dense, td):
                 S = compose(S, R, dense)
         d *= 2
     return None if E is None else E[1]
+
+
+# -- the other exchanges of a sequence split over the ranks, with the same failure reporting ----------------------
+
+
+def send_to(t: torch.Tensor, dst: int, group=None, timeout: float | None = None) -> None:
+    """Send ``t`` to group rank ``dst`` and wait for it to be taken; :class:`RankFailure` naming ``dst`` if not."""
+    dev = _transport(group, t)
+    buf = t.detach().to(dev).contiguous()
+    _wait(dist.isend(buf, _global(group, dst), group=group), _timedelta(timeout), dst, "receive of the state", group)
+
+
+def recv_from(like: torch.Tensor, src: int, group=None, timeout: float | None = None) -> torch.Tensor:
+    """A tensor shaped as ``like`` from group rank ``src``; :class:`RankFailure` naming ``src`` if it never comes."""
+    buf = torch.empty_like(like, device=_transport(group, like))
+    _wait(dist.irecv(buf, _global(group, src), group=group), _timedelta(timeout), src, "send of the state", group)
+    return buf.to(like.device)
+
+
+def all_reduce_sum(t: torch.Tensor, group=None, timeout: float | None = None) -> torch.Tensor:
+    """The sum of ``t`` over the group's ranks (a new tensor); :class:`RankFailure` naming the rank that never
+    reached the reduction, where the group's store can say."""
+    buf = t.detach().to(_transport(group, t)).contiguous().clone()
+    _check_in(group)
+    _wait(dist.all_reduce(buf, group=group, async_op=True), _timedelta(timeout), None, "all_reduce of the gradients",
+          group)
+    return buf.to(t.device)
+
+
+def all_gather_ints(values: list[int], group=None, timeout: float | None = None) -> list[list[int]]:
+    """Every rank's list of ints (the same length on every rank), in group rank order."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    if str(dist.get_backend(group)).lower() == "nccl":
+        mine = mine.cuda()
+    bufs = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    _check_in(group)
+    _wait(dist.all_gather(bufs, mine, group=group, async_op=True), _timedelta(timeout), None,
+          "all_gather of the slices' sizes", group)
+    return [b.tolist() for b in bufs]
