@@ -208,3 +208,52 @@ def test_split_layers_equal_autograd_on_the_whole_sequence(four_ranks, p):
             assert "weight_hh_l0" in err and ("h_n" in err) == (rank == p - 1)
             bad = {k: v for k, v in err.items() if not v <= tol}
             assert not bad, (p, rank, case, bad)
+
+
+FAULT_TIMEOUT = 4.0  # seconds: the group_timeout the fault test's layers run with
+
+
+def fault_worker(rank: int, p: int, fault: str, victim: int, out_dir: str) -> dict:
+    """A split RNN on 3 ranks whose rank ``victim`` dies (``os._exit``) or hangs as its backward starts; the
+    others report the error they raised and how long after the backward began; a rank that finishes writes its
+    result file (atomically, as every output of the package)."""
+    import os
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    import bppsa.nn as bnn
+    from bppsa.io import write_text
+
+    torch.manual_seed(0)
+    rnn = bnn.RNN(2, 4, backend="torch", process_group=dist.group.WORLD, group_timeout=FAULT_TIMEOUT)
+    x = torch.randn(9, 3, 2)[torch.tensor_split(torch.arange(9), p)[rank]]
+    out, _ = rnn(x)
+    if rank == victim:
+        out.register_hook(lambda g: os._exit(3) if fault == "die" else time.sleep(2 * FAULT_TIMEOUT))
+    start = time.monotonic()
+    try:
+        out.square().sum().backward()
+    except Exception as exc:  # noqa: BLE001 - what the test reads
+        return {"error": f"{type(exc).__name__}: {exc}", "after": time.monotonic() - start,
+                "rank_attr": getattr(exc, "rank", None)}
+    write_text(Path(out_dir) / f"rank{rank}.txt", repr(rnn.weight_hh_l0.grad.tolist()))
+    return {"error": None, "after": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("fault", ["die", "hang"])
+def test_a_rank_dying_or_hanging_mid_backward_stops_the_others_naming_it(tmp_path, fault):
+    """Rank 1 of 3 dies or hangs as its backward starts: ranks 0 and 2 raise RankFailure naming rank 1 within
+    the stated timeout (group_timeout, plus a second for the store's answer), and no result file is written."""
+    res = run_local(fault_worker, 3, (fault, 1, str(tmp_path)), timeout=2 * FAULT_TIMEOUT + 30,
+                    allow_failure=True)
+    victim = res[1]  # died: run_local's "rank 1 exited"; hung: it woke to find the others gone, and failed too
+    assert ("rank 1" in victim) if isinstance(victim, str) else victim["error"], victim
+    for rank in (0, 2):
+        got = res[rank]
+        assert isinstance(got, dict) and got["error"], (rank, got)
+        assert got["error"].startswith("RankFailure") and "rank 1 " in got["error"], (rank, got["error"])
+        assert got["rank_attr"] == 1
+        assert got["after"] <= FAULT_TIMEOUT + 2.0, (rank, got["after"])
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary

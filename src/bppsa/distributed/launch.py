@@ -83,6 +83,10 @@ def _child(rank, p, port, fn, args, results, threads, timeout):
         results.put((rank, True, out))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises naming this rank
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        # a peer may be gone: tearing the group down could wait on it, so leave once the report is out
+        results.close()
+        results.join_thread()
+        os._exit(1)
     finally:
         if dist.is_initialized():
             try:

@@ -161,19 +161,22 @@ def _missing_rank(group) -> int | None:
 
 
 _CHECKIN: dict = {}
-_CALLS = [0]
+_CALLS: dict = {}
 
 
 def _check_in(group) -> None:
-    """Mark in the group's store that this rank reached this all_gather, so that a rank left waiting can name the
-    one that never came (a collective's own error does not say).  No store (a custom group): no name."""
+    """Mark in the group's store that this rank reached this collective, so that a rank left waiting can name the
+    one that never came (a collective's own error does not say).  Every member makes the same sequence of
+    collectives on a group, so the n-th call of each names the same collective.  No store: no name."""
     try:
         store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - the rendezvous store, if any
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     except Exception:  # noqa: BLE001
         _CHECKIN.clear()
         return
-    _CALLS[0] += 1
-    key = f"bppsa/rank_scan/{id(group) if group is not None else 'world'}/{_CALLS[0]}"
+    tag = "-".join(map(str, ranks))
+    _CALLS[tag] = _CALLS.get(tag, 0) + 1
+    key = f"bppsa/checkin/{tag}/{_CALLS[tag]}"
     store.set(f"{key}/{dist.get_rank(group)}", "1")
     _CHECKIN.update(store=store, key=key)
 
