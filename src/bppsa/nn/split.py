@@ -62,6 +62,19 @@ def chain_summary(J: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch
     return A[0], b[0]
 
 
+def _first_step_t(twin, cell, x, h, h_in, w_ih, w_hh, b_ih, b_hh, valid, lam_first):
+    """The gradient a slice passes to the rank before it: its first step's transposed Jacobian (from ``h_in``)
+    applied to the λ of that step, or λ itself for the sequences already past their end there."""
+    gates = None
+    if cell == "gru":
+        cb = _bw._gru_cell(w_ih, w_hh, b_ih, b_hh)
+        g = _bw.gru_gates(x[:1], h[:1], w_ih, w_hh, cb.bias_ih_l0, cb.bias_hh_l0, h_in)
+        gates = lambda: g  # noqa: E731
+    J1 = _bw.layer_chain(twin, cell, x[:1], h[:1], w_ih, w_hh, b_ih, b_hh, gates, "fused")[0]
+    out = _mv(J1, lam_first)
+    return out if valid is None else torch.where(valid[0][:, None], out, lam_first)
+
+
 def _local_forward(cell, x, h_in, w_ih, w_hh, b_ih, b_hh, valid):
     """The slice's states from ``h_in``, the steps past a sequence's end carrying its last state (a sequence that
     ended before the slice carries ``h_in`` throughout)."""
@@ -128,22 +141,37 @@ class SplitLayer(torch.autograd.Function):
             J = _bw.layer_chain(ps, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused")
             c = _bw._direct(grad_h, h)
             past = None if valid is None else ~valid.flip(0)
-            carry = torch.zeros_like(seed)
-            if p > 1:
-                # 1. the slice's map of the carry: the composition of its pairs, identities past a sequence's end.
-                # Dense, by the torch twin: the chain's last Jacobian (the slice's first step, which passes the
-                # gradient to the rank before) depends on h_in, which the factored chains take as zero (the
-                # single-process scan never reads it)
-                Jd = _bw.layer_chain(_summary_backend(), cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused")
-                if past is not None:
-                    eye = torch.eye(Jd.shape[-1], dtype=Jd.dtype, device=Jd.device)
-                    Jd = torch.where(past[..., None, None], eye, Jd)
-                P, q = chain_summary(Jd, c)
-                del Jd
-                # 2. the ranks' scan from the last rank down
-                carry = _dist.rank_scan(P, _mv(P, seed) + q, group, reverse=True, timeout=timeout)
-            # 3. the slice's own scan, seeded with its carry
-            lam = _bw.affine_prefixes(ps, (seed + carry).contiguous(), J, c, L_m, past)
+            # with the carry known a slice's scan needs no tree of its own (its products were the up-sweep's):
+            # across ranks the local down-sweep is the linear scan (L_m = 0) unless L_m says otherwise
+            local_L = L_m if L_m is not None or p == 1 else 0
+            twin = _summary_backend()
+            if p == 1:
+                lam = _bw.affine_prefixes(ps, seed, J, c, L_m, past)
+            elif r == p - 1:
+                # first in the scan's order: its carry is zero, so its scan is final at once, and what it passes on
+                # is its first step's Jacobian applied to its first λ (its map's matrix is never read: zeros)
+                lam = _bw.affine_prefixes(ps, seed, J, c, local_L, past)
+                out = _first_step_t(twin, cell, x, h, h_in, w_ih, w_hh, b_ih, b_hh, valid, lam[-1])
+                _dist.rank_scan(torch.zeros(out.shape + out.shape[-1:], dtype=out.dtype, device=out.device), out,
+                                group, reverse=True, timeout=timeout)
+            else:
+                P = q = None
+                if r > 0:
+                    # 1. a middle rank's local up-sweep: its slice's map of the carry, the composition of its pairs
+                    # (identities past a sequence's end), from the dense chain of the torch twin: the chain's last
+                    # Jacobian (the slice's first step) depends on h_in, which the factored chains take as zero
+                    Jd = _bw.layer_chain(twin, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused")
+                    if past is not None:
+                        eye = torch.eye(Jd.shape[-1], dtype=Jd.dtype, device=Jd.device)
+                        Jd = torch.where(past[..., None, None], eye, Jd)
+                    P, q = chain_summary(Jd, c)
+                    del Jd
+                    q = _mv(P, seed) + q
+                else:  # last in the scan's order: no rank reads its map
+                    P, q = seed.new_zeros(seed.shape + seed.shape[-1:]), seed.new_zeros(seed.shape)
+                # 2. the ranks' scan from the last rank down; 3. the slice's own scan, seeded with its carry
+                carry = _dist.rank_scan(P, q, group, reverse=True, timeout=timeout)
+                lam = _bw.affine_prefixes(ps, (seed + carry).contiguous(), J, c, local_L, past)
             dh = lam.flip(0)
             need_h0 = r == 0 and has_h0 and bool(need[2])
             dx, dh0, grads = _bw._grads(cell, x, h_in, w_ih, w_hh, h, gates, valid, dh, "fused", None,
