@@ -231,6 +231,26 @@ def memory_rows(ps, T: int, B: int, H: int, I: int = 1, dtype=torch.float32, see
     return rows
 
 
+def launched_rows(ps, T: int, B: int, H: int, I: int = 1, dtype=torch.float32, rounds: int = 10, seed: int = 0,
+                  loss: str = "last", threads: int = 2, memory: bool = True) -> tuple[list[dict], list[dict]]:
+    """:func:`time_rows` and the memory of the largest p in processes a launcher started (torchrun, srun), in the
+    default group, which must have max(ps) ranks: every rank's rows, gathered on every rank."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    _check(ps, T)
+    if max(ps) != world:
+        raise ValueError(f"--ps: the largest process count ({max(ps)}) must be the launcher's ({world} processes)")
+    mem = []
+    if memory:
+        for method in ("bppsa", "pipeline"):
+            mem.append(_memory_worker(rank, world, method, T, B, H, I, dtype, seed, loss, threads))
+    rows = _time_worker(rank, world, tuple(ps), T, B, H, I, dtype, rounds, seed, loss, threads)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (rows, mem))
+    return [r for rr, _ in gathered for r in rr], [m for _, mm in gathered for m in mm]
+
+
 def peak_supported() -> bool:
     """Whether this OS lets a process reset its peak resident set (Linux's /proc/self/clear_refs)."""
     return os.path.exists("/proc/self/clear_refs")

@@ -1,6 +1,11 @@
 """`bppsa workers`: BPPSA with the RNN's sequence split over p processes against the pipeline on the same split
 (backward time per rank in paired rounds, peak memory per rank), and the comparisons (CSVs); its figure:
-`bppsa plot workers`.  docs/distributed.md."""
+`bppsa plot workers`.  docs/distributed.md.
+
+Run plainly, it spawns its processes on this machine.  Under ``torchrun --nproc-per-node P --no-python bppsa
+workers ...`` or as ``srun --ntasks P bppsa workers ...``, each launched process is one rank of the group the
+launcher describes (P = the largest of ``--ps``); rank 0 writes the CSVs, and the memory is measured in those
+processes, before the timing, for the largest p only."""
 from __future__ import annotations
 
 import sys
@@ -34,6 +39,7 @@ def _workers(args) -> int:
     from .. import io
     from ..analysis import workers as analysis
     from ..bench import workers as bench
+    from ..distributed.launch import init_from_env, launcher_env
 
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
@@ -43,12 +49,22 @@ def _workers(args) -> int:
     shape = dict(T=args.seq_len, B=args.batch, H=args.hidden)
     label = {"profile": args.profile, "dtype": args.dtype, "loss": args.loss, "seq_len": args.seq_len,
              "batch": args.batch, "hidden": args.hidden}
-    t = pd.DataFrame(bench.time_rows(args.ps, **shape, dtype=dtype, rounds=args.rounds, seed=args.seed,
-                                     loss=args.loss, threads=args.threads, timeout=args.timeout))
-    m = pd.DataFrame(columns=["p", "method", "rank", "threads", "peak_bytes", "backward_s"])
-    if not args.no_memory:
-        m = pd.DataFrame(bench.memory_rows(args.ps, **shape, dtype=dtype, seed=args.seed, loss=args.loss,
-                                           threads=args.threads, timeout=args.timeout))
+    launched = launcher_env()
+    if launched is not None and launched["world_size"] > 1:
+        # torchrun / srun started one process per rank: this is one of them, in the group they describe
+        init_from_env("gloo", timeout=args.timeout)
+        rows, mem = bench.launched_rows(args.ps, **shape, dtype=dtype, rounds=args.rounds, seed=args.seed,
+                                        loss=args.loss, threads=args.threads, memory=not args.no_memory)
+        if launched["rank"] != 0:
+            return 0
+    else:
+        rows = bench.time_rows(args.ps, **shape, dtype=dtype, rounds=args.rounds, seed=args.seed, loss=args.loss,
+                               threads=args.threads, timeout=args.timeout)
+        mem = [] if args.no_memory else bench.memory_rows(args.ps, **shape, dtype=dtype, seed=args.seed,
+                                                          loss=args.loss, threads=args.threads,
+                                                          timeout=args.timeout)
+    t = pd.DataFrame(rows)
+    m = pd.DataFrame(mem, columns=["p", "method", "rank", "threads", "peak_bytes", "backward_s"])
     s = analysis.summary(t, m)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

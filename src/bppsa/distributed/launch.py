@@ -1,7 +1,7 @@
 """Starting a process group: from torchrun's or SLURM's environment, or as p local processes (tests, benchmarks).
 
 * :func:`init_from_env` joins the group a launcher describes: torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
-  ``MASTER_PORT``, or an ``srun`` task's ``SLURM_PROCID``/``SLURM_NTASKS`` (the first node of the job is the
+  ``MASTER_PORT``, or an ``srun`` task's ``SLURM_PROCID``/``SLURM_STEP_NUM_TASKS`` (the first node of the job is the
   master; ``MASTER_PORT`` or a port derived from the job id).
 * :func:`run_local` spawns p processes on 127.0.0.1, runs ``fn(rank, p, *args)`` in each inside a gloo group and
   returns their results in rank order; a rank that raises, dies or outlives ``timeout`` makes it raise, naming the
@@ -44,10 +44,12 @@ def launcher_env(env=None) -> dict | None:
         return {"rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]),
                 "local_rank": int(env.get("LOCAL_RANK", 0)), "master_addr": env.get("MASTER_ADDR", "127.0.0.1"),
                 "master_port": int(env.get("MASTER_PORT", 29500))}
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    # an srun step's task (SLURM_STEP_NUM_TASKS: srun sets it, a batch script does not, which would otherwise
+    # read as rank 0 of --ntasks and wait for ranks that were never started)
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
         port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-        return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_NTASKS"]),
+        return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_STEP_NUM_TASKS"]),
                 "local_rank": int(env.get("SLURM_LOCALID", 0)), "master_addr": env.get("MASTER_ADDR",
                                                                                        _first_node(nodes)),
                 "master_port": port}

@@ -132,4 +132,7 @@ FIGURES: dict[str, Figure] = {f.name: f for f in (
                    "Worker scaling: {model}"),
             Output(f"results/{DEVICE}/{{model}}/scaling_crossover.csv")),
            overlay=False),
+    Figure("workers", "BPPSA with the sequence split over p processes against the pipeline: time and memory per rank",
+           "bppsa.plots.workers:draw", ("workers/time.csv", "workers/memory.csv"),
+           (Output("results/fig_workers.png", "fig_workers.rst", "CPU benchmarks", "BPPSA across processes"),)),
 )}
