@@ -21,9 +21,10 @@ rotated from round to round, so the methods are paired by round:
 
 Each rank records its own backward wall time; a step's time is the slowest rank's.
 
-**Memory** (:func:`memory_rows`): per (p, method) a fresh spawn (the kernels and plans already built and cached
-by the timing run); each rank resets its peak resident set (``/proc/self/clear_refs``), runs one forward and
-backward, and records the peak's growth over the resident set before the forward: what that step held.
+**Memory** (:func:`memory_rows`): per (p, method), BPPSA's and the pipeline's, a fresh spawn (the kernels and plans
+already built and cached by the timing run); every rank resets its peak resident set (``/proc/self/clear_refs``),
+runs one forward and backward, and records the peak's growth over the resident set before the forward: what that
+step held.
 """
 from __future__ import annotations
 
@@ -185,27 +186,37 @@ def _reset_peak() -> bool:
         return False
 
 
-def _memory_worker(rank: int, p: int, method, T, B, H, I, dtype, seed, loss, threads):
+def _memory_worker(rank: int, p: int, methods, T, B, H, I, dtype, seed, loss, threads):
+    import gc
+
     import torch.distributed as dist
 
-    torch.set_num_threads(threads if method == "threads" else 1)
+    torch.set_num_threads(1)
     group = dist.group.WORLD
-    # warm up on a short sequence: libraries, kernels (the plan of the measured shape is cached on disk)
-    xw, gw = _setup(max(8, p), B, H, I, dtype, seed, loss)
     split, singles, ref = _models(H, I, dtype, seed, group)
-    timed: dict = {}
-    _run(method, split, singles, ref, _slice(xw, p, rank), _slice(gw, p, rank), group, rank, p, threads, timed)
     x, g_out = _setup(T, B, H, I, dtype, seed, loss)
     xs, gs = _slice(x, p, rank), _slice(g_out, p, rank)
+    xw, gw = _setup(max(8, p), B, H, I, dtype, seed, loss)
     del x, g_out
-    dist.barrier()
-    ok = _reset_peak()
-    rss0 = _status_kb("VmRSS")
-    _run(method, split, singles, ref, xs, gs, group, rank, p, threads, timed)
-    peak = (_status_kb("VmHWM") - rss0) * 1024 if ok else float("nan")
-    dist.barrier()
-    return {"p": p, "method": method, "rank": rank, "threads": threads if method == "threads" else 1,
-            "peak_bytes": peak, "backward_s": timed["backward_s"]}
+    rows = []
+    for method in methods:
+        timed: dict = {}
+        # warm up on a short sequence: libraries, kernels (the plan of the measured shape is cached on disk)
+        _run(method, split, singles, ref, _slice(xw, p, rank), _slice(gw, p, rank), group, rank, p, threads, timed)
+        gc.collect()
+        dist.barrier()
+        ok = _reset_peak()
+        rss0 = _status_kb("VmRSS")
+        _run(method, split, singles, ref, xs, gs, group, rank, p, threads, timed)
+        peak = (_status_kb("VmHWM") - rss0) * 1024 if ok else float("nan")
+        rows.append({"p": p, "method": method, "rank": rank, "threads": threads if method == "threads" else 1,
+                     "peak_bytes": peak, "backward_s": timed["backward_s"]})
+        for q in list(split.parameters()) + list(ref.parameters()) + [q for m in singles.values()
+                                                                      for q in m.parameters()]:
+            q.grad = None
+        gc.collect()
+        dist.barrier()
+    return rows
 
 
 def _run(method, split, singles, ref, x, g, group, rank, p, threads, timed):
@@ -220,14 +231,17 @@ def _run(method, split, singles, ref, x, g, group, rank, p, threads, timed):
 
 def memory_rows(ps, T: int, B: int, H: int, I: int = 1, dtype=torch.float32, seed: int = 0, loss: str = "last",
                 threads: int = 2, timeout: float = 3600) -> list[dict]:
-    """Every rank's peak memory growth over one forward and backward, per (p, method), each in a fresh spawn."""
+    """Every rank's peak memory growth over one forward and backward of BPPSA and of the pipeline at each p, each
+    in a fresh spawn (a second step in the same process reuses what the first left mapped, and reads as nothing)."""
     from ..distributed.launch import run_local
 
     _check(ps, T)
     rows = []
-    for p, method in _jobs(ps, threads):
-        for row in run_local(_memory_worker, p, (method, T, B, H, I, dtype, seed, loss, threads), timeout=timeout):
-            rows.append(row)
+    for p in ps:
+        for method in ("bppsa", "pipeline"):
+            for rank_rows in run_local(_memory_worker, p, ((method,), T, B, H, I, dtype, seed, loss, threads),
+                                       timeout=timeout):
+                rows += rank_rows
     return rows
 
 
@@ -241,10 +255,8 @@ def launched_rows(ps, T: int, B: int, H: int, I: int = 1, dtype=torch.float32, r
     _check(ps, T)
     if max(ps) != world:
         raise ValueError(f"--ps: the largest process count ({max(ps)}) must be the launcher's ({world} processes)")
-    mem = []
-    if memory:
-        for method in ("bppsa", "pipeline"):
-            mem.append(_memory_worker(rank, world, method, T, B, H, I, dtype, seed, loss, threads))
+    # one method only: a second step in the same process reuses what the first left mapped
+    mem = _memory_worker(rank, world, ("bppsa",), T, B, H, I, dtype, seed, loss, threads) if memory else []
     rows = _time_worker(rank, world, tuple(ps), T, B, H, I, dtype, rounds, seed, loss, threads)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (rows, mem))

@@ -5,7 +5,7 @@
 Run plainly, it spawns its processes on this machine.  Under ``torchrun --nproc-per-node P --no-python bppsa
 workers ...`` or as ``srun --ntasks P bppsa workers ...``, each launched process is one rank of the group the
 launcher describes (P = the largest of ``--ps``); rank 0 writes the CSVs, and the memory is measured in those
-processes, before the timing, for the largest p only."""
+processes, before the timing, for BPPSA at the largest p only."""
 from __future__ import annotations
 
 import sys
