@@ -186,11 +186,11 @@ def test_rank_scan_refuses_bad_operands_before_any_exchange():
 def test_launcher_env_reads_torchrun_and_slurm():
     assert launcher_env({}) is None
     tr = launcher_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "7"})
-    assert tr == {"rank": 1, "world_size": 2, "local_rank": 1, "master_addr": "h", "master_port": 7}
+    assert tr == {"via": "torchrun", "rank": 1, "world_size": 2, "local_rank": 1, "master_addr": "h", "master_port": 7}
     assert launcher_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}) is None  # a batch script, not an srun task
     sl = launcher_env({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_JOB_ID": "12",
                        "SLURM_JOB_NODELIST": "node[07-09],gpu1"})
-    assert sl["rank"] == 3 and sl["world_size"] == 4 and sl["master_addr"] == "node07"
+    assert sl["via"] == "srun" and sl["rank"] == 3 and sl["world_size"] == 4 and sl["master_addr"] == "node07"
     assert sl["master_port"] == 20012
     assert _first_node("a,b") == "a" and _first_node("gpu7,node[01-04]") == "gpu7"
 

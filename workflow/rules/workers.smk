@@ -15,9 +15,9 @@ rule workers_bench:
     threads: max(WORKERS["ps"] or [1])
     resources:
         **job_resources("cpu_timing"),
+        **({"mpi": "srun"} if max(WORKERS["ps"] or [1]) > 1 else {}),
         tasks=max(WORKERS["ps"] or [1]),
         cpus_per_task=1,
-        mpi="srun",
     params:
         launch=lambda wc, resources: (
             '$([ -n "${SLURM_JOB_ID:-}" ] && echo srun --ntasks=%d --cpus-per-task=1) '

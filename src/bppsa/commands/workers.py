@@ -50,7 +50,9 @@ def _workers(args) -> int:
     label = {"profile": args.profile, "dtype": args.dtype, "loss": args.loss, "seq_len": args.seq_len,
              "batch": args.batch, "hidden": args.hidden}
     launched = launcher_env()
+    label["launcher"] = "spawn"
     if launched is not None and launched["world_size"] > 1:
+        label["launcher"] = launched["via"]
         # torchrun / srun started one process per rank: this is one of them, in the group they describe
         init_from_env("gloo", timeout=args.timeout)
         rows, mem = bench.launched_rows(args.ps, **shape, dtype=dtype, rounds=args.rounds, seed=args.seed,

@@ -37,11 +37,12 @@ def free_port() -> int:
 
 
 def launcher_env(env=None) -> dict | None:
-    """``{rank, world_size, local_rank, master_addr, master_port}`` from torchrun's or SLURM's variables, or None
+    """``{via, rank, world_size, local_rank, master_addr, master_port}`` from torchrun's or SLURM's variables (``via``:
+    ``torchrun`` or ``srun``), or None
     when neither launched this process."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
-        return {"rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]),
+        return {"via": "torchrun", "rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]),
                 "local_rank": int(env.get("LOCAL_RANK", 0)), "master_addr": env.get("MASTER_ADDR", "127.0.0.1"),
                 "master_port": int(env.get("MASTER_PORT", 29500))}
     # an srun step's task (SLURM_STEP_NUM_TASKS: srun sets it, a batch script does not, which would otherwise
@@ -49,7 +50,7 @@ def launcher_env(env=None) -> dict | None:
     if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
         port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-        return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_STEP_NUM_TASKS"]),
+        return {"via": "srun", "rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_STEP_NUM_TASKS"]),
                 "local_rank": int(env.get("SLURM_LOCALID", 0)), "master_addr": env.get("MASTER_ADDR",
                                                                                        _first_node(nodes)),
                 "master_port": port}
@@ -67,7 +68,7 @@ def _first_node(nodelist: str) -> str:
 def init_from_env(backend: str = "gloo", timeout: float = 300.0) -> dict:
     """Join the process group the launcher describes (:func:`launcher_env`); a single process where none did.
     Returns the launcher's description (``world_size`` 1 without one)."""
-    info = launcher_env() or {"rank": 0, "world_size": 1, "local_rank": 0, "master_addr": "127.0.0.1",
+    info = launcher_env() or {"via": "local", "rank": 0, "world_size": 1, "local_rank": 0, "master_addr": "127.0.0.1",
                               "master_port": free_port()}
     if not dist.is_initialized():
         url = f"tcp://{info['master_addr']}:{info['master_port']}"
