@@ -24,8 +24,8 @@ API::
   rank only; None: zero.
 * ``timeout``: seconds to wait for any one exchange (None: the process group's own timeout).  A peer that does not
   answer in time, or whose connection drops, raises :class:`RankFailure` naming the rank, where the strategy
-  knows it (``"rounds"``: the peer of the exchange; ``"allgather"``: whichever ranks never checked in, read
-  from the group's store where there is one).
+  knows it (``"rounds"``: the peer of the exchange; ``"allgather"``: the lowest rank the live ones did not
+  see reach it, as they mark the group's store after the failure, where there is a store).
 
 Returns the carry ``[..., H]``: ``initial`` (or zeros) on the first rank, else the maps of the chunks before
 this one applied in order to ``initial``.  Exact: the same products as the sequential scan
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -146,16 +147,27 @@ def _failure(what: str, peer: int | None, group, why: str) -> RankFailure:
                        "connection", peer)
 
 
+# how long a rank that saw a collective fail waits for the other live ranks to say they reached it too: they see
+# the same failure at about the same moment (the same timeout, or the same dropped connection)
+NAMING_WINDOW_S = 3.0
+
+
 def _missing_rank(group) -> int | None:
-    """The lowest group rank that has not checked in for the current all_gather (:func:`_check_in`), or None."""
+    """The lowest group rank that did not reach the current collective: every live rank marks in the group's store
+    that it did (once it has seen the collective fail), then waits :data:`NAMING_WINDOW_S` seconds at most for the
+    others' marks; the first rank without one is named.  None where there is no store."""
     store, key = _CHECKIN.get("store"), _CHECKIN.get("key")
     if store is None or key is None:
         return None
-    p = dist.get_world_size(group)
-    for r in range(p):
+    try:
+        store.set(f"{key}/{_CHECKIN['rank']}", "1")
+    except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone
+        return None
+    deadline = time.monotonic() + NAMING_WINDOW_S
+    for r in range(dist.get_world_size(group)):
         try:
-            store.wait([f"{key}/{r}"], datetime.timedelta(seconds=0.5))
-        except Exception:  # noqa: BLE001 - a missing key times out
+            store.wait([f"{key}/{r}"], datetime.timedelta(seconds=max(0.05, deadline - time.monotonic())))
+        except Exception:  # noqa: BLE001 - a missing mark times out
             return r
     return None
 
@@ -165,9 +177,9 @@ _CALLS: dict = {}
 
 
 def _check_in(group) -> None:
-    """Mark in the group's store that this rank reached this collective, so that a rank left waiting can name the
-    one that never came (a collective's own error does not say).  Every member makes the same sequence of
-    collectives on a group, so the n-th call of each names the same collective.  No store: no name."""
+    """Number this collective (every member makes the same sequence of collectives on a group, so the n-th call of
+    each names the same one) and remember the group's store, where :func:`_missing_rank` marks it after a failure
+    (nothing is written while all goes well).  No store: no name."""
     try:
         store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - the rendezvous store, if any
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
@@ -176,9 +188,7 @@ def _check_in(group) -> None:
         return
     tag = "-".join(map(str, ranks))
     _CALLS[tag] = _CALLS.get(tag, 0) + 1
-    key = f"bppsa/checkin/{tag}/{_CALLS[tag]}"
-    store.set(f"{key}/{dist.get_rank(group)}", "1")
-    _CHECKIN.update(store=store, key=key)
+    _CHECKIN.update(store=store, key=f"bppsa/checkin/{tag}/{_CALLS[tag]}", rank=dist.get_rank(group))
 
 
 def _global(group, r: int) -> int:

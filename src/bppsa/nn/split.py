@@ -117,15 +117,20 @@ class SplitLayer(torch.autograd.Function):
             if r < p - 1:
                 _dist.send_to(h[-1], r + 1, group, timeout)
         ctx.save_for_backward(x, h_in, w_ih, w_hh, b_ih, b_hh, h)
-        ctx.options = (cell, valid, backend, L_m, group, timeout, r, p, h0 is not None)
+        ctx.options = (cell, valid, lengths, backend, L_m, group, timeout, r, p, h0 is not None)
         ctx.set_materialize_grads(False)
         return h, h[-1].clone()
 
     @staticmethod
     def backward(ctx, grad_h, grad_h_end):
         x, h_in, w_ih, w_hh, b_ih, b_hh, h = ctx.saved_tensors
-        cell, valid, backend, L_m, group, timeout, r, p, has_h0 = ctx.options
+        cell, valid, lengths, backend, L_m, group, timeout, r, p, has_h0 = ctx.options
         need = ctx.needs_input_grad
+        if p == 1:  # one rank: the single-process layer's backward, its fast paths included
+            need_h0 = has_h0 and bool(need[2])
+            grads = _bw.layer_backward(cell, x, h_in if has_h0 else None, w_ih, w_hh, b_ih, b_hh, lengths, h, grad_h,
+                                       grad_h_end, bool(need[1]), need_h0, backend, "fused", L_m)
+            return (None, grads[0], grads[1] if need_h0 else None, *grads[2:], None, None, None, None, None)
         with torch.no_grad(), _bw.no_autocast(x.device):
             seed = grad_h[-1].clone() if grad_h is not None else h.new_zeros(h.shape[1:])
             if grad_h_end is not None:
@@ -143,11 +148,9 @@ class SplitLayer(torch.autograd.Function):
             past = None if valid is None else ~valid.flip(0)
             # with the carry known a slice's scan needs no tree of its own (its products were the up-sweep's):
             # across ranks the local down-sweep is the linear scan (L_m = 0) unless L_m says otherwise
-            local_L = L_m if L_m is not None or p == 1 else 0
+            local_L = L_m if L_m is not None else 0
             twin = _summary_backend()
-            if p == 1:
-                lam = _bw.affine_prefixes(ps, seed, J, c, L_m, past)
-            elif r == p - 1:
+            if r == p - 1:
                 # first in the scan's order: its carry is zero, so its scan is final at once, and what it passes on
                 # is its first step's Jacobian applied to its first λ (its map's matrix is never read: zeros)
                 lam = _bw.affine_prefixes(ps, seed, J, c, local_L, past)
