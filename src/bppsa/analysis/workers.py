@@ -17,6 +17,8 @@ AIMS = (
      1.15, "max"),
     ("sequential backward (one process, L_m = 0) against BPPSA at p = {P} (speedup)", "sequential@1", "bppsa@P",
      math.nan, "min"),
+    ("rank_scan at p = {P}: 'rounds' against 'allgather' (time ratio; < 1: rounds faster)", "scan-rounds@P",
+     "scan-allgather@P", math.nan, "max"),
 )
 MEMORY_AIM = ("peak memory per rank, BPPSA p = {P} against p = 1 (ratio)", 0.6, "max")
 

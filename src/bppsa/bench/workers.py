@@ -17,7 +17,9 @@ rotated from round to round, so the methods are paired by round:
   threads (recorded at p = 1): the in-process parallel BPPSA the split is compared with;
 * ``sequential``: one process, one thread, the single-process layer with ``L_m = 0``: the linear scan through the
   same kernel, back-propagation built with the care BPPSA gets (recorded at p = 1).  On one thread the BPPSA tree
-  (``bppsa`` at p = 1, the layer's default ``L_m``) does ~H times its work; read the p = 1 rows with both.
+  (``bppsa`` at p = 1, the layer's default ``L_m``) does ~H times its work; read the p = 1 rows with both;
+* ``scan-rounds``, ``scan-allgather`` (p > 1): :func:`bppsa.distributed.rank_scan` alone with either strategy on
+  one [B, H, H] summary per rank, to choose the default per p (``ALLGATHER_UP_TO``).
 
 Each rank records its own backward wall time; a step's time is the slowest rank's.
 
@@ -41,7 +43,8 @@ METHODS = ("bppsa", "pipeline", "threads", "sequential")
 def _jobs(ps, threads: int) -> list[tuple[int, str]]:
     """(p, method) of every step a round runs: the split methods at every p, the one-process rivals at p = 1."""
     return ([(p, m) for p in ps for m in ("bppsa", "pipeline")] + [(1, "sequential")]
-            + ([(1, "threads")] if threads > 1 else []))
+            + ([(1, "threads")] if threads > 1 else [])
+            + [(p, f"scan-{s}") for p in ps if p > 1 for s in ("rounds", "allgather")])
 
 
 def _setup(T: int, B: int, H: int, I: int, dtype: torch.dtype, seed: int, loss: str):
@@ -104,6 +107,19 @@ def _bppsa_step(split, x, g_out, group, timed: dict) -> None:
     dist.barrier(group)
     t0 = time.perf_counter()
     torch.autograd.backward(out, g_out)
+    timed["backward_s"] = time.perf_counter() - t0
+
+
+def _scan_step(strategy: str, B: int, H: int, dtype, group, timed: dict) -> None:
+    """The ranks' scan alone (:func:`bppsa.distributed.rank_scan`, reverse) on one [B, H, H] summary per rank."""
+    import torch.distributed as dist
+
+    from ..distributed import rank_scan
+
+    M, c = torch.full((B, H, H), 1.0 / H, dtype=dtype), torch.ones(B, H, dtype=dtype)
+    dist.barrier(group)
+    t0 = time.perf_counter()
+    rank_scan(M, c, group, reverse=True, strategy=strategy)
     timed["backward_s"] = time.perf_counter() - t0
 
 
@@ -221,7 +237,9 @@ def _memory_worker(rank: int, p: int, methods, T, B, H, I, dtype, seed, loss, th
 
 def _run(method, split, singles, ref, x, g, group, rank, p, threads, timed):
     """One forward and backward of ``method`` on this rank's slice (the one-process rivals: p = 1, the whole)."""
-    if method == "bppsa":
+    if method.startswith("scan-"):
+        _scan_step(method[len("scan-"):], x.shape[1], split.hidden_size, x.dtype, group, timed)
+    elif method == "bppsa":
         _bppsa_step(split, x, g, group, timed)
     elif method == "pipeline":
         _pipeline_step(ref, x, g, group, rank, p, timed)
