@@ -13,14 +13,17 @@ running from the last rank down.  Rank r's slice maps the gradient that enters i
 carry), to the one it passes left, ``J_{t0}ᵀ λ_{t0}``, by an affine map ``v -> M v + c``:
 
 1. *local up-sweep*: the composition of the slice's pairs ``(J_k, ∂l/∂h_k)`` (a tree of batched products),
-   giving ``(M, c)``;
+   giving ``(M, c)``; only the ranks between the first and the last compute it: the last rank's carry is zero,
+   so its ``c`` is its own (final) scan's output passed through its first step, and no rank reads its ``M``, nor
+   anything of rank 0's;
 2. *the ranks' scan*: :func:`bppsa.distributed.rank_scan` with ``reverse=True`` gives each rank its carry;
 3. *local down-sweep*: the slice's own affine scan, seeded with its last step's gradient plus the carry
    (:func:`bppsa.nn.backward.affine_prefixes`, the scan of the single-process layers), then the gradients of
    the input and of the weights from the total ∇h_t (:func:`bppsa.nn.backward._grads`);
 4. the weights' gradients are summed over the ranks (``all_reduce``); ∇h0 is rank 0's.
 
-Each rank keeps its slice's states and chain only: O(T/p) memory.  Every rank must run the backward (a loss
+Each rank keeps its slice's states and chain only: O(T/p) memory.  A group of one rank runs the single-process
+layer's backward.  Every rank must run the backward (a loss
 that reads its outputs); the exchanges wait at most ``timeout`` seconds for a peer and raise
 :class:`bppsa.distributed.RankFailure` naming it.
 """
