@@ -146,7 +146,10 @@ class SplitLayer(torch.autograd.Function):
                 cb = _bw._gru_cell(w_ih, w_hh, b_ih, b_hh)
                 g = _bw.gru_gates(x, h, w_ih, w_hh, cb.bias_ih_l0, cb.bias_hh_l0, h_in)
                 gates = lambda: g  # noqa: E731 - what layer_chain and _grads call
-            J = _bw.layer_chain(ps, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused")
+            # rank 0 starting from zero, no lengths, no ∇x: the backend may accumulate the weights' gradients as it
+            # scans (the CPU kernel), as the single-process layer's per-step path does; its chain then keeps x
+            sums = r == 0 and valid is None and not need[1] and not has_h0
+            J = _bw.layer_chain(ps, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused", with_x=sums)
             c = _bw._direct(grad_h, h)
             past = None if valid is None else ~valid.flip(0)
             # with the carry known a slice's scan needs no tree of its own (its products were the up-sweep's):
@@ -177,17 +180,25 @@ class SplitLayer(torch.autograd.Function):
                     P, q = seed.new_zeros(seed.shape + seed.shape[-1:]), seed.new_zeros(seed.shape)
                 # 2. the ranks' scan from the last rank down; 3. the slice's own scan, seeded with its carry
                 carry = _dist.rank_scan(P, q, group, reverse=True, timeout=timeout)
+                if sums:
+                    grads = ps.affine_cell_grads((seed + carry).contiguous(), J, c, local_L, lambda out: _bw._grads(
+                        cell, x, None, w_ih, w_hh, h, gates, None, _bw._dh(cell, out, "fused"), "fused", out)[2])
+                    return _reduced(grads, b_ih, group, timeout, None, None)
                 lam = _bw.affine_prefixes(ps, (seed + carry).contiguous(), J, c, local_L, past)
             dh = lam.flip(0)
             need_h0 = r == 0 and has_h0 and bool(need[2])
             dx, dh0, grads = _bw._grads(cell, x, h_in, w_ih, w_hh, h, gates, valid, dh, "fused", None,
                                         bool(need[1]), need_h0)
-            # 4. the weights' gradients summed over the ranks, in one exchange
-            names = ["weight_ih_l0", "weight_hh_l0"] + (["bias_ih_l0", "bias_hh_l0"] if b_ih is not None else [])
-            flat = _dist.all_reduce_sum(torch.cat([grads[n].reshape(-1) for n in names]), group, timeout)
-            parts = dict(zip(names, torch.split(flat, [grads[n].numel() for n in names])))
-            out = [parts[n].view(grads[n].shape) for n in names] + ([None, None] if b_ih is None else [])
-        return (None, dx if need[1] else None, dh0 if need_h0 else None, *out, None, None, None, None, None)
+            return _reduced(grads, b_ih, group, timeout, dx if need[1] else None, dh0 if need_h0 else None)
+
+
+def _reduced(grads: dict, b_ih, group, timeout, dx, dh0) -> tuple:
+    """4. The weights' gradients summed over the ranks, in one exchange: the backward's return value."""
+    names = ["weight_ih_l0", "weight_hh_l0"] + (["bias_ih_l0", "bias_hh_l0"] if b_ih is not None else [])
+    flat = _dist.all_reduce_sum(torch.cat([grads[n].reshape(-1) for n in names]), group, timeout)
+    parts = dict(zip(names, torch.split(flat, [grads[n].numel() for n in names])))
+    out = [parts[n].view(grads[n].shape) for n in names] + ([None, None] if b_ih is None else [])
+    return (None, dx, dh0, *out, None, None, None, None, None)
 
 
 def layer(cell: str, x, h0, w_ih, w_hh, b_ih, b_hh, lengths, backend: str, L_m, group, timeout):
