@@ -19,7 +19,7 @@ SLUG = "localhost-slurm"
 GPU_RULES = {"environment_record", "rnn_verify", "rnn_bench", "rnn_train", "rnn_train_in_dtype", "gru_verify",
              "gru_bench", "gru_train", "vgg11_train"}
 TIMING_RULES = {"rnn_bench", "gru_bench", "rnn_train", "rnn_train_in_dtype", "gru_train", "cpu_speed", "table1_bench",
-                "bitstream_bench", "cpu_roofline", "cpu_scaling"}
+                "bitstream_bench", "cpu_roofline", "cpu_scaling", "workers_bench"}
 # the downloads and the GPU cost model (seconds of arithmetic, no device) run on the submitting host
 LOCAL_RULES = {"all", "irmas_make", "cifar10_make", "gpu_model"}
 # CPU benchmarks are targets only when the folder is the CPU's (`cpu`); this run's slug is not
@@ -93,3 +93,12 @@ def check_slurm_run(tmp_path, out):
         assert png.read_bytes()[:4] == b"\x89PNG", name
     assert (tmp_path / "results" / "report.md").stat().st_size > 0
     assert (tmp_path / "results" / "table_1_last_column.txt").stat().st_size > 0
+
+    # BPPSA across processes ran as two srun tasks in one job, one rank each (.test: workers.ps [1, 2])
+    (call,) = by_rule["workers_bench"]
+    assert "--ntasks=2" in call, call
+    import pandas as pd
+
+    t = pd.read_csv(tmp_path / "results" / SLUG / "workers" / "time.csv")
+    assert set(t["launcher"]) == {"srun"} and set(t[t["p"] == 2]["rank"]) == {0, 1}
+    assert (tmp_path / "results" / "fig_workers.png").read_bytes()[:4] == b"\x89PNG"

@@ -286,6 +286,7 @@ def get_measurements():
         + get_cpu_benchmarks()
         + get_gru_summaries()
         + get_gru_curves()
+        + get_workers()
         + [
             f"{VGG_DIR}/accuracy.csv",
             f"{VGG_DIR}/flops.csv",
@@ -400,3 +401,14 @@ def gpu_model_cases():
 def get_final_output():
     """What a plain `snakemake` builds: the inputs of the first target, `all`."""
     return get_report_input() + [REPORT, CLAIMS, GPU_MODEL]
+
+
+# BPPSA across processes (workflow/rules/workers.smk)
+WORKERS = config.get("workers", {"ps": []})
+
+
+def get_workers():
+    """The workers benchmark's CSVs, where the profile lists process counts."""
+    if not WORKERS["ps"]:
+        return []
+    return [f"{RESULTS}/workers/{name}.csv" for name in ("time", "memory", "summary")]

@@ -20,4 +20,5 @@ MODULES = {
     "shapes": ("paper-shapes",),
     "speed": ("speed",),
     "vgg11": ("make-cifar10", "vgg11-train", "vgg11-flops"),
+    "workers": ("workers",),
 }

@@ -9,7 +9,8 @@
 Each layer is a custom op (:mod:`.ops`; the math in :mod:`.backward`), so the layers run under
 torch.compile(fullgraph=True).  docs/library.md lists the options, the refusals and the cost model.
 """
+from .affine import affine_scan
 from .modules import GRU, RNN
 from .sequential import Recorder, Sequential
 
-__all__ = ["GRU", "RNN", "Recorder", "Sequential"]
+__all__ = ["GRU", "RNN", "Recorder", "Sequential", "affine_scan"]

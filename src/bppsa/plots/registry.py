@@ -135,4 +135,7 @@ FIGURES: dict[str, Figure] = {f.name: f for f in (
     Figure("lenet5", "Fig 6: LeNet-5's training and test loss per iteration, autograd vs BPPSA, and their difference",
            "bppsa.plots.fig6:draw", ("lenet5/curve_*.csv",),
            (Output("results/fig_6.png", "fig_6.rst", "LeNet-5 (Sec 3.5)", "Fig 6: training curves"),)),
+    Figure("workers", "BPPSA with the sequence split over p processes against the pipeline: time and memory per rank",
+           "bppsa.plots.workers:draw", ("workers/time.csv", "workers/memory.csv"),
+           (Output("results/fig_workers.png", "fig_workers.rst", "CPU benchmarks", "BPPSA across processes"),)),
 )}

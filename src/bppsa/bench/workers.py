@@ -1,0 +1,286 @@
+"""BPPSA with the sequence split over p processes against the pipeline on the same split: backward time and peak
+memory per rank (``bppsa workers``; docs/distributed.md).
+
+**Time** (:func:`time_rows`): one spawn of max(ps) processes on 127.0.0.1 in a gloo group, one torch thread each;
+the groups of the first p ranks run each p.  Every round runs, after a barrier, every (p, method) once, in an order
+rotated from round to round, so the methods are paired by round:
+
+* ``bppsa``: :class:`bppsa.nn.RNN` with ``process_group`` (backend ``cpu``): local up-sweeps, the ranks' scan,
+  local down-sweeps, the weights' gradients all-reduced;
+* ``pipeline``: the same split run as a plain sequential pipeline: rank r waits for ∇h at the end of its slice
+  from rank r + 1, back-propagates its slice with torch's autograd and sends ∇h_in to rank r - 1, the weights'
+  gradients all-reduced.  (``torch.distributed.pipelining``'s GPipe schedule pipelines micro-batches through
+  stages that each take a whole sequence; a stage here holds a slice of every sequence's steps and must wait for
+  the state of the slice before it, so that schedule does not apply to this split: the baseline is the
+  send/recv pipeline it would reduce to with one micro-batch.)
+* ``threads``: one process (rank 0) running the single-process layer on the CPU kernel with ``threads`` torch
+  threads (recorded at p = 1): the in-process parallel BPPSA the split is compared with;
+* ``sequential``: one process, one thread, the single-process layer with ``L_m = 0``: the linear scan through the
+  same kernel, back-propagation built with the care BPPSA gets (recorded at p = 1).  On one thread the BPPSA tree
+  (``bppsa`` at p = 1, the layer's default ``L_m``) does ~H times its work; read the p = 1 rows with both;
+* ``scan-rounds``, ``scan-allgather`` (p > 1): :func:`bppsa.distributed.rank_scan` alone with either strategy on
+  one [B, H, H] summary per rank, to choose the default per p (``ALLGATHER_UP_TO``).
+
+Each rank records its own backward wall time; a step's time is the slowest rank's.
+
+**Memory** (:func:`memory_rows`): per (p, method), BPPSA's and the pipeline's, a fresh spawn (the kernels and plans
+already built and cached by the timing run); every rank resets its peak resident set (``/proc/self/clear_refs``),
+runs one forward and backward, and records the peak's growth over the resident set before the forward: what that
+step held.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+__all__ = ["METHODS", "memory_rows", "time_rows"]
+
+METHODS = ("bppsa", "pipeline", "threads", "sequential")
+
+
+def _jobs(ps, threads: int) -> list[tuple[int, str]]:
+    """(p, method) of every step a round runs: the split methods at every p, the one-process rivals at p = 1."""
+    return ([(p, m) for p in ps for m in ("bppsa", "pipeline")] + [(1, "sequential")]
+            + ([(1, "threads")] if threads > 1 else [])
+            + [(p, f"scan-{s}") for p in ps if p > 1 for s in ("rounds", "allgather")])
+
+
+def _setup(T: int, B: int, H: int, I: int, dtype: torch.dtype, seed: int, loss: str):
+    """The whole batch and the loss's gradients on the outputs, the same on every rank (each slices its own)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.rand(T, B, I, generator=gen) < 0.5).to(dtype)  # a bitstream, as the harness's RNN task
+    if loss == "steps":
+        g_out = torch.randn(T, B, H, generator=gen, dtype=dtype) / (T * B)
+    else:  # the paper's RNN: a loss on the last state only
+        g_out = torch.zeros(T, B, H, dtype=dtype)
+        g_out[-1] = torch.randn(B, H, generator=gen, dtype=dtype) / B
+    return x, g_out
+
+
+def _models(H: int, I: int, dtype, seed: int, group):
+    import bppsa.nn as bnn
+
+    torch.manual_seed(seed)
+    split = bnn.RNN(I, H, backend="cpu", dtype=dtype, process_group=group)
+    single = bnn.RNN(I, H, backend="cpu", dtype=dtype)
+    single.load_state_dict(split.state_dict())
+    sequential = bnn.RNN(I, H, backend="cpu", dtype=dtype, L_m=0)
+    sequential.load_state_dict(split.state_dict())
+    ref = split.to_torch()
+    return split, {"threads": single, "sequential": sequential}, ref
+
+
+def _pipeline_step(ref, x, g_out, group, r: int, p: int, timed: dict) -> None:
+    """The sequential pipeline on the split: forward state rank to rank, backward ∇h rank to rank (torch autograd)."""
+    import torch.distributed as dist
+
+    from ..distributed import all_reduce_sum, recv_from, send_to
+
+    B, H = x.shape[1], ref.hidden_size
+    h_in = torch.zeros(B, H, dtype=x.dtype) if r == 0 else recv_from(torch.empty(B, H, dtype=x.dtype), r - 1, group)
+    h_in.requires_grad_(r > 0)
+    out, h_end = ref(x, h_in.unsqueeze(0))
+    if r < p - 1:
+        send_to(h_end[0].detach(), r + 1, group)
+    for q in ref.parameters():
+        q.grad = None
+    dist.barrier(group)
+    t0 = time.perf_counter()
+    like = torch.zeros(B, H, dtype=x.dtype)
+    g_end = like if r == p - 1 else recv_from(like, r + 1, group)
+    torch.autograd.backward([out, h_end[0]], [g_out, g_end])
+    if r > 0:
+        send_to(h_in.grad, r - 1, group)
+    flat = all_reduce_sum(torch.cat([q.grad.reshape(-1) for q in ref.parameters()]), group)
+    timed["backward_s"] = time.perf_counter() - t0
+    del flat
+
+
+def _bppsa_step(split, x, g_out, group, timed: dict) -> None:
+    import torch.distributed as dist
+
+    out, _ = split(x)
+    for q in split.parameters():
+        q.grad = None
+    dist.barrier(group)
+    t0 = time.perf_counter()
+    torch.autograd.backward(out, g_out)
+    timed["backward_s"] = time.perf_counter() - t0
+
+
+def _scan_step(strategy: str, B: int, H: int, dtype, group, timed: dict) -> None:
+    """The ranks' scan alone (:func:`bppsa.distributed.rank_scan`, reverse) on one [B, H, H] summary per rank."""
+    import torch.distributed as dist
+
+    from ..distributed import rank_scan
+
+    M, c = torch.full((B, H, H), 1.0 / H, dtype=dtype), torch.ones(B, H, dtype=dtype)
+    dist.barrier(group)
+    t0 = time.perf_counter()
+    rank_scan(M, c, group, reverse=True, strategy=strategy)
+    timed["backward_s"] = time.perf_counter() - t0
+
+
+def _threads_step(single, x, g_out, threads: int, timed: dict) -> None:
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, _ = single(x)
+        for q in single.parameters():
+            q.grad = None
+        t0 = time.perf_counter()
+        torch.autograd.backward(out, g_out)
+        timed["backward_s"] = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _slice(t: torch.Tensor, p: int, r: int) -> torch.Tensor:
+    return torch.tensor_split(t, p)[r].contiguous()
+
+
+def _time_worker(rank: int, world: int, ps, T, B, H, I, dtype, rounds, seed, loss, threads):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    x, g_out = _setup(T, B, H, I, dtype, seed, loss)
+    groups = {p: (dist.new_group(list(range(p))) if p < world else dist.group.WORLD) for p in sorted(set(ps) | {1})}
+    models = {p: _models(H, I, dtype, seed, groups[p]) for p in set(ps) | {1} if rank < p}
+    jobs = _jobs(ps, threads)
+    rows = []
+    for rnd in range(-1, rounds):  # round -1 warms up (kernels, plans, buffers) and is not recorded
+        k = max(rnd, 0) % len(jobs)
+        for p, method in jobs[k:] + jobs[:k]:
+            dist.barrier()
+            if rank >= p:
+                continue
+            timed: dict = {}
+            split, singles, ref = models[p]
+            _run(method, split, singles, ref, _slice(x, p, rank), _slice(g_out, p, rank), groups[p], rank, p,
+                 threads, timed)
+            if rnd >= 0:
+                rows.append({"round": rnd, "p": p, "method": method, "rank": rank,
+                             "threads": threads if method == "threads" else 1, "backward_s": timed["backward_s"]})
+    dist.barrier()
+    return rows
+
+
+def time_rows(ps, T: int, B: int, H: int, I: int = 1, dtype=torch.float32, rounds: int = 10, seed: int = 0,
+              loss: str = "last", threads: int = 2, timeout: float = 3600) -> list[dict]:
+    """Every rank's backward time per (round, p, method): the module's docstring."""
+    from ..distributed.launch import run_local
+
+    _check(ps, T)
+    out = run_local(_time_worker, max(ps), (tuple(ps), T, B, H, I, dtype, rounds, seed, loss, threads),
+                    timeout=timeout)
+    return [row for rank_rows in out for row in rank_rows]
+
+
+def _check(ps, T: int) -> None:
+    if not ps or min(ps) < 1:
+        raise ValueError(f"--ps: every process count must be >= 1, got {list(ps)}")
+    if T < max(ps):
+        raise ValueError(f"--seq-len {T} is shorter than the largest p = {max(ps)}: every rank needs a step")
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak resident set (VmHWM) to the current one (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def _memory_worker(rank: int, p: int, methods, T, B, H, I, dtype, seed, loss, threads):
+    import gc
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    group = dist.group.WORLD
+    split, singles, ref = _models(H, I, dtype, seed, group)
+    x, g_out = _setup(T, B, H, I, dtype, seed, loss)
+    xs, gs = _slice(x, p, rank), _slice(g_out, p, rank)
+    xw, gw = _setup(max(8, p), B, H, I, dtype, seed, loss)
+    del x, g_out
+    rows = []
+    for method in methods:
+        timed: dict = {}
+        # warm up on a short sequence: libraries, kernels (the plan of the measured shape is cached on disk)
+        _run(method, split, singles, ref, _slice(xw, p, rank), _slice(gw, p, rank), group, rank, p, threads, timed)
+        gc.collect()
+        dist.barrier()
+        ok = _reset_peak()
+        rss0 = _status_kb("VmRSS")
+        _run(method, split, singles, ref, xs, gs, group, rank, p, threads, timed)
+        peak = (_status_kb("VmHWM") - rss0) * 1024 if ok else float("nan")
+        rows.append({"p": p, "method": method, "rank": rank, "threads": threads if method == "threads" else 1,
+                     "peak_bytes": peak, "backward_s": timed["backward_s"]})
+        for q in list(split.parameters()) + list(ref.parameters()) + [q for m in singles.values()
+                                                                      for q in m.parameters()]:
+            q.grad = None
+        gc.collect()
+        dist.barrier()
+    return rows
+
+
+def _run(method, split, singles, ref, x, g, group, rank, p, threads, timed):
+    """One forward and backward of ``method`` on this rank's slice (the one-process rivals: p = 1, the whole)."""
+    if method.startswith("scan-"):
+        _scan_step(method[len("scan-"):], x.shape[1], split.hidden_size, x.dtype, group, timed)
+    elif method == "bppsa":
+        _bppsa_step(split, x, g, group, timed)
+    elif method == "pipeline":
+        _pipeline_step(ref, x, g, group, rank, p, timed)
+    else:
+        _threads_step(singles[method], x, g, threads if method == "threads" else 1, timed)
+
+
+def memory_rows(ps, T: int, B: int, H: int, I: int = 1, dtype=torch.float32, seed: int = 0, loss: str = "last",
+                threads: int = 2, timeout: float = 3600) -> list[dict]:
+    """Every rank's peak memory growth over one forward and backward of BPPSA and of the pipeline at each p, each
+    in a fresh spawn (a second step in the same process reuses what the first left mapped, and reads as nothing)."""
+    from ..distributed.launch import run_local
+
+    _check(ps, T)
+    rows = []
+    for p in ps:
+        for method in ("bppsa", "pipeline"):
+            for rank_rows in run_local(_memory_worker, p, ((method,), T, B, H, I, dtype, seed, loss, threads),
+                                       timeout=timeout):
+                rows += rank_rows
+    return rows
+
+
+def launched_rows(ps, T: int, B: int, H: int, I: int = 1, dtype=torch.float32, rounds: int = 10, seed: int = 0,
+                  loss: str = "last", threads: int = 2, memory: bool = True) -> tuple[list[dict], list[dict]]:
+    """:func:`time_rows` and the memory of the largest p in processes a launcher started (torchrun, srun), in the
+    default group, which must have max(ps) ranks: every rank's rows, gathered on every rank."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    _check(ps, T)
+    if max(ps) != world:
+        raise ValueError(f"--ps: the largest process count ({max(ps)}) must be the launcher's ({world} processes)")
+    # one method only: a second step in the same process reuses what the first left mapped
+    mem = _memory_worker(rank, world, ("bppsa",), T, B, H, I, dtype, seed, loss, threads) if memory else []
+    rows = _time_worker(rank, world, tuple(ps), T, B, H, I, dtype, rounds, seed, loss, threads)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (rows, mem))
+    return [r for rr, _ in gathered for r in rr], [m for _, mm in gathered for m in mm]
+
+
+def peak_supported() -> bool:
+    """Whether this OS lets a process reset its peak resident set (Linux's /proc/self/clear_refs)."""
+    return os.path.exists("/proc/self/clear_refs")
