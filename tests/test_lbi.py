@@ -1,0 +1,117 @@
+"""Latent Bounded Interfaces (bppsa.models.lbi, lbi_scan): the scan backward against autograd of the same model."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from bppsa.backends import get_backend
+from bppsa.models.lbi import LBILM, DenseLM, lm_loss, prefix_cross_entropy
+from bppsa.models.lbi_scan import interface_jacobians_t, scan_backward
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
+
+
+def _pair(K, r, B=3, T=7, dtype=torch.float64, seed=0, vocab=13, d=12, heads=3):
+    torch.manual_seed(seed)
+    ref = LBILM(vocab, d, heads, K, r, max_len=T + 2).to(dtype)
+    with torch.no_grad():  # a non-trivial interface: alpha away from its initial value, LayerNorm not the identity
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    got = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(seed + 1)
+    x, y = torch.randint(0, vocab, (B, T), generator=g), torch.randint(0, vocab, (B, T), generator=g)
+    return ref, got, x, y
+
+
+def _max_rel_error(ref, got) -> float:
+    errs = {}
+    for (name, p), (_, q) in zip(ref.named_parameters(), got.named_parameters()):
+        assert q.grad is not None, f"the scan backward left no gradient for {name}"
+        scale = p.grad.abs().max().item()
+        assert scale > 0, f"autograd's gradient of {name} is zero: the comparison would be vacuous"
+        errs[name] = (q.grad - p.grad).abs().max().item() / scale
+    return max(errs.values())
+
+
+def _backends():
+    out = ["torch", "cpu"]
+    if torch.cuda.is_available():
+        out += ["cupy", "cupy-factored"]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("K,r,B,T", [(1, 4, 2, 5), (2, 4, 3, 7), (3, 5, 1, 6), (5, 3, 2, 9), (7, 6, 3, 5)])
+def test_scan_backward_matches_autograd(K, r, B, T, dtype):
+    ref, got, x, y = _pair(K, r, B, T, dtype, seed=10 * K + r)
+    loss = lm_loss(ref(x), y)
+    loss.backward()
+    out = scan_backward(got, x, y, get_backend("torch"), chunk=2)
+    assert abs(float(out.loss) - float(loss.detach())) <= TOL[dtype]
+    assert _max_rel_error(ref, got) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("L_m", [0, 1, None])
+def test_every_backend_and_tree_depth_is_exact(backend, L_m):
+    device = "cuda" if backend.startswith("cupy") else "cpu"
+    ref, got, x, y = _pair(6, 5, 2, 6, seed=4)
+    ref, got, x, y = ref.to(device), got.to(device), x.to(device), y.to(device)
+    lm_loss(ref(x), y).backward()
+    scan_backward(got, x, y, get_backend(backend, torch.device(device)), L_m=L_m)
+    assert _max_rel_error(ref, got) <= TOL[torch.float64]
+
+
+def test_adjoints_are_the_gradients_at_each_interface():
+    ref, got, x, y = _pair(5, 4, seed=7)
+    E, ms, out = ref.interfaces(x)
+    for m in ms:
+        m.retain_grad()
+    lm_loss(ref.head(out), y).backward()
+    adj = scan_backward(got, x, y).adjoints
+    assert len(adj) == len(ms) == 5
+    for m, a in zip(ms, adj):
+        assert torch.allclose(a, m.grad, rtol=0, atol=1e-12 * m.grad.abs().max().item())
+        assert m.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, None])
+def test_interface_jacobian_is_the_region_maps_jacobian(chunk):
+    ref, _, x, _ = _pair(3, 4, B=2, seed=2)
+    E, ms, _ = ref.interfaces(x)
+    A = interface_jacobians_t(ref.regions[1], E, ms[1], chunk)
+    for b in range(2):
+        Eb = E[b:b + 1].detach()
+        J = torch.autograd.functional.jacobian(lambda m, Eb=Eb: ref.regions[1].interface(Eb, m[None])[0],
+                                               ms[1][b].detach())
+        assert torch.allclose(A[b], J.T, rtol=0, atol=1e-13)
+    with pytest.raises(ValueError, match="chunk"):
+        interface_jacobians_t(ref.regions[1], E, ms[1], 0)
+    with pytest.raises(ValueError, match="last region"):
+        interface_jacobians_t(ref.regions[2], E, ms[2])
+
+
+def test_the_dense_baseline_has_the_same_blocks_and_the_lbi_model_reads_the_future():
+    torch.manual_seed(0)
+    lbi, dense = LBILM(13, 12, 3, 4, 4, 8), DenseLM(13, 12, 3, 4, 8)
+    blocks = sum(p.numel() for r in lbi.regions for p in r.blocks.parameters())
+    assert blocks == sum(p.numel() for p in dense.blocks.parameters())
+    x = torch.randint(0, 13, (2, 8))
+    x2 = x.clone()
+    x2[:, -1] = (x[:, -1] + 1) % 13  # change the last token only
+    with torch.no_grad():
+        assert torch.equal(dense(x)[:, :-1], dense(x2)[:, :-1])  # causal
+        assert not torch.allclose(lbi(x)[:, :-1], lbi(x2)[:, :-1])  # the pooled interface sees the last token
+        y = torch.randint(0, 13, (2, 8))
+        assert prefix_cross_entropy(dense, x, y) == pytest.approx(float(lm_loss(dense(x), y)), rel=1e-6)
+
+
+def test_bad_sizes_are_named():
+    with pytest.raises(ValueError, match="r must"):
+        LBILM(13, 12, 3, 2, 0, 8)
+    with pytest.raises(ValueError, match="heads"):
+        LBILM(13, 12, 5, 2, 4, 8)
+    with pytest.raises(ValueError, match="max_len"):
+        LBILM(13, 12, 3, 2, 4, 4)(torch.zeros(1, 6, dtype=torch.long))
