@@ -8,6 +8,7 @@ import torch
 
 from bppsa.backends import get_backend
 from bppsa.models.lbi import LBILM, DenseLM, lm_loss, prefix_cross_entropy
+from bppsa.models.lbi_dist import MODES, Traffic, expected_bytes, rank_worker, run_ranks, step
 from bppsa.models.lbi_scan import interface_jacobians_t, scan_backward
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
@@ -115,3 +116,64 @@ def test_bad_sizes_are_named():
         LBILM(13, 12, 5, 2, 4, 8)
     with pytest.raises(ValueError, match="max_len"):
         LBILM(13, 12, 3, 2, 4, 4)(torch.zeros(1, 6, dtype=torch.long))
+
+
+# -- across ranks (bppsa.models.lbi_dist): real processes in a gloo group ------------------------------------------
+
+
+def _rank_case(K, r=4, B=3, T=6, seed=0):
+    ref, _, x, y = _pair(K, r, B, T, seed=seed)
+    sizes = dict(vocab=13, d=12, heads=3, regions=K, r=r, max_len=T + 2)
+    loss = lm_loss(ref(x), y)
+    loss.backward()
+    return ref, sizes, x, y, loss.detach()
+
+
+def _check_ranks(K):
+    ref, sizes, x, y, loss = _rank_case(K, seed=K)
+    outs = run_ranks(rank_worker, K, (sizes, ref.state_dict(), x, y, MODES))
+    emb = sum(p.numel() for p in ref.embed.parameters()) * 8
+    for mode in MODES:
+        per_rank = [o[mode] for o in outs]
+        assert abs(float(per_rank[-1]["loss"]) - float(loss)) <= 1e-12
+        for name, p in ref.named_parameters():  # every parameter has an owner, and every owner has it exactly
+            owners = [o["grads"][name] for o in per_rank if name in o["grads"]]
+            assert owners, f"{mode}: no rank holds the gradient of {name}"
+            for g in owners:
+                assert (g - p.grad).abs().max().item() <= 1e-10 * p.grad.abs().max().item(), (mode, name)
+        want = expected_bytes(K, 3, 4, 8, mode)
+        for k, o in enumerate(per_rank):  # the payload counted is the formula's, and the embedding's all_reduce
+            got = {ph: sum(v for (p_, w, _), v in o["bytes"].items() if p_ == ph and w == "interface")
+                   for ph in ("forward", "backward")}
+            assert got == {"forward": want["forward"][k], "backward": want["backward"][k]}, (mode, k)
+            assert o["bytes"][("backward", "embedding", "all_reduce")] == emb
+    assert per_rank[0]["calls"].get(("backward", "interface", "send"), 0) == 0  # rank 0 of the pipeline: no send
+
+
+def test_ranks_match_autograd_over_three_ranks():
+    _check_ranks(3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("K", [2, 4])
+def test_ranks_match_autograd(K):
+    _check_ranks(K)
+
+
+def test_one_rank_in_process_and_a_group_of_the_wrong_size(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ref, got, x, y = _pair(1, 4, seed=5)
+        lm_loss(ref(x), y).backward()
+        traffic = Traffic()
+        step(got, x, y, traffic=traffic)
+        assert _max_rel_error(ref, got) <= 1e-10
+        assert traffic.total("backward", "interface") == 3 * 4 * 8  # the broadcast of ā_0 to itself
+        with pytest.raises(ValueError, match="2 regions but the process group has 1 ranks"):
+            step(_pair(2, 4)[1], x, y)
+        with pytest.raises(ValueError, match="mode must be"):
+            step(got, x, y, mode="tree")
+    finally:
+        dist.destroy_process_group()

@@ -69,10 +69,11 @@ class LocalRegion:
     m_next: torch.Tensor | None  # the outgoing interface (None for the last region)
 
 
-def region_forward(region, E: torch.Tensor, m: torch.Tensor) -> LocalRegion:
-    """Run one region on detached copies of its inputs, building only its local graph."""
+def region_forward(region, E: torch.Tensor, m: torch.Tensor, m_grad: bool | None = None) -> LocalRegion:
+    """Run one region on detached copies of its inputs, building only its local graph (through ``m`` too where
+    ``m_grad``; by default for the last region alone, whose local backward gives ``ā_{K-1}``)."""
     E_leaf = E.detach().requires_grad_(True)
-    m_leaf = m.detach().requires_grad_(region.last)
+    m_leaf = m.detach().requires_grad_(region.last if m_grad is None else m_grad)
     with torch.enable_grad():
         y, m_next = region(E_leaf, m_leaf)
     return LocalRegion(E_leaf, m_leaf, y, m_next)

@@ -1,0 +1,270 @@
+"""The LBI model with one region per rank of a ``torch.distributed`` group (gloo on CPUs, NCCL on GPUs).
+
+Every rank holds a replica of the model but runs only its own region (rank 0 also ``m_0``, the last rank also the
+LM head); the token embedding is replicated, each rank computing ``E`` from the token ids itself.
+
+* **Forward:** ``m_{k+1}`` travels from rank ``k`` to rank ``k + 1`` by send/recv (``B · r`` numbers).
+* **Backward, by scan** (:func:`step`, ``mode="scan"``; the paper's scheme, LBI.md):
+  rank ``k < K - 1`` builds its ``A_k = (∂m_{k+1}/∂m_k)ᵀ`` (``[B, r, r]``) while the last rank runs its local
+  backward from the loss; one all_reduce gathers the ``[K - 1, B, r, r]`` Jacobians; the last rank broadcasts
+  ``ā_{K-1}`` (``[B, r]``); every rank runs the small suffix scan itself (:func:`interface_adjoints`, the seam
+  where a shared cross-rank scan can take over) and its local backward from its ``ā_{k+1}``.
+* **Backward, by pipeline** (``mode="pipeline"``, the baseline on the same split): rank ``k`` waits for
+  ``ā_{k+1}`` from rank ``k + 1``, runs its local backward (which gives ``ā_k`` too) and sends ``ā_k`` on: ``K``
+  local backwards one after another.
+* Both end with one all_reduce of the embedding's gradient (every region adds its share to ``∂L/∂E``); that
+  traffic is a replicated parameter's, not the interface's, and :class:`Traffic` keeps it apart.
+
+:class:`Traffic` counts the logical payload of every send, broadcast and all_reduce a rank makes, the way the
+paper's script does (payload bytes, not wire traffic): a send its tensor's bytes, a broadcast its tensor's bytes
+on the source rank, an all_reduce its tensor's bytes on every rank.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..backends import Backend, TorchBackend
+from .lbi import LBILM, lm_loss
+from .lbi_scan import _accumulate, _params, interface_jacobians_t, region_forward, scan_operands
+
+__all__ = ["MODES", "Traffic", "expected_bytes", "interface_adjoints", "rank_worker", "run_ranks", "step"]
+
+MODES = ("scan", "pipeline")
+
+
+@dataclass
+class Traffic:
+    """Logical payload bytes a rank sent, by ``(phase, what)``: phase "forward" / "backward", what "interface"
+    (m_k, the Jacobians, the adjoints) or "embedding" (the replicated embedding's gradient all_reduce)."""
+
+    bytes: dict = field(default_factory=lambda: defaultdict(int))
+    calls: dict = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, phase: str, what: str, op: str, t: torch.Tensor) -> None:
+        self.bytes[(phase, what, op)] += t.numel() * t.element_size()
+        self.calls[(phase, what, op)] += 1
+
+    def total(self, phase: str | None = None, what: str | None = None) -> int:
+        return sum(v for (p, w, _), v in self.bytes.items() if (phase in (None, p)) and (what in (None, w)))
+
+
+class _Comm:
+    """send / recv / broadcast / all_reduce on ``group``, each counted in ``traffic`` (recv sends nothing)."""
+
+    def __init__(self, group, traffic: Traffic | None):
+        self.group, self.traffic = group, traffic if traffic is not None else Traffic()
+
+    def _g(self, r: int) -> int:  # group rank -> global rank
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def send(self, t, dst, phase, what):
+        self.traffic.add(phase, what, "send", t)
+        dist.send(t.contiguous(), self._g(dst), group=self.group)
+
+    def recv(self, t, src):
+        dist.recv(t, self._g(src), group=self.group)
+        return t
+
+    def broadcast(self, t, src, phase, what):
+        if dist.get_rank(self.group) == src:
+            self.traffic.add(phase, what, "broadcast", t)
+        dist.broadcast(t, self._g(src), group=self.group)
+        return t
+
+    def all_reduce(self, t, phase, what):
+        self.traffic.add(phase, what, "all_reduce", t)
+        dist.all_reduce(t, group=self.group)
+        return t
+
+
+def interface_adjoints(g: torch.Tensor | None, A: torch.Tensor | None, K: int, B: int, r: int, comm: _Comm,
+                       backend: Backend, L_m: int | None, like: torch.Tensor) -> list[torch.Tensor]:
+    """Every interface adjoint ``[ā_0, ..., ā_{K-1}]`` on every rank, from this rank's piece: ``g = ā_{K-1}`` on
+    the last rank, ``A = A_k`` on rank ``k < K - 1`` (None elsewhere).
+
+    The paper's scheme: one all_reduce of the ``[K - 1, B, r, r]`` Jacobians (each rank fills its own slot), one
+    broadcast of ``ā_{K-1}``, then the suffix scan on each rank with ``backend``.  This is the seam for a shared
+    cross-rank scan (issue 43's ``bppsa.distributed``): it takes the same pieces and returns the same list."""
+    rank = dist.get_rank(comm.group)
+    gbuf = g.detach().contiguous() if rank == K - 1 else like.new_empty((B, r))
+    comm.broadcast(gbuf, K - 1, "backward", "interface")
+    if K == 1:
+        return [gbuf]
+    Abuf = like.new_zeros((K - 1, B, r, r))
+    if rank < K - 1:
+        Abuf[rank] = A
+    comm.all_reduce(Abuf, "backward", "interface")
+    prefixes = backend.scan(gbuf, scan_operands(list(Abuf.unbind(0))), L_m)  # prefixes[i] = ā_{K-1-i}
+    return [prefixes[K - 1 - k] for k in range(K)]
+
+
+def step(model: LBILM, x: torch.Tensor, y: torch.Tensor, group=None, mode: str = "scan",
+         backend: Backend | None = None, L_m: int | None = None, chunk: int | None = None,
+         traffic: Traffic | None = None, timings: dict | None = None) -> torch.Tensor | None:
+    """One forward and backward of ``model`` on ``(x, y)``, region ``k`` on rank ``k`` of ``group`` (whose size must
+    be the model's number of regions).  Accumulates into ``.grad`` this rank's parameters' gradients: its region's,
+    the embedding's (all of them, all-reduced), ``m_0``'s on rank 0 and the LM head's on the last rank; returns the
+    loss on the last rank (None elsewhere).  ``traffic`` counts what this rank sends; ``timings`` (a dict) gets
+    this rank's ``forward`` and ``backward`` wall seconds."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    K = model.K
+    p, rank = dist.get_world_size(group), dist.get_rank(group)
+    if p != K:
+        raise ValueError(f"the model has {K} regions but the process group has {p} ranks (one region per rank)")
+    backend = TorchBackend() if backend is None else backend
+    comm = _Comm(group, traffic)
+    region = model.regions[rank]
+    B, r = x.shape[0], model.r
+    t0 = time.perf_counter()
+
+    # forward: E on every rank, m_0 on rank 0, m_k from the previous rank
+    E = model.embed(x)
+    if rank == 0:
+        E0 = E.detach().requires_grad_(True)
+        m0 = model.m0(E0.mean(1))
+        m_in = m0.detach()
+    else:
+        m_in = comm.recv(E.new_empty((B, r)), rank - 1)
+    local = region_forward(region, E, m_in, m_grad=mode == "pipeline" or rank == K - 1)  # pipeline: it gives ā_k
+    if rank < K - 1:
+        comm.send(local.m_next.detach(), rank + 1, "forward", "interface")
+        loss = None
+    else:
+        loss = lm_loss(model.head(local.y), y)
+    t1 = time.perf_counter()
+
+    params = _params(region) + (_params(model.head) if rank == K - 1 else [])
+    if rank == K - 1:
+        grads = torch.autograd.grad(loss, params + [local.E, local.m])
+        _accumulate(params, grads[:-2])
+        gE, g = grads[-2], grads[-1].detach()
+    if mode == "scan":
+        A = interface_jacobians_t(region, E, local.m, chunk) if rank < K - 1 else None
+        adj = interface_adjoints(g if rank == K - 1 else None, A, K, B, r, comm, backend, L_m, E.detach())
+        a_in = adj[rank]
+        if rank < K - 1:
+            grads = torch.autograd.grad(local.m_next, params + [local.E], adj[rank + 1])
+            _accumulate(params, grads[:-1])
+            gE = grads[-1]
+    else:  # pipeline: ā_{k+1} from the next rank, ā_k to the previous one
+        if rank < K - 1:
+            a_out = comm.recv(E.new_empty((B, r)), rank + 1)
+            grads = torch.autograd.grad(local.m_next, params + [local.E, local.m], a_out)
+            _accumulate(params, grads[:-2])
+            gE, g = grads[-2], grads[-1].detach()
+        a_in = g
+        if rank > 0:
+            comm.send(g, rank - 1, "backward", "interface")
+    if rank == 0:
+        m0_params = _params(model.m0)
+        grads = torch.autograd.grad(m0, m0_params + [E0], a_in)
+        _accumulate(m0_params, grads[:-1])
+        gE = gE + grads[-1]
+    emb = _params(model.embed)
+    flat = torch.cat([t.reshape(-1) for t in torch.autograd.grad(E, emb, gE)])
+    comm.all_reduce(flat, "backward", "embedding")
+    _accumulate(emb, [c.view_as(q) for c, q in zip(flat.split([q.numel() for q in emb]), emb)])
+    if timings is not None:
+        timings["forward"], timings["backward"] = t1 - t0, time.perf_counter() - t1
+    return None if loss is None else loss.detach()
+
+
+def expected_bytes(K: int, B: int, r: int, itemsize: int, mode: str = "scan") -> dict[str, list[int]]:
+    """The interface payload each rank sends per step, by formula (what :class:`Traffic` must count):
+    forward ``B r`` on ranks ``0 .. K-2``; backward by scan ``(K-1) B r²`` (the all_reduce) on every rank plus
+    ``B r`` (the broadcast) on the last; by pipeline ``B r`` on ranks ``1 .. K-1``.  In bytes (× ``itemsize``)."""
+    fwd = [B * r * itemsize if k < K - 1 else 0 for k in range(K)]
+    if mode == "scan":
+        bwd = [((K - 1) * B * r * r if K > 1 else 0) * itemsize + (B * r * itemsize if k == K - 1 else 0)
+               for k in range(K)]
+    else:
+        bwd = [B * r * itemsize if k > 0 else 0 for k in range(K)]
+    return {"forward": fwd, "backward": bwd}
+
+
+def rank_worker(rank: int, p: int, sizes: dict, state: dict, x: torch.Tensor, y: torch.Tensor,
+                modes: tuple[str, ...] = ("scan",), backend: str = "torch", repeats: int = 1) -> dict:
+    """Build the model of ``sizes`` (:class:`LBILM`'s arguments) with ``state`` and run :func:`step` ``repeats``
+    times per mode on this rank; per mode: its gradients (of the last repeat), its traffic per step, its
+    timings and the loss (last rank)."""
+    from ..backends import get_backend
+
+    model = LBILM(**sizes).to(next(iter(state.values())).dtype)
+    model.load_state_dict(state)
+    be = get_backend(backend, torch.device("cpu"))
+    out = {}
+    for mode in modes:
+        times = []
+        for _ in range(repeats):
+            model.zero_grad(set_to_none=True)
+            traffic, timing = Traffic(), {}
+            dist.barrier(group=None)
+            loss = step(model, x, y, mode=mode, backend=be, traffic=traffic, timings=timing)
+            times.append(timing)
+        out[mode] = {"grads": {n: q.grad for n, q in model.named_parameters() if q.grad is not None}, "loss": loss,
+                     "bytes": dict(traffic.bytes), "calls": dict(traffic.calls), "times": times}
+    return out
+
+
+# -- running ranks as processes on this machine (the seam for a shared launcher) ---------------------------------
+
+
+def _child(rank: int, p: int, store: str, fn, args, out_dir: str, threads: int, timeout: float) -> None:
+    torch.set_num_threads(threads)
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=p,
+                                timeout=datetime.timedelta(seconds=timeout))
+        result = fn(rank, p, *args)
+        torch.save({"ok": True, "result": result}, path + ".tmp")
+    except BaseException as exc:  # noqa: BLE001 - handed to the parent, which raises naming this rank
+        torch.save({"ok": False, "result": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}, path + ".tmp")
+    finally:
+        os.replace(path + ".tmp", path)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, p: int, args: tuple = (), timeout: float = 300.0, threads: int = 1) -> list:
+    """``[fn(0, p, *args), ..., fn(p-1, p, *args)]``, each rank a spawned process in one gloo group (``threads``
+    torch threads each); ``fn`` must be a module-level function.  A rank that fails, or gives no result within
+    ``timeout`` seconds, raises RuntimeError naming it (the others are ended)."""
+    import torch.multiprocessing as mp
+
+    if p < 1:
+        raise ValueError(f"p must be >= 1, got {p}")
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="bppsa-lbi-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_child, args=(k, p, store, fn, args, tmp, threads, timeout), daemon=True)
+                 for k in range(p)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        late = [k for k, proc in enumerate(procs) if proc.is_alive()]
+        for k in late:
+            procs[k].kill()
+            procs[k].join()
+        out = []
+        for k in range(p):
+            path = os.path.join(tmp, f"rank{k}.pt")
+            if not os.path.exists(path):
+                why = f"no result within {timeout:g} s" if k in late else f"exit code {procs[k].exitcode}"
+                raise RuntimeError(f"rank {k} of {p} failed: {why}")
+            got = torch.load(path, weights_only=False)
+            if not got["ok"]:
+                raise RuntimeError(f"rank {k} of {p} failed: {got['result']}")
+            out.append(got["result"])
+    return out
