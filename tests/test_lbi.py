@@ -177,3 +177,80 @@ def test_one_rank_in_process_and_a_group_of_the_wrong_size(tmp_path):
             step(got, x, y, mode="tree")
     finally:
         dist.destroy_process_group()
+
+
+# -- the claims rows and the figure, from CSVs shaped like the commands' ---------------------------------------------
+
+
+def _train_csv(folder, model, seed, val, prefix):
+    import pandas as pd
+
+    kind, r = ("dense", None) if model == "dense" else ("lbi", int(model[1:]))
+    base = dict(kind=kind, r=r, label=model, regions=3, d=32, heads=2, seq=32, batch=8, steps=10, lr=1e-3, seed=seed,
+                backward="autograd", device="cpu", params=1, block_params=1, corpus_corpus="pydoc_data.topics",
+                corpus_python="3.x", corpus_bytes=1000, corpus_sha256="ab" * 32, profile="test")
+    rows = [{**base, "row": "curve", "step": s, "train_ce": val + 1, "val_ce": val + 1 / s} for s in (5, 10)]
+    rows.append({**base, "row": "final", "step": 10, "val_ce": val, "val_prefix_ce": prefix})
+    (folder / "lbi").mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_csv(folder / "lbi" / f"train_{model}_s{seed}.csv", index=False)
+
+
+def test_the_claims_rows_and_the_figure_come_from_the_measured_files(tmp_path):
+    import pandas as pd
+
+    from bppsa.analysis import claims
+    from bppsa.analysis.lbi import gaps, load_train, train_files
+    from bppsa.bench.lbi import PAPER
+    from bppsa.plots.registry import FIGURES
+
+    dev = tmp_path / "cpu"
+    for seed in (0, 1):
+        _train_csv(dev, "dense", seed, 2.0 + seed, 2.0 + seed)
+        _train_csv(dev, "r16", seed, 2.2 + seed + 0.1 * seed, 2.5 + seed)
+        _train_csv(dev, "r4", seed, 2.6 + seed, 2.7 + seed)
+    gp = gaps(load_train(train_files(dev))).set_index(["r", "eval"])
+    assert gp.loc[(16, "window"), "gap"] == pytest.approx(0.25) and gp.loc[(16, "window"), "seeds"] == 2
+    assert gp.loc[(16, "prefix"), "gap"] == pytest.approx(0.5) and gp.loc[(4, "window"), "gap"] == pytest.approx(0.6)
+
+    traffic = []
+    for mode in MODES:  # the rows bppsa lbi-ranks writes, from the formula (one count off in the second table)
+        want = expected_bytes(2, 8, 16, 4, mode)
+        for k in range(2):
+            for phase in ("forward", "backward"):
+                traffic.append(dict(source="measured", mode=mode, ranks=2, rank=k, regions=2, batch=8, r=16,
+                                    itemsize=4, phase=phase, what="interface", bytes=want[phase][k], ops="x",
+                                    formula_bytes=want[phase][k]))
+            traffic.append(dict(source="measured", mode=mode, ranks=2, rank=k, regions=2, batch=8, r=16, itemsize=4,
+                                phase="backward", what="embedding", bytes=999, ops="all_reduce", formula_bytes=None))
+        paper = expected_bytes(PAPER["regions"], PAPER["batch"], PAPER["r"], PAPER["itemsize"], mode)
+        for k in range(PAPER["regions"]):
+            traffic.append(dict(source="paper-config", mode=mode, ranks=8, rank=k, regions=8, batch=1, r=64,
+                                itemsize=2, phase="backward", what="interface", bytes=paper["backward"][k],
+                                ops="formula", formula_bytes=paper["backward"][k]))
+    pd.DataFrame(traffic).to_csv(dev / "lbi" / "traffic.csv", index=False)
+    rows = claims.lbi_claims(tmp_path)
+    assert [c.verdict for c in rows] == ["holds", "holds"]
+    assert "+0.250 ± 0.071" in rows[0].measured and "+0.500" in rows[0].measured
+    assert "57344 B = 56.0 KiB" in rows[1].measured and "128 B broadcast" in rows[1].measured
+    assert "999 B" in rows[1].measured
+
+    bad = pd.DataFrame(traffic)
+    bad.loc[0, "bytes"] += 4
+    bad.to_csv(dev / "lbi" / "traffic.csv", index=False)
+    assert claims.lbi_claims(tmp_path)[1].verdict == "not reproduced"
+    _train_csv(dev, "r16", 0, 2.5, 2.5)
+    _train_csv(dev, "r16", 1, 3.5, 3.5)
+    assert claims.lbi_claims(tmp_path)[0].verdict == "not reproduced"  # a gap of 0.5 > 0.35
+    assert claims.lbi_gap_verdict(0.1, 0.2, 4)[0] == "not measurable here"
+
+    pd.DataFrame(traffic).to_csv(dev / "lbi" / "traffic.csv", index=False)
+    pd.DataFrame([dict(mode=m, ranks=2, rank=k, r=16, batch=8, seq=32, d=32, iteration=i, forward_s=0.01,
+                       backward_s=0.02 * (1 + i), profile="test", threads=1)
+                  for m in MODES for k in range(2) for i in range(3)]).to_csv(dev / "lbi" / "backward_time.csv",
+                                                                             index=False)
+    out = tmp_path / "fig_lbi.png"
+    inputs = [str(p) for p in sorted((dev / "lbi").glob("*.csv"))]
+    FIGURES["lbi"].run(str(tmp_path), inputs, [str(out)])
+    assert out.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="lbi/traffic.csv"):
+        FIGURES["lbi"].run(str(tmp_path), inputs[:1], [str(out)])

@@ -239,6 +239,18 @@ def get_cpu_benchmarks():
     return out
 
 
+def get_lbi_measurements():
+    """Latent Bounded Interfaces (workflow/rules/lbi.smk): one training run per model and seed, and the runs on
+    ranks; none without the `lbi` section, or with `lbi.r` or `lbi.ranks` empty."""
+    lbi = config.get("lbi")
+    if not lbi or not lbi["r"] or not lbi["ranks"]:
+        return []
+    models = ["dense"] + [f"r{r}" for r in lbi["r"]]
+    return [
+        f"{RESULTS}/lbi/train_{m}_s{s}.csv" for m in models for s in lbi["seeds"]
+    ] + [f"{RESULTS}/lbi/traffic.csv", f"{RESULTS}/lbi/backward_time.csv"]
+
+
 def get_measurements():
     """Every file this configuration measures in its device folder: what the figures, the report and the
     claims read there. The profile's keys gate these; a figure is drawn where what it reads is among them.
@@ -250,6 +262,7 @@ def get_measurements():
         + get_cpu_benchmarks()
         + get_gru_summaries()
         + get_gru_curves()
+        + get_lbi_measurements()
         + [
             f"{VGG_DIR}/accuracy.csv",
             f"{VGG_DIR}/flops.csv",

@@ -193,26 +193,26 @@ def expected_bytes(K: int, B: int, r: int, itemsize: int, mode: str = "scan") ->
 
 
 def rank_worker(rank: int, p: int, sizes: dict, state: dict, x: torch.Tensor, y: torch.Tensor,
-                modes: tuple[str, ...] = ("scan",), backend: str = "torch", repeats: int = 1) -> dict:
-    """Build the model of ``sizes`` (:class:`LBILM`'s arguments) with ``state`` and run :func:`step` ``repeats``
-    times per mode on this rank; per mode: its gradients (of the last repeat), its traffic per step, its
-    timings and the loss (last rank)."""
+                modes: tuple[str, ...] = ("scan",), backend: str = "torch", repeats: int = 1, warmup: int = 0) -> dict:
+    """Build the model of ``sizes`` (:class:`LBILM`'s arguments) with ``state`` and run :func:`step` ``warmup``
+    untimed then ``repeats`` timed rounds, each round every mode once (interleaved); per mode: its gradients and
+    traffic of its last step, its timings (one per timed round) and the loss (last rank)."""
     from ..backends import get_backend
 
     model = LBILM(**sizes).to(next(iter(state.values())).dtype)
     model.load_state_dict(state)
     be = get_backend(backend, torch.device("cpu"))
-    out = {}
-    for mode in modes:
-        times = []
-        for _ in range(repeats):
+    out = {mode: {"times": []} for mode in modes}
+    for i in range(warmup + repeats):
+        for mode in modes:
             model.zero_grad(set_to_none=True)
             traffic, timing = Traffic(), {}
             dist.barrier(group=None)
             loss = step(model, x, y, mode=mode, backend=be, traffic=traffic, timings=timing)
-            times.append(timing)
-        out[mode] = {"grads": {n: q.grad for n, q in model.named_parameters() if q.grad is not None}, "loss": loss,
-                     "bytes": dict(traffic.bytes), "calls": dict(traffic.calls), "times": times}
+            if i >= warmup:
+                out[mode]["times"].append(timing)
+            out[mode].update(grads={n: q.grad for n, q in model.named_parameters() if q.grad is not None},
+                             loss=loss, bytes=dict(traffic.bytes), calls=dict(traffic.calls))
     return out
 
 

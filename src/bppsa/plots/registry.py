@@ -132,4 +132,9 @@ FIGURES: dict[str, Figure] = {f.name: f for f in (
                    "Worker scaling: {model}"),
             Output(f"results/{DEVICE}/{{model}}/scaling_crossover.csv")),
            overlay=False),
+    Figure("lbi", "Latent Bounded Interfaces: validation cross-entropy against the dense baseline, bytes per backward, "
+           "backward time by scan and by pipeline across ranks",
+           "bppsa.plots.lbi:draw", ("lbi/train_*.csv", "lbi/traffic.csv", "lbi/backward_time.csv"),
+           (Output("results/fig_lbi.png", "fig_lbi.rst", "Latent Bounded Interfaces", "LBI: quality and traffic"),),
+           overlay=False),
 )}
