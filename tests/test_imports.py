@@ -129,7 +129,7 @@ def test_backends_import_down_the_tree():
 LAYERS = (
     ("bppsa", "io", "precision", "process", "stats", "paper", "runlock", "device", "scan"),
     ("jacobians", "data"),
-    ("flops", "backends"),
+    ("flops", "backends", "distributed"),
     ("nn",),
     ("models",),
     ("verify",),

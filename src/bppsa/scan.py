@@ -40,6 +40,7 @@ __all__ = [
     "Level",
     "Workspace",
     "affine_blelloch_scan",
+    "affine_diagonal_scan",
     "affine_linear_scan",
     "affine_pair_ops",
     "blelloch_scan",
@@ -365,6 +366,50 @@ def affine_blelloch_scan(g: torch.Tensor, J: torch.Tensor, c: torch.Tensor, L_m:
         kids = Qn[1:1 + 2 * pairs].view((pairs, 2) + vec)
         kids[:, 0] = Q[:pairs]
         kids[:, 1] = _mv(left, Q[:pairs]) + left_b
+        if carry:
+            Qn[-1] = Q[pairs]
+        Q = Qn
+    return Q
+
+
+@torch.no_grad()
+def affine_diagonal_scan(g: torch.Tensor, D: torch.Tensor, c: torch.Tensor, L_m: int | None = None) -> torch.Tensor:
+    """:func:`affine_blelloch_scan` where every ``J[k]`` is diagonal, given as its diagonal ``D`` [n, B, H]: the same
+    tree, each product elementwise (``(D₂, b₂) ∘ (D₁, b₁) = (D₂D₁, D₂b₁ + b₂)``), Θ(log n) steps of O(n·B·H) work.
+    ``out[0] = g``, ``out[k] = D[k-1] * out[k-1] + c[k-1]``."""
+    if g.dim() != 2 or D.dim() != 3 or D.shape[1:] != g.shape or tuple(c.shape) != tuple(D.shape):
+        raise ValueError(f"expected g [B, H], D [n, B, H] and c [n, B, H], got {tuple(g.shape)}, {tuple(D.shape)} "
+                         f"and {tuple(c.shape)}")
+    n = D.shape[0]
+    L = tree_levels(n + 1, L_m)
+    vec = tuple(g.shape)
+    spine, A, b, K = g, D, c, n + 1
+    saved = []
+    for _ in range(L):
+        pairs = (K - 2) // 2
+        carry = (K - 2) % 2 == 1
+        left, left_b = A[1:2 * pairs:2], b[1:2 * pairs:2]
+        right = A[2:2 * pairs + 1:2]
+        nxt, nxt_b = right * left, torch.addcmul(b[2:2 * pairs + 1:2], right, left_b)
+        if carry:
+            nxt, nxt_b = torch.cat([nxt, A[-1:]]), torch.cat([nxt_b, b[-1:]])
+        saved.append((spine, left, left_b, carry))
+        spine = torch.addcmul(b[0], A[0], spine)
+        A, b, K = nxt, nxt_b, (K + 1) // 2
+
+    Q = g.new_empty((K - 1,) + vec)
+    if K > 1:
+        Q[0] = spine
+        for k in range(1, K - 1):
+            Q[k] = torch.addcmul(b[k - 1], A[k - 1], Q[k - 1])
+
+    for spine_d, left, left_b, carry in reversed(saved):
+        pairs = left.shape[0]
+        Qn = g.new_empty((1 + 2 * pairs + carry,) + vec)
+        Qn[0] = spine_d
+        kids = Qn[1:1 + 2 * pairs].view((pairs, 2) + vec)
+        kids[:, 0] = Q[:pairs]
+        kids[:, 1] = torch.addcmul(left_b, left, Q[:pairs])
         if carry:
             Qn[-1] = Q[pairs]
         Q = Qn

@@ -9,6 +9,7 @@
 Each layer is a custom op (:mod:`.ops`; the math in :mod:`.backward`), so the layers run under
 torch.compile(fullgraph=True).  docs/library.md lists the options, the refusals and the cost model.
 """
+from .affine import affine_scan
 from .modules import GRU, RNN
 
-__all__ = ["GRU", "RNN"]
+__all__ = ["GRU", "RNN", "affine_scan"]

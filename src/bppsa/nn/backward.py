@@ -28,6 +28,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .. import scan as _scan
 from ..backends import TorchBackend, get_backend
 from ..jacobians.gru import gru_gate_grads, gru_gates
 from ..jacobians.recurrent import rnn_grad_preact
@@ -258,7 +259,20 @@ def per_step_scan(be, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, valid, seed, gr
     with _jacobian_phase():
         J = layer_chain(be, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused")
     past = None if valid is None else ~valid.flip(0)  # scan order: J[k] is step T - k
-    return be.affine_scan(seed, J, _direct(grad_h, h), L_m, past).flip(0)
+    return affine_prefixes(be, seed, J, _direct(grad_h, h), L_m, past).flip(0)
+
+
+def affine_prefixes(ps, g, J, c, L_m, past=None) -> torch.Tensor:
+    """THE affine scan of :mod:`bppsa.nn`: ``out[0] = g``, ``out[k] = J[k-1] out[k-1] + c[k-1]`` over the chain ``J``
+    (dense [n, B, H, H], the backend's factored chain, or a diagonal [n, B, H]), by ``ps.affine_scan`` (``ps``: the
+    backend :func:`per_step_backend` chose), a diagonal chain by :func:`bppsa.scan.affine_diagonal_scan`
+    (elementwise, any device).  The layers' per-step-gradient backward and :func:`bppsa.nn.affine_scan` (forward
+    and backward) both run here."""
+    if J.dim() == 3:
+        if past is not None:
+            J = torch.where(past.unsqueeze(-1), torch.ones((), dtype=J.dtype, device=J.device), J)
+        return _scan.affine_diagonal_scan(g, J, c, L_m)
+    return ps.affine_scan(g, J, c, L_m, past)
 
 
 def _direct(grad_h, h) -> torch.Tensor:

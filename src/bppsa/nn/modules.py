@@ -9,13 +9,15 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from ..backends import BACKENDS
+from ..distributed import all_gather_ints
 from ..jacobians.recurrent import LAYOUTS
-from . import ops
+from . import ops, split
 from .backward import no_autocast
 
 HALF = (torch.float16, torch.bfloat16)
@@ -31,7 +33,7 @@ class _Recurrent(nn.Module):
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, device=None,
                  dtype=None, *, proj_size: int = 0, backend: str = "auto", layout: str = "fused",
-                 L_m: int | None = None):
+                 L_m: int | None = None, process_group=None, group_timeout: float | None = None):
         super().__init__()
         name = type(self).__name__
         if bidirectional:
@@ -59,6 +61,13 @@ class _Recurrent(nn.Module):
         self.bias, self.batch_first, self.dropout = bias, batch_first, float(dropout)
         self.bidirectional, self.proj_size = False, 0
         self.backend, self.layout, self.L_m = backend, layout, L_m
+        if process_group is not None and layout != "fused":
+            raise ValueError(f"bppsa.nn.{name}: process_group runs the fused layout only, got layout='{layout}'")
+        if group_timeout is not None and not group_timeout > 0:
+            raise ValueError(f"bppsa.nn.{name}: group_timeout must be a positive number of seconds, got "
+                             f"{group_timeout}")
+        # the sequence split over the ranks of a torch.distributed group (bppsa.nn.split; docs/distributed.md)
+        self.process_group, self.group_timeout = process_group, group_timeout
         kw = {"device": device, "dtype": dtype}
         G = self.gates * hidden_size
         for k in range(num_layers):
@@ -99,6 +108,9 @@ class _Recurrent(nn.Module):
         [1, T]) marks a padded batch's sequence lengths, like a PackedSequence: ``output`` is zero past each
         sequence's end and ``h_n`` holds each one's last valid state."""
         packed = isinstance(input, PackedSequence)
+        if packed and self.process_group is not None:
+            raise ValueError(f"bppsa.nn.{type(self).__name__}: with a process_group, pass this rank's slice of a "
+                             "padded batch and lengths= (the whole sequences' lengths), not a PackedSequence")
         if packed:
             if lengths is not None:
                 raise ValueError("bppsa.nn: a PackedSequence carries its lengths; do not pass lengths= too")
@@ -136,14 +148,21 @@ class _Recurrent(nn.Module):
                             "is not supported: float32 and float64 are; under autocast the layer runs in float32")
 
     def _layers(self, x: torch.Tensor, hx: torch.Tensor | None, lengths: torch.Tensor | None):
-        T = x.shape[0]
-        valid = None if lengths is None else (torch.arange(T, device=x.device)[:, None]
+        T, t0 = x.shape[0], 0
+        if self.process_group is not None and lengths is not None:  # this rank's steps start at t0
+            t0 = sum(s[0] for s in all_gather_ints([T], self.process_group, self.group_timeout)
+                     [:dist.get_rank(self.process_group)])
+        valid = None if lengths is None else (torch.arange(t0, t0 + T, device=x.device)[:, None]
                                               < lengths.to(x.device)[None, :]).unsqueeze(-1)
         with no_autocast(x.device):
             finals = []
             for k in range(self.num_layers):
-                h, h_n = ops.layer(self.cell, x, hx[k] if hx is not None else None, *self.layer_weights(k),
-                                   lengths, self.backend, self.layout, self.L_m)
+                if self.process_group is not None:
+                    h, h_n = split.layer(self.cell, x, hx[k] if hx is not None else None, *self.layer_weights(k),
+                                         lengths, self.backend, self.L_m, self.process_group, self.group_timeout)
+                else:
+                    h, h_n = ops.layer(self.cell, x, hx[k] if hx is not None else None, *self.layer_weights(k),
+                                       lengths, self.backend, self.layout, self.L_m)
                 x = h if valid is None else torch.where(valid, h, 0.0)  # zero past each end, as torch pads
                 if self.dropout and self.training and k < self.num_layers - 1:
                     x = F.dropout(x, self.dropout, True)

@@ -1,0 +1,210 @@
+"""BPPSA across processes: the ranks' scan (bppsa.distributed.rank_scan) in real gloo process groups on 127.0.0.1.
+
+One spawn of p ranks runs every case for that p (a spawn costs a torch import per rank; a case costs
+milliseconds), and hands back what each rank measured; the assertions run here.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bppsa.distributed import RankFailure, compose, default_strategy, local_carries, rank_scan
+from bppsa.distributed.launch import LaunchError, _first_node, launcher_env, run_local
+
+SCAN_CASES = [(dense, reverse, strategy, initial, batch)
+              for dense in (True, False) for reverse in (False, True) for strategy in ("rounds", "allgather")
+              for initial in (False, True) for batch in ((3,), (2, 2))]
+
+
+def _summaries(p: int, dense: bool, batch: tuple, seed: int, dtype=torch.float64):
+    """Every rank's (M, c), the same on every rank (each builds them all and keeps its own)."""
+    gen = torch.Generator().manual_seed(seed)
+    H = 5
+    if dense:
+        M = torch.randn((p,) + batch + (H, H), generator=gen, dtype=dtype) / H ** 0.5
+    else:
+        M = torch.rand((p,) + batch + (H,), generator=gen, dtype=dtype) * 1.5 - 0.75
+    c = torch.randn((p,) + batch + (H,), generator=gen, dtype=dtype)
+    x0 = torch.randn(batch + (H,), generator=gen, dtype=dtype)
+    return M, c, x0
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def scan_suite(rank: int, p: int, group) -> list[tuple]:
+    """Every SCAN_CASES case on this rank: (case, relative error against the sequential reference)."""
+    out = []
+    for i, (dense, reverse, strategy, initial, batch) in enumerate(SCAN_CASES):
+        M, c, x0 = _summaries(p, dense, batch, seed=100 + i)
+        ref = local_carries(M, c, x0 if initial else None, reverse=reverse)
+        got = rank_scan(M[rank], c[rank], group, reverse=reverse, strategy=strategy,
+                        initial=x0 if initial else None, timeout=60)
+        out.append(((dense, reverse, strategy, initial, batch), _rel(got, ref[rank]), tuple(got.shape)))
+    return out
+
+
+# (cell, T, num_layers, lengths, h0, dx, backend, dtype): T not divisible by most p, a loss at every step and on h_n
+LAYER_CASES = [("rnn", 7, 1, False, True, True, "torch", torch.float64),
+               ("gru", 7, 1, False, False, True, "cpu", torch.float64),
+               ("rnn", 10, 2, True, True, True, "cpu", torch.float64),
+               ("gru", 10, 2, True, True, False, "torch", torch.float64),
+               ("rnn", 9, 1, True, False, False, "cpu", torch.float32),
+               ("gru", 11, 1, False, True, True, "cpu", torch.float32)]
+
+
+def _reference(model, x, h0, lengths, w_out, w_hn):
+    """torch.nn's layer by autograd on the whole sequence (a PackedSequence for lengths): outputs and gradients."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    ref = model.to_torch()
+    x = x.detach().requires_grad_()
+    h0 = None if h0 is None else h0.detach().requires_grad_()
+    if lengths is None:
+        out, h_n = ref(x, h0)
+    else:
+        out, h_n = ref(pack_padded_sequence(x, lengths, enforce_sorted=False), h0)
+        out, _ = pad_packed_sequence(out, total_length=x.shape[0])
+    ((out * w_out).sum() + (h_n * w_hn).sum()).backward()
+    grads = {n: q.grad for n, q in ref.named_parameters()}
+    return out.detach(), h_n.detach(), grads, x.grad, (h0.grad if h0 is not None else None)
+
+
+def layer_suite(rank: int, p: int, group) -> list[tuple]:
+    """Every LAYER_CASES case: this rank's slice through the split layer against torch.nn autograd on the whole
+    sequence and against the single-process layer; (case, {what: relative error})."""
+    import bppsa.nn as bnn
+
+    out = []
+    for i, (cell, T, layers, with_lengths, with_h0, with_dx, backend, dtype) in enumerate(LAYER_CASES):
+        gen = torch.Generator().manual_seed(500 + i)
+        B, I, H = 3, 2, 4
+        cls = bnn.RNN if cell == "rnn" else bnn.GRU
+        torch.manual_seed(7 + i)
+        single = cls(I, H, num_layers=layers, backend=backend, dtype=dtype)
+        pg = group if group is not None else torch.distributed.group.WORLD
+        split = cls(I, H, num_layers=layers, backend=backend, dtype=dtype, process_group=pg, group_timeout=60)
+        split.load_state_dict(single.state_dict())
+        x = torch.randn(T, B, I, generator=gen, dtype=dtype)
+        h0 = torch.randn(layers, B, H, generator=gen, dtype=dtype) if with_h0 else None
+        lengths = torch.tensor([T, 1, max(1, T - 3)]) if with_lengths else None
+        w_out = torch.randn(T, B, H, generator=gen, dtype=dtype)
+        w_hn = torch.randn(layers, B, H, generator=gen, dtype=dtype)
+        # this rank's slice, torch.tensor_split order
+        sl = torch.tensor_split(torch.arange(T), p)[rank]
+        xs = x[sl].clone().requires_grad_(with_dx)
+        hs = h0.clone().requires_grad_() if h0 is not None else None
+        o, hn = split(xs, hs, lengths=lengths)
+        loss = (o * w_out[sl]).sum() + ((hn * w_hn).sum() if rank == p - 1 else 0)
+        loss.backward()
+        r_out, r_hn, r_grads, r_dx, r_dh0 = _reference(single, x, h0, lengths, w_out, w_hn)
+        err = {"out": _rel(o.detach(), r_out[sl])}
+        if rank == p - 1:
+            err["h_n"] = _rel(hn.detach(), r_hn)
+        for name, q in split.named_parameters():
+            err[name] = _rel(q.grad, r_grads[name])
+        if with_dx:
+            err["dx"] = _rel(xs.grad, r_dx[sl])
+        if with_h0 and rank == 0:
+            err["dh0"] = _rel(hs.grad, r_dh0)
+        # the single-process layer, the same loss
+        for q in single.parameters():
+            q.grad = None
+        so, shn = single(x, h0, lengths=lengths)
+        ((so * w_out).sum() + (shn * w_hn).sum()).backward()
+        err["vs_single"] = max(_rel(q.grad, s.grad) for q, s in zip(split.parameters(), single.parameters()))
+        out.append(((cell, T, layers, with_lengths, with_h0, with_dx, backend, str(dtype)), err))
+    return out
+
+
+SUITES = {"scan": scan_suite, "layers": layer_suite}
+
+# The groups of 4 spawned ranks the suites run in: p -> global ranks (None: the default group of all 4).  Groups
+# that skip ranks make the group's ranks differ from the global ones, which the exchanges must translate.
+GROUPS = {1: [2], 2: [1, 3], 3: [1, 2, 3], 4: None}
+
+
+def worker(rank: int, world: int, suites: tuple[str, ...]) -> dict:
+    """On each of the 4 ranks: every suite in every group of GROUPS this rank belongs to, {p: {suite: result}}."""
+    import torch.distributed as dist
+
+    out = {}
+    for p, ranks in GROUPS.items():
+        group = dist.new_group(ranks) if ranks is not None else None  # every rank creates every group
+        if ranks is not None and rank not in ranks:
+            continue
+        r = dist.get_rank(group)
+        out[p] = {name: SUITES[name](r, p, group) for name in suites}
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """One spawn of 4 gloo ranks running every suite in every group (the spawn is the cost; a case is cheap)."""
+    return run_local(worker, 4, (tuple(SUITES),), timeout=300)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_rank_scan_is_the_sequential_scan_across_real_processes(four_ranks, p):
+    members = [res[p] for res in four_ranks if p in res]
+    assert len(members) == p  # every member of the group reported
+    for rank, res in enumerate(members):
+        cases = res["scan"]
+        assert len(cases) == len(SCAN_CASES)
+        for case, err, shape in cases:
+            assert shape == case[4] + (5,)
+            assert err <= 1e-12, (rank, case, err)
+
+
+def test_local_carries_is_the_recurrence_step_by_step():
+    M, c, x0 = _summaries(4, True, (2,), seed=1)
+    out = local_carries(M, c, x0)
+    x = x0
+    for r in range(4):
+        assert torch.equal(out[r], x)
+        x = (M[r] @ x.unsqueeze(-1)).squeeze(-1) + c[r]
+    rev = local_carries(M, c, x0, reverse=True)
+    assert torch.equal(rev[3], x0)
+    assert torch.allclose(rev[2], (M[3] @ x0.unsqueeze(-1)).squeeze(-1) + c[3])
+    # the composition is the one the ranks use: applying (M2, c2) o (M1, c1) is applying M1 then M2
+    (A, b) = compose((M[1], c[1]), (M[0], c[0]))
+    assert torch.allclose((A @ x0.unsqueeze(-1)).squeeze(-1) + b, local_carries(M, c, x0)[2])
+
+
+def test_rank_scan_refuses_bad_operands_before_any_exchange():
+    with pytest.raises(ValueError, match="M must be"):
+        rank_scan(torch.zeros(2, 4, 3), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="must agree"):
+        rank_scan(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="not initialised"):
+        rank_scan(torch.zeros(2, 4, 4), torch.zeros(2, 4))
+    assert default_strategy(2) in ("rounds", "allgather") and default_strategy(64) == "rounds"
+    assert issubclass(RankFailure, RuntimeError) and issubclass(LaunchError, RuntimeError)
+
+
+def test_launcher_env_reads_torchrun_and_slurm():
+    assert launcher_env({}) is None
+    tr = launcher_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "7"})
+    assert tr == {"rank": 1, "world_size": 2, "local_rank": 1, "master_addr": "h", "master_port": 7}
+    sl = launcher_env({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "12",
+                       "SLURM_JOB_NODELIST": "node[07-09],gpu1"})
+    assert sl["rank"] == 3 and sl["world_size"] == 4 and sl["master_addr"] == "node07"
+    assert sl["master_port"] == 20012
+    assert _first_node("a,b") == "a" and _first_node("gpu7,node[01-04]") == "gpu7"
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_split_layers_equal_autograd_on_the_whole_sequence(four_ranks, p):
+    """bppsa.nn.RNN/GRU with process_group: every rank's outputs, the all-reduced weight gradients, its slice of
+    ∇x and rank 0's ∇h0 equal torch.nn's autograd on the whole sequence (fp64 <= 1e-10, fp32 <= 1e-4) and the
+    single-process layer's: T not divisible by p, lengths, two layers, a loss at every step and on h_n."""
+    members = [res[p] for res in four_ranks if p in res]
+    assert len(members) == p
+    for rank, res in enumerate(members):
+        assert len(res["layers"]) == len(LAYER_CASES)
+        for case, err in res["layers"]:
+            tol = 1e-10 if case[-1] == "torch.float64" else 1e-4
+            assert "weight_hh_l0" in err and ("h_n" in err) == (rank == p - 1)
+            bad = {k: v for k, v in err.items() if not v <= tol}
+            assert not bad, (p, rank, case, bad)
