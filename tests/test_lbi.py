@@ -129,9 +129,9 @@ def _rank_case(K, r=4, B=3, T=6, seed=0):
     return ref, sizes, x, y, loss.detach()
 
 
-def _check_ranks(K):
+def _check_ranks(K, strategy=None):
     ref, sizes, x, y, loss = _rank_case(K, seed=K)
-    outs = run_ranks(rank_worker, K, (sizes, ref.state_dict(), x, y, MODES))
+    outs = run_ranks(rank_worker, K, (sizes, ref.state_dict(), x, y, MODES, "torch", 1, 0, strategy))
     emb = sum(p.numel() for p in ref.embed.parameters()) * 8
     for mode in MODES:
         per_rank = [o[mode] for o in outs]
@@ -141,13 +141,16 @@ def _check_ranks(K):
             assert owners, f"{mode}: no rank holds the gradient of {name}"
             for g in owners:
                 assert (g - p.grad).abs().max().item() <= 1e-10 * p.grad.abs().max().item(), (mode, name)
-        want = expected_bytes(K, 3, 4, 8, mode)
+        want = expected_bytes(K, 3, 4, 8, mode, strategy)
         for k, o in enumerate(per_rank):  # the payload counted is the formula's, and the embedding's all_reduce
             got = {ph: sum(v for (p_, w, _), v in o["bytes"].items() if p_ == ph and w == "interface")
                    for ph in ("forward", "backward")}
             assert got == {"forward": want["forward"][k], "backward": want["backward"][k]}, (mode, k)
             assert o["bytes"][("backward", "embedding", "all_reduce")] == emb
-    assert per_rank[0]["calls"].get(("backward", "interface", "send"), 0) == 0  # rank 0 of the pipeline: no send
+    pipe = [o["pipeline"] for o in outs]
+    assert pipe[0]["calls"].get(("backward", "interface", "send"), 0) == 0  # rank 0 of the pipeline sends nothing
+    if strategy != "rounds":  # rank_scan's one all_gather
+        assert all(o["scan"]["calls"][("backward", "interface", "all_gather")] == 1 for o in outs)
 
 
 def test_ranks_match_autograd_over_three_ranks():
@@ -157,7 +160,7 @@ def test_ranks_match_autograd_over_three_ranks():
 @pytest.mark.slow
 @pytest.mark.parametrize("K", [2, 4])
 def test_ranks_match_autograd(K):
-    _check_ranks(K)
+    _check_ranks(K, "rounds")
 
 
 def test_one_rank_in_process_and_a_group_of_the_wrong_size(tmp_path):
@@ -169,6 +172,10 @@ def test_one_rank_in_process_and_a_group_of_the_wrong_size(tmp_path):
         lm_loss(ref(x), y).backward()
         traffic = Traffic()
         step(got, x, y, traffic=traffic)
+        assert _max_rel_error(ref, got) <= 1e-10
+        assert traffic.total("backward", "interface") == 0  # rank_scan over one rank exchanges nothing
+        got.zero_grad(set_to_none=True)
+        step(got, x, y, mode="scan-allreduce", traffic=traffic)
         assert _max_rel_error(ref, got) <= 1e-10
         assert traffic.total("backward", "interface") == 3 * 4 * 8  # the broadcast of ā_0 to itself
         with pytest.raises(ValueError, match="2 regions but the process group has 1 ranks"):

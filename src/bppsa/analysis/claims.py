@@ -627,9 +627,11 @@ def lbi_claims(results: Path) -> list[Claim]:
             c = lbi.traffic_check(tr)
             pc = c["paper_config"]
             measured = (f"counted on {c['ranks']} gloo ranks (r = {c['r']}, B = {c['batch']}, {c['itemsize']}-byte "
-                        f"numbers): busiest rank {c['scan_max']} B by scan, {c['pipeline_max']} B by pipeline, "
+                        f"numbers), busiest rank per backward: "
+                        f"{', '.join(f'{v} B by {k}' for k, v in c['busiest'].items())}, "
                         f"{'= the formula' if c['counts_match'] else str(c['mismatches']) + ' counts off the formula'}"
-                        f"; at K = {pc['regions']}, B = {pc['batch']}, r = {pc['r']}, {pc['itemsize']}-byte: "
+                        f"; the paper's scheme (scan-allreduce) at K = {pc['regions']}, B = {pc['batch']}, "
+                        f"r = {pc['r']}, {pc['itemsize']}-byte: "
                         f"(K−1)·B·r²·2 = {c['paper_jacobians']} B = {c['paper_jacobians'] / 1024:.1f} KiB of "
                         f"Jacobians + {c['paper_bytes'] - c['paper_jacobians']} B broadcast; besides, the replicated "
                         f"embedding's gradient all_reduce: {c['embedding']} B here (not in the paper's count)")

@@ -39,20 +39,20 @@ def gaps(train: pd.DataFrame) -> pd.DataFrame:
 
 def traffic_check(traffic: pd.DataFrame) -> dict:
     """What ``lbi/traffic.csv`` says: whether every interface count measured on real ranks equals the formula, the
-    largest per-rank backward payloads measured (interface by scan, by pipeline; the embedding's all_reduce), and
-    the formula's value at the paper's configuration (bytes, busiest rank)."""
+    largest per-rank backward interface payload measured by mode (``busiest``) and the embedding's all_reduce, and
+    the formula's value for the paper's scheme (scan-allreduce) at the paper's configuration (bytes, busiest rank)."""
     m = traffic[traffic["source"] == "measured"]
     iface = m[m["what"] == "interface"]
     bwd = m[m["phase"] == "backward"]
-    paper = traffic[(traffic["source"] == "paper-config") & (traffic["mode"] == "scan")]
+    paper = traffic[(traffic["source"] == "paper-config") & (traffic["mode"] == "scan-allreduce")]
+    busiest = bwd[bwd["what"] == "interface"].groupby("mode")["bytes"].max()
     return {
         "counts_match": bool(len(iface)) and bool((iface["bytes"] == iface["formula_bytes"]).all()),
         "mismatches": int((iface["bytes"] != iface["formula_bytes"]).sum()),
         "ranks": sorted(int(p) for p in m["ranks"].unique()),
         "r": int(m["r"].iloc[0]) if len(m) else None, "batch": int(m["batch"].iloc[0]) if len(m) else None,
         "itemsize": int(m["itemsize"].iloc[0]) if len(m) else None,
-        "scan_max": int(bwd[(bwd["mode"] == "scan") & (bwd["what"] == "interface")]["bytes"].max()),
-        "pipeline_max": int(bwd[(bwd["mode"] == "pipeline") & (bwd["what"] == "interface")]["bytes"].max()),
+        "busiest": {str(k): int(v) for k, v in busiest.items()},
         "embedding": int(bwd[bwd["what"] == "embedding"]["bytes"].max()),
         "paper_bytes": int(paper["bytes"].max()) if len(paper) else None,
         "paper_jacobians": (int(paper["regions"].iloc[0]) - 1) * int(paper["batch"].iloc[0])

@@ -70,15 +70,19 @@ def draw(results: str | Path, inputs: list, outputs: list) -> None:
     m = traffic[(traffic["source"] == "measured") & (traffic["phase"] == "backward")]
     per = m.groupby(["mode", "what", "ranks"])["bytes"].max().reset_index()
     for (mode, what), style in {("scan", "interface"): dict(color="#1f77b4", marker="o", ls="-"),
+                                ("scan-allreduce", "interface"): dict(color="#d62728", marker="D", ls="-."),
                                 ("pipeline", "interface"): dict(color="#555555", marker="s", ls="--"),
                                 ("scan", "embedding"): dict(color="#2ca02c", marker="^", ls=":")}.items():
         s = per[(per["mode"] == mode) & (per["what"] == what)].sort_values("ranks")
-        name = {"interface": "interface", "embedding": "embedding grad all_reduce (either mode)"}[what]
-        c.plot(s["ranks"], s["bytes"] / 1024, **style, label=f"{mode}: {name}" if what == "interface" else name)
-    paper = traffic[(traffic["source"] == "paper-config") & (traffic["mode"] == "scan")]
+        name = {"scan": "scan (rank_scan)", "scan-allreduce": "scan (the paper's all_reduce)",
+                "pipeline": "pipeline"}[mode] if what == "interface" else "embedding grad all_reduce (every mode)"
+        if len(s):
+            c.plot(s["ranks"], s["bytes"] / 1024, **style, label=name)
+    paper = traffic[(traffic["source"] == "paper-config") & (traffic["mode"] == "scan-allreduce")]
     if len(paper):
         pk = paper["bytes"].max() / 1024
-        c.axhline(pk, color="#9467bd", lw=1, ls="-.", label=f"paper's config (K=8, r=64, B=1, bf16): {pk:.1f} KiB")
+        c.axhline(pk, color="#9467bd", lw=1, ls=(0, (1, 1)),
+                  label=f"paper's scheme and config (K=8, r=64, B=1, bf16): {pk:.1f} KiB")
     c.set_yscale("log")
     plain_log_axis(c, "y", unit="")
     c.set_xlabel("ranks (= regions)")
@@ -92,8 +96,11 @@ def draw(results: str | Path, inputs: list, outputs: list) -> None:
     # (d) backward time: the slowest rank per round, median over rounds
     t = times.groupby(["mode", "ranks", "iteration"])["backward_s"].max().reset_index()
     for mode, style in (("scan", dict(color="#1f77b4", marker="o", ls="-")),
+                        ("scan-allreduce", dict(color="#d62728", marker="D", ls="-.")),
                         ("pipeline", dict(color="#555555", marker="s", ls="--"))):
         s = t[t["mode"] == mode].groupby("ranks")["backward_s"]
+        if not len(s):
+            continue
         med, lo, hi = s.median(), s.quantile(0.25), s.quantile(0.75)
         d.errorbar(med.index, med.values * 1e3, yerr=np.vstack([(med - lo).values, (hi - med).values]) * 1e3,
                    capsize=3, **style, label=f"{mode} backward")
