@@ -261,3 +261,37 @@ def test_the_claims_rows_and_the_figure_come_from_the_measured_files(tmp_path):
     assert out.stat().st_size > 10_000
     with pytest.raises(ValueError, match="lbi/traffic.csv"):
         FIGURES["lbi"].run(str(tmp_path), inputs[:1], [str(out)])
+
+
+# -- the corpus and the training run --------------------------------------------------------------------------------
+
+
+def test_the_corpus_is_cpythons_pydoc_topics_and_splits_cleanly():
+    from bppsa.data import text
+
+    data, info = text.corpus()
+    assert info["corpus"] == "pydoc_data.topics" and info["bytes"] == len(data) > 100_000 and len(info["sha256"]) == 64
+    train, val = text.split(data, 0.1)
+    assert len(train) + len(val) == len(data) and torch.equal(torch.cat([train, val]), data)
+    vx, vy = text.val_windows(val, 16, 5)
+    assert vx.shape == (5, 16) and torch.equal(vx[:, 1:], vy[:, :-1])
+    assert torch.equal(text.val_windows(val, 16, 5)[0], vx)  # the same windows every run
+    with pytest.raises(ValueError, match="val_fraction"):
+        text.split(data, 0)
+    with pytest.raises(ValueError, match="shorter than a window"):
+        text.val_windows(val[:10], 16, 2)
+
+
+def test_training_with_the_scan_backward_follows_autograds_run():
+    from bppsa.bench.lbi import train_run
+
+    kw = dict(regions=3, d=8, heads=2, seq=8, batch=2, steps=4, lr=1e-2, seed=3, eval_every=2, val_count=4)
+    a, fa = train_run("lbi", 3, backward="autograd", **kw)
+    s, fs = train_run("lbi", 3, backward="scan", **kw)
+    assert [r["step"] for r in a] == [2, 4]
+    for ra, rs in zip(a, s):
+        assert ra["train_ce"] == pytest.approx(rs["train_ce"], rel=1e-4)
+        assert ra["val_ce"] == pytest.approx(rs["val_ce"], rel=1e-4)
+    assert fa["val_ce"] == pytest.approx(fs["val_ce"], rel=1e-4) and fa["val_ce"] != pytest.approx(a[0]["val_ce"])
+    with pytest.raises(ValueError, match="needs kind 'lbi'"):
+        train_run("dense", None, backward="scan", **kw)
