@@ -617,8 +617,9 @@ def lbi_claims(results: Path) -> list[Claim]:
             at = 16 if 16 in win.index else int(win.index[len(win) // 2])
             others = ", ".join(f"r = {r}: {win.loc[r, 'gap']:+.3f}" for r in win.index if r != at)
             spread = f" ± {win.loc[at, 'std']:.3f}" if win.loc[at, "seeds"] > 1 else ""
-            measured = (f"r = {at}: {win.loc[at, 'gap']:+.3f}{spread} nats/byte over {int(win.loc[at, 'seeds'])} "
-                        f"seed(s) (each position from its past only: {pre.loc[at, 'gap']:+.3f}); {others}; {size}")
+            measured = "; ".join(p for p in (
+                f"r = {at}: {win.loc[at, 'gap']:+.3f}{spread} nats/byte over {int(win.loc[at, 'seeds'])} seed(s) "
+                f"(each position from its past only: {pre.loc[at, 'gap']:+.3f})", others, size) if p)
             out.append(Claim("LBI (arXiv 2605.09204): validation cross-entropy within 0.16–0.35 of dense at r = 16",
                              "+0.16 to +0.35 (r = 16)", "47–61M block parameters, 20k steps, seeds 7/8/9", measured,
                              label, *lbi_gap_verdict(win.loc[at, "gap"], pre.loc[at, "gap"], at)))
