@@ -257,8 +257,21 @@ def test_the_claims_rows_and_the_figure_come_from_the_measured_files(tmp_path):
                                                                              index=False)
     out = tmp_path / "fig_lbi.png"
     inputs = [str(p) for p in sorted((dev / "lbi").glob("*.csv"))]
+    from test_figures import _assert_reads_at_a_glance
+
+    from bppsa.plots import lbi as lbi_plot
+
     FIGURES["lbi"].run(str(tmp_path), inputs, [str(out)])
     assert out.stat().st_size > 10_000
+    drawn = []
+    save = lbi_plot.save
+    lbi_plot.save = lambda fig, path: drawn.append(fig)  # keep the figure open, as tests/test_figures.py does
+    try:
+        FIGURES["lbi"].run(str(tmp_path), inputs, [str(out)])
+    finally:
+        lbi_plot.save = save
+    assert len(drawn[0].axes) == 4
+    _assert_reads_at_a_glance(drawn[0], "fig_lbi.png")
     with pytest.raises(ValueError, match="lbi/traffic.csv"):
         FIGURES["lbi"].run(str(tmp_path), inputs[:1], [str(out)])
 

@@ -111,7 +111,8 @@ def draw(results: str | Path, inputs: list, outputs: list) -> None:
     d.legend(fontsize=7)
 
     fin = train[train["row"] == "final"].iloc[0]
-    footer = (f"profile {', '.join(sorted(set(map(str, train['profile']))))} · corpus {fin['corpus_corpus']} "
+    device = Path(inputs[0]).parent.parent.name  # results/<device>/lbi/...
+    footer = (f"{device}: profile {', '.join(sorted(set(map(str, train['profile']))))} · corpus {fin['corpus_corpus']} "
               f"(Python {fin['corpus_python']}, {int(fin['corpus_bytes'])} bytes, "
               f"sha256 {str(fin['corpus_sha256'])[:12]}) "
               f"· {int(fin['regions'])} regions × 2 blocks, d = {int(fin['d'])}, T = {int(fin['seq'])}, "
