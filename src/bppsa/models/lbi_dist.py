@@ -28,12 +28,9 @@ bytes, a broadcast its tensor's bytes on the source rank, an all_reduce or an al
 from __future__ import annotations
 
 import contextlib
-import datetime
+import io
 import math
-import os
-import tempfile
 import time
-import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -283,55 +280,21 @@ def rank_worker(rank: int, p: int, sizes: dict, state: dict, x: torch.Tensor, y:
     return out
 
 
-# -- running ranks as processes on this machine (the seam for a shared launcher) ---------------------------------
+# -- running ranks as processes on this machine ------------------------------------------------------------------
 
 
-def _child(rank: int, p: int, store: str, fn, args, out_dir: str, threads: int, timeout: float) -> None:
-    torch.set_num_threads(threads)
-    path = os.path.join(out_dir, f"rank{rank}.pt")
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=p,
-                                timeout=datetime.timedelta(seconds=timeout))
-        result = fn(rank, p, *args)
-        torch.save({"ok": True, "result": result}, path + ".tmp")
-    except BaseException as exc:  # noqa: BLE001 - handed to the parent, which raises naming this rank
-        torch.save({"ok": False, "result": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}, path + ".tmp")
-    finally:
-        os.replace(path + ".tmp", path)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _serialised(rank: int, p: int, fn, *args) -> bytes:
+    """``fn(rank, p, *args)`` as the bytes of ``torch.save``: tensors then cross the launcher's queue by value, not as
+    shared memory that the rank's exit would take away before the parent reads it."""
+    buf = io.BytesIO()
+    torch.save(fn(rank, p, *args), buf)
+    return buf.getvalue()
 
 
 def run_ranks(fn, p: int, args: tuple = (), timeout: float = 300.0, threads: int = 1) -> list:
     """``[fn(0, p, *args), ..., fn(p-1, p, *args)]``, each rank a spawned process in one gloo group (``threads``
-    torch threads each); ``fn`` must be a module-level function.  A rank that fails, or gives no result within
-    ``timeout`` seconds, raises RuntimeError naming it (the others are ended)."""
-    import torch.multiprocessing as mp
+    torch threads each): :func:`bppsa.distributed.launch.run_local`, which names a rank that fails or hangs."""
+    from ..distributed.launch import run_local
 
-    if p < 1:
-        raise ValueError(f"p must be >= 1, got {p}")
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="bppsa-lbi-") as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_child, args=(k, p, store, fn, args, tmp, threads, timeout), daemon=True)
-                 for k in range(p)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        late = [k for k, proc in enumerate(procs) if proc.is_alive()]
-        for k in late:
-            procs[k].kill()
-            procs[k].join()
-        out = []
-        for k in range(p):
-            path = os.path.join(tmp, f"rank{k}.pt")
-            if not os.path.exists(path):
-                why = f"no result within {timeout:g} s" if k in late else f"exit code {procs[k].exitcode}"
-                raise RuntimeError(f"rank {k} of {p} failed: {why}")
-            got = torch.load(path, weights_only=False)
-            if not got["ok"]:
-                raise RuntimeError(f"rank {k} of {p} failed: {got['result']}")
-            out.append(got["result"])
-    return out
+    out = run_local(_serialised, p, (fn, *args), timeout=timeout, threads=threads)
+    return [torch.load(io.BytesIO(b), weights_only=False) for b in out]
