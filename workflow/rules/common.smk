@@ -275,6 +275,18 @@ def get_cnn_bench_args(wildcards, input):
     return f"{models} --L-m {L_m_arg(L_m)}"
 
 
+def get_lbi_measurements():
+    """Latent Bounded Interfaces (workflow/rules/lbi.smk): one training run per model and seed, and the runs on
+    ranks; none without the `lbi` section, or with `lbi.r` or `lbi.ranks` empty."""
+    lbi = config.get("lbi")
+    if not lbi or not lbi["r"] or not lbi["ranks"]:
+        return []
+    models = ["dense"] + [f"r{r}" for r in lbi["r"]]
+    return [
+        f"{RESULTS}/lbi/train_{m}_s{s}.csv" for m in models for s in lbi["seeds"]
+    ] + [f"{RESULTS}/lbi/traffic.csv", f"{RESULTS}/lbi/backward_time.csv"]
+
+
 def get_measurements():
     """Every file this configuration measures in its device folder: what the figures, the report and the
     claims read there. The profile's keys gate these; a figure is drawn where what it reads is among them.
@@ -287,6 +299,7 @@ def get_measurements():
         + get_gru_summaries()
         + get_gru_curves()
         + get_workers()
+        + get_lbi_measurements()
         + [
             f"{VGG_DIR}/accuracy.csv",
             f"{VGG_DIR}/flops.csv",

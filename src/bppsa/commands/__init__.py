@@ -12,6 +12,7 @@ MODULES = {
     "gpu": ("gpu-model", "gpu-measured", "bench-membound"),
     "irmas": ("make-irmas", "mfcc"),
     "jacobians": ("jacobians-table1",),
+    "lbi": ("lbi-train", "lbi-ranks"),
     "plots": ("plot",),
     "recurrent": ("verify", "bench", "train"),
     "report": ("speedups", "compare-speedups", "report"),

@@ -138,4 +138,9 @@ FIGURES: dict[str, Figure] = {f.name: f for f in (
     Figure("workers", "BPPSA with the sequence split over p processes against the pipeline: time and memory per rank",
            "bppsa.plots.workers:draw", ("workers/time.csv", "workers/memory.csv"),
            (Output("results/fig_workers.png", "fig_workers.rst", "CPU benchmarks", "BPPSA across processes"),)),
+    Figure("lbi", "Latent Bounded Interfaces: validation cross-entropy against the dense baseline, bytes per backward, "
+           "backward time by scan and by pipeline across ranks",
+           "bppsa.plots.lbi:draw", ("lbi/train_*.csv", "lbi/traffic.csv", "lbi/backward_time.csv"),
+           (Output("results/fig_lbi.png", "fig_lbi.rst", "Latent Bounded Interfaces", "LBI: quality and traffic"),),
+           overlay=False),
 )}
