@@ -186,7 +186,8 @@ def test_every_size_argument_uses_the_shared_type():
 
     sizes = {"--seq-len", "--seq-lens", "--batch", "--batches", "--batch-size", "--hidden", "--input-size",
              "--samples", "--epochs", "--retrain-epochs", "--iters", "--clips", "--rounds", "--images", "--iterations",
-             "--width-channels", "--test-every", "--test-batches"}
+             "--width-channels", "--test-every", "--test-batches", "--ps", "--d", "--heads", "--seq", "--regions",
+             "--steps", "--ranks", "--repeats", "--eval-every", "--val-windows"}
     seen = 0
     for module in commands.MODULES:
         sub = argparse.ArgumentParser().add_subparsers()

@@ -5,28 +5,29 @@ import pandas as pd
 import torch
 
 from .. import io
+from .argtypes import nonnegative_int, positive_int
 
 
 def _sizes(p) -> None:
-    p.add_argument("--d", type=int, default=64, help="model width")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64, help="sequence length (bytes)")
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--d", type=positive_int, default=64, help="model width")
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--seq", type=positive_int, default=64, help="sequence length (bytes)")
+    p.add_argument("--batch", type=positive_int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (per rank for lbi-ranks)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (per rank for lbi-ranks)")
 
 
 def register(sub) -> None:
     p = sub.add_parser("lbi-train", help="train the LBI language model or its dense baseline on CPython's "
                                          "documentation topics (bytes); validation cross-entropy (CSV)")
     p.add_argument("--kind", choices=("dense", "lbi"), required=True)
-    p.add_argument("--r", type=int, default=None, help="interface rank (kind lbi)")
-    p.add_argument("--regions", type=int, default=4, help="K, regions of two blocks each")
+    p.add_argument("--r", type=positive_int, default=None, help="interface rank (kind lbi)")
+    p.add_argument("--regions", type=positive_int, default=4, help="K, regions of two blocks each")
     _sizes(p)
-    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--steps", type=positive_int, required=True)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--val-windows", type=int, default=64, help="validation windows of --seq bytes")
+    p.add_argument("--eval-every", type=positive_int, default=50)
+    p.add_argument("--val-windows", type=positive_int, default=64, help="validation windows of --seq bytes")
     p.add_argument("--backward", choices=("autograd", "scan"), default="autograd",
                    help="scan: the interface scan backward (the same gradients, more work on one core)")
     p.add_argument("--device", default="cpu", help="cpu | cuda[:N] | auto (a GPU where torch sees one)")
@@ -36,11 +37,11 @@ def register(sub) -> None:
 
     p = sub.add_parser("lbi-ranks", help="LBI with one region per rank (gloo processes): bytes each rank sends per "
                                          "step, and backward time by scan and by pipeline (two CSVs)")
-    p.add_argument("--ranks", type=int, nargs="+", required=True, help="group sizes (= regions), each >= 1")
-    p.add_argument("--r", type=int, default=16)
+    p.add_argument("--ranks", type=positive_int, nargs="+", required=True, help="group sizes (= regions), each >= 1")
+    p.add_argument("--r", type=positive_int, default=16)
     _sizes(p)
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds (one step per mode each)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed rounds (one step per mode each)")
+    p.add_argument("--warmup", type=nonnegative_int, default=1, help="untimed rounds first")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--profile", default="adhoc")
     p.add_argument("--traffic-out", required=True)

@@ -11,18 +11,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .argtypes import positive_int
+
 
 def register(sub) -> None:
     p = sub.add_parser("workers", help="BPPSA over p processes vs the pipeline on the same split: time, memory (CSV)")
-    p.add_argument("--ps", type=int, nargs="+", default=[1, 2], help="process counts (local processes, gloo)")
-    p.add_argument("--seq-len", type=int, default=10000, help="T, split over the processes")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=20)
+    p.add_argument("--ps", type=positive_int, nargs="+", default=[1, 2], help="process counts (local processes, gloo)")
+    p.add_argument("--seq-len", type=positive_int, default=10000, help="T, split over the processes")
+    p.add_argument("--batch", type=positive_int, default=16)
+    p.add_argument("--hidden", type=positive_int, default=20)
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    p.add_argument("--rounds", type=int, default=20, help="timed rounds, every (p, method) once per round")
+    p.add_argument("--rounds", type=positive_int, default=20, help="timed rounds, every (p, method) once per round")
     p.add_argument("--loss", choices=["last", "steps"], default="last",
                    help="a loss on the last state (the paper's RNN) or on every step")
-    p.add_argument("--threads", type=int, default=2,
+    p.add_argument("--threads", type=positive_int, default=2,
                    help="the in-process rival's threads (one process, CPU kernel; 1: not run)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory spawns")
     p.add_argument("--seed", type=int, default=0)
