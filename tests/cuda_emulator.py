@@ -36,9 +36,10 @@ KERNEL_NAMES = {
     "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
     "rnn_jacobians.cu": [f"bppsa_rnn_jacobians_{k}_{s}" for k in ("paper", "fused") for s in ("f32", "f64")],
     "factored.cu": [f"bppsa_factored_{p}_{k}_{s}" for p in ("up_smem", "down") for k in ("rnn", "gru")
-                    for s in ("f32", "f64")] + ["bppsa_factored_carry_f32", "bppsa_factored_carry_f64"],
+                    for s in ("f32", "f64")],
     # compiled per hidden size (plan.up_constants); at the reference H = 20 both dtypes' kernels exist
     "factored_up.cu": [f"bppsa_factored_up_{k}_{s}" for k in ("rnn", "gru") for s in ("f32", "f64")],
+    "factored_warp.cu": ["bppsa_factored_middle_f32", "bppsa_factored_middle_f64"],
 }
 
 
@@ -379,17 +380,18 @@ def emulated_scan(lib, g: np.ndarray, J: np.ndarray, L_m):
 
 
 def emulated_factored(lib, chain, g: np.ndarray, C: int | None = None, grads: bool = False, L_m=None,
-                      c: np.ndarray | None = None):
+                      c: np.ndarray | None = None, warps: int | None = None):
     """CupyFactoredBackend's factored path with the kernels run by the emulator: the same plan
     (:func:`bppsa.backends.cuda.plan.factored_plan`), the same buffers, each with guard bands.
 
-    ``chain``: an RnnChain or GruChain (CPU tensors); ``c`` [n, B, H]: the affine scan's per-step gradients.
+    ``chain``: an RnnChain or GruChain (CPU tensors); ``c`` [n, B, H]: the affine scan's per-step gradients; ``warps``:
+    the middle phase's warps (None: the cost model's choice).
     Returns the scan's output P [n, B, H] (``grads`` False, or a chain without x), else the summed
     parameter-gradient sums [NA, I + 1 + H] (what ``chain.param_grads`` takes), and the chunk size used."""
     n, B, H, _ = chain.shape
     dt = g.dtype
     C, launches = cost_model.factored_plan(chain.kind, n, B, H, chain.I, C, grads=grads, L_m=L_m,
-                                           itemsize=dt.itemsize, affine=c is not None)
+                                           itemsize=dt.itemsize, affine=c is not None, warps=warps)
     shapes = plan.factored_buffers(chain.kind, n, B, H, chain.I, C, launches, L_m)
     arrs = {name: np.full(shape, np.nan, dtype=dt) for name, shape in shapes.items() if shape is not None}
     if shapes["carries"][0] == 1:

@@ -134,25 +134,104 @@ def test_emulated_affine_scan_and_sums(emu, kind, n, B, H, C, dtype):
     assert not np.isnan(acc).any() and _rel(acc, _sums(chain, P_ref)) <= TOL[dtype]
 
 
+def _affine_reference(chain, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """The per-step-gradient scan out[k+1] = J_k out[k] + c_k over the dense Jacobians, in fp64: [n, B, H]."""
+    J, v, out = chain.dense(), g, []
+    for k in range(chain.shape[0]):
+        out.append(v)
+        v = _mv(J[k], v) + c[k]
+    return torch.stack(out)
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("I", [1, 12])
 @pytest.mark.parametrize("B", [1, 3, 16])
 @pytest.mark.parametrize("kind", ["rnn", "gru"])
-def test_register_up_kernel_at_T37_C8(emu, kind, B, I, dtype):
-    """Issue 32's matrix: T = 37 with C = 8 (four whole chunks and a short one), the register up kernel (H = 20) in
-    both dtypes, through the whole emulated backward: the scan's output and the gradient sums against the reference."""
+def test_T37_matrix_register_up_and_one_launch_middle(emu, kind, B, I, dtype):
+    """Issues 32 and 41's matrix: T = 37 in chunks of C = 4 (nine whole chunks and a short one of one step), the
+    register up kernel (H = 20) and the one-launch middle phase with three warps (segments of three transitions: warp 1
+    composes its segment into a map), in both dtypes, through the whole emulated backward: the gradient sums of a
+    single seed and of a loss on every step against the reference (and, at B = 3, the scan's outputs too)."""
     from bppsa.backends.cuda import plan
 
-    n, H, C = 37, 20, 8
-    up = plan.factored_plan(kind, n, B, H, I, C, itemsize=np.dtype(dtype).itemsize)[1][0]
+    n, H, C, W = 37, 20, 4, 3
+    itemsize = np.dtype(dtype).itemsize
+    launches = plan.factored_plan(kind, n, B, H, I, C, itemsize=itemsize, warps=W)[1]
+    up, mid = launches[0], launches[1]
     assert up.kernel == f"bppsa_factored_up_{kind}" and up.consts == plan.up_constants(H)
+    assert (mid.kernel, mid.block, mid.grid) == ("bppsa_factored_middle", 32 * W, B)
+    assert plan.middle_segments(-(-n // C), W) == (3, 3)
     chain = _chain(kind, n, B, H, I, seed=37 + B + I)
-    g = torch.randn(B, H, dtype=torch.float64, generator=torch.Generator().manual_seed(B))
+    gen = torch.Generator().manual_seed(B)
+    g = torch.randn(B, H, dtype=torch.float64, generator=gen)
+    c = torch.randn(n, B, H, dtype=torch.float64, generator=gen)
     P_ref, acc_ref = _reference(chain, g)
-    P, _ = emulated_factored(emu, chain, g.numpy().astype(dtype), C=C)
-    assert not np.isnan(P).any() and _rel(P, P_ref) <= TOL[dtype]
-    acc, _ = emulated_factored(emu, chain, g.numpy().astype(dtype), C=C, grads=True)
+    A_ref = _affine_reference(chain, g, c)
+    gd, cd = g.numpy().astype(dtype), c.numpy().astype(dtype)
+    acc, _ = emulated_factored(emu, chain, gd, C=C, grads=True, warps=W)
     assert not np.isnan(acc).any() and _rel(acc, acc_ref) <= TOL[dtype]
+    acc, _ = emulated_factored(emu, chain, gd, C=C, grads=True, c=cd, warps=W)
+    assert not np.isnan(acc).any() and _rel(acc, _sums(chain, A_ref)) <= TOL[dtype]
+    if B == 3:
+        P, _ = emulated_factored(emu, chain, gd, C=C, warps=W)
+        assert not np.isnan(P).any() and _rel(P, P_ref) <= TOL[dtype]
+        P, _ = emulated_factored(emu, chain, gd, C=C, c=cd, warps=W)
+        assert not np.isnan(P).any() and _rel(P, A_ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("affine", [False, True], ids=["seed", "per-step"])
+@pytest.mark.parametrize("H,warps", [(7, 1), (7, 2), (7, 4), (7, 8), (31, 8), (32, 8), (33, 8)])
+def test_one_launch_middle_tree_shapes(emu, H, warps, affine):
+    """The middle phase's tree over 18 transitions (n = 37, C = 2) with 1, 2, 4 and 8 warps (segments of 18, 9, 5 and 3:
+    a last segment shorter, maps of one to three transitions); H = 31, the widest whose map's H + 1 columns fit a warp;
+    H = 32 (staged, but one warp: plan.middle_max_warps) and H = 33 (rows from global memory, two a lane); fp64."""
+    from bppsa.backends.cuda import plan
+
+    n, B, C = 37, 2, 2
+    mid = plan.factored_plan("rnn", n, B, H, 1, C, itemsize=8, warps=warps, affine=affine)[1][1 + affine]
+    assert mid.kernel == "bppsa_factored_middle" and mid.block == 32 * min(warps, plan.middle_max_warps(H, 8))
+    chain = _chain("rnn", n, B, H, 1, seed=H + warps)
+    gen = torch.Generator().manual_seed(H)
+    g = torch.randn(B, H, dtype=torch.float64, generator=gen)
+    c = torch.randn(n, B, H, dtype=torch.float64, generator=gen) if affine else None
+    want = _affine_reference(chain, g, c) if affine else _reference(chain, g)[0]
+    P, _ = emulated_factored(emu, chain, g.numpy(), C=C, c=None if c is None else c.numpy(), warps=warps)
+    assert not np.isnan(P).any() and _rel(P, want) <= 1e-10
+
+
+@pytest.mark.parametrize("mutation", [
+    ("a[r] = o != nullptr && i < unsigned(H) ? o[i] : T(0);", "a[r] = T(0);"),  # a walk's offset not injected
+    ("N[i] = ofs ? off[tb * H + i] : T(0);", "N[i] = T(0);"),                     # a map's later offsets dropped
+    ("if (w + 1 < Wn) apply_map(v, maps + w * Lt::MAP, lane);", ""),             # a segment's map not applied
+    ("for (int m = 0; m < H; ++m) {  // N += M[:, m] Q[m]", "for (int m = 1; m < H; ++m) {  // N += M[:, m] Q[m]"),
+])
+def test_a_broken_middle_kernel_fails(emu, mutation):
+    """The one-launch middle phase with an injection, a map or a term of a composition dropped: the per-step scan (n =
+    37, C = 2, four warps: segments of five transitions) no longer matches."""
+    import cuda_emulator
+    from cuda_emulator import build_with_constants
+
+    from bppsa.backends.cuda import plan, runtime
+
+    text = (runtime.KERNEL_DIR / "factored_warp.cu").read_text()
+    assert mutation[0] in text
+    H = 7
+    chain = _chain("rnn", 37, 2, H, 1, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    g, c = torch.randn(2, H, dtype=torch.float64, generator=gen), torch.randn(37, 2, H, dtype=torch.float64,
+                                                                              generator=gen)
+    want = _affine_reference(chain, g, c)
+    real = library_for(emu, plan.Launch("bppsa_factored_middle", 1, 32, 0, (), consts=plan.middle_constants(H)))
+    broken = build_with_constants(str(real._name).rsplit("/", 1)[0], "factored_warp.cu", plan.middle_constants(H),
+                                  text.replace(*mutation))
+    orig = cuda_emulator.library_for
+    try:
+        cuda_emulator.library_for = lambda lib, step: broken if step.kernel == "bppsa_factored_middle" else orig(lib,
+                                                                                                               step)
+        P, _ = emulated_factored(emu, chain, g.numpy(), C=2, c=c.numpy(), warps=4)
+    finally:
+        cuda_emulator.library_for = orig
+    assert np.isnan(P).any() or _rel(P, want) > 1e-6
 
 
 @pytest.mark.parametrize("kind", ["rnn", "gru"])
@@ -179,7 +258,8 @@ def test_a_broken_register_up_kernel_fails(emu, kind, mutation):
 
     orig = cuda_emulator.library_for
     try:
-        cuda_emulator.library_for = lambda lib, step: broken if step.consts else lib
+        cuda_emulator.library_for = lambda lib, step: broken if "_up_" in step.kernel and step.consts else orig(lib,
+                                                                                                                 step)
         P, _ = emulated_factored(emu, chain, g.numpy(), C=8)
     finally:
         cuda_emulator.library_for = orig

@@ -29,13 +29,15 @@ def test_each_kernels_shared_loads_per_fma_match_its_sass(arch, itemsize, kind, 
         rec = SASS[arch][f"{launch.kernel}_{SUFFIX[itemsize]}"]
         sass = rec["loop_lds"] / rec["loop_fma"]
         lds = cost_model.Step.of(launch, itemsize).lds_per_fma
-        if launch.consts:
+        if launch.kernel == "bppsa_factored_middle":  # its time is its chain (_middle_clocks), not this ceiling
+            assert lds == pytest.approx(sass, rel=0.25), (launch.kernel, lds, sass)
+        elif launch.consts:
             assert lds == pytest.approx(sass, rel=0.1), (launch.kernel, lds, sass)
             assert lds <= 0.15 if itemsize == 4 else lds <= 0.55
         else:
             assert sass <= lds == cost_model.LDS_PER_FMA <= 2 * sass, (launch.kernel, sass)
         seen.add(launch.kernel)
-    assert {f"bppsa_factored_up_{kind}", f"bppsa_factored_down_{kind}", "bppsa_up_sweep", "bppsa_down_sweep"} <= seen
+    assert {f"bppsa_factored_up_{kind}", f"bppsa_factored_down_{kind}", "bppsa_factored_middle"} <= seen
 
 
 def test_itemsize_picks_the_up_kernel():

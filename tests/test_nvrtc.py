@@ -146,7 +146,7 @@ def _recorded_launches(monkeypatch) -> list[tuple[str, tuple, int]]:
         for chain in (rnn, gru):  # 40 steps in chunks of 4: up, middle, down; the scan and the gradients
             fb.scan(g, chain)
             fb.cell_grads(g, chain, None, None)
-            fb.affine_scan(g, chain, c)  # the per-step gradients: the offsets, the carry kernel, the down kernel
+            fb.affine_scan(g, chain, c)  # the per-step gradients: the offsets, the middle kernel, the down kernel
             fb.affine_cell_grads(g, chain, c, None, None)
         # an H too large for the register up kernel (plan.up_columns): factored.cu's shared-memory up kernel
         H = 41 if dtype == torch.float32 else 21
@@ -236,6 +236,9 @@ def occupancy(arch: int, registers: int, block: int, smem_bytes: int) -> dict[st
     return {"blocks_per_sm": n, "threads_per_sm": n * block, "limited_by_registers": int(by_regs == n)}
 
 
+FACTORED_SOURCES = ("factored.cu", "factored_up.cu", "factored_warp.cu")
+
+
 def _factored_launches() -> dict[str, tuple[int, int]]:
     """Kernel base name -> (threads, dynamic shared memory in elements per dtype suffix) of the default plan at the
     paper's sizes: T = 30000, B = 16, H = 20, the RNN with I = 1 and the GRU with the IRMAS MFCCs' I = 12, training
@@ -252,8 +255,7 @@ def _factored_launches() -> dict[str, tuple[int, int]]:
             out.update({f"{x.kernel}_{suffix}": (x.block, x.smem_elems) for x in launches
                         if x.kernel.startswith("bppsa_factored_")})
             _, affine = cost_model.factored_plan(kind, 30000, 16, H, I, itemsize=itemsize, affine=True)
-            out.update({f"{x.kernel}_{suffix}": (x.block, x.smem_elems) for x in affine
-                        if x.kernel == "bppsa_factored_carry"})
+            assert {x.kernel for x in affine} <= {x.kernel for x in launches}  # the same kernels, the middle's mode 2
             smem_up = plan.factored_smem(kind, H, I, True)[0]
             out[f"bppsa_factored_up_smem_{kind}_{suffix}"] = (plan.up_threads(H), smem_up)
     return out
@@ -263,8 +265,7 @@ def _factored_ptxas() -> dict:
     launches = _factored_launches()
     rec: dict = {"nvrtc": ".".join(map(str, nvrtc.version())), "plan": "T=30000 B=16 H=20, rnn I=1, gru I=12"}
     for arch in ARCHS:
-        report = {**nvrtc.ptxas_report(_compiled("factored.cu", arch).log),
-                  **nvrtc.ptxas_report(_compiled("factored_up.cu", arch).log)}
+        report = {k: v for src in FACTORED_SOURCES for k, v in nvrtc.ptxas_report(_compiled(src, arch).log).items()}
         per = {}
         for name, stats in sorted(report.items()):
             block, elems = launches[name]
@@ -286,7 +287,7 @@ def test_factored_kernels_ptxas_record(nv):
     want = json.loads(PTXAS_RECORD.read_text())
     for arch in ARCHS:
         key = f"sm_{arch}"
-        assert sorted(got[key]) == sorted(want[key]) == sorted(KERNELS["factored.cu"] + KERNELS["factored_up.cu"])
+        assert sorted(got[key]) == sorted(want[key]) == sorted(k for src in FACTORED_SOURCES for k in KERNELS[src])
         for name, g in got[key].items():
             w = want[key][name]
             assert g["spill_stores"] == g["spill_loads"] == 0, (arch, name, g)

@@ -6,11 +6,12 @@ and on disk).  Each kernel has a torch reference twin that tests hold it to:
 
 * ``bppsa_{up_sweep,middle_scan,down_sweep}_{f32,f64}`` -- :func:`bppsa.scan.blelloch_scan`;
 * ``bppsa_rnn_jacobians_{paper,fused}_{f32,f64}`` -- :func:`bppsa.jacobians.recurrent.rnn_jacobians_t`;
-* ``bppsa_factored_{up,up_smem,down}_{rnn,gru}_{f32,f64}`` (``factored_up.cu``, compiled per hidden size, and
-  ``factored.cu``; :class:`CupyFactoredBackend`) -- the scan
+* ``bppsa_factored_{up,up_smem,down}_{rnn,gru}_{f32,f64}`` and ``bppsa_factored_middle_{f32,f64}``
+  (``factored_up.cu`` and ``factored_warp.cu``, compiled per hidden size, and ``factored.cu``;
+  :class:`CupyFactoredBackend`) -- the scan
   over ``chain.dense()`` of a :class:`~bppsa.backends.chain.RnnChain` or
-  :class:`~bppsa.backends.chain.GruChain`, and the parameter-gradient sums the CPU kernel accumulates; with
-  ``bppsa_factored_carry_{f32,f64}``, the per-step-gradient (affine) scan over that chain
+  :class:`~bppsa.backends.chain.GruChain`, and the parameter-gradient sums the CPU kernel accumulates, and the
+  per-step-gradient (affine) scan over that chain
   (:func:`bppsa.scan.affine_blelloch_scan`).
 
 The launch schedule is computed in pure Python by :func:`.plan.scan_plan` from :func:`bppsa.scan.levels`,
@@ -98,8 +99,8 @@ class CupyFactoredBackend(CupyBackend):
     fused layout as :class:`~bppsa.backends.chain.RnnChain`, the GRU as
     :class:`~bppsa.backends.chain.GruChain`, built by torch on the GPU) and no per-step Jacobian is ever
     stored.  Three phases (:func:`.plan.factored_plan`): each thread builds some columns of one chunk's aggregate in
-    registers (up; in shared memory where H is too large); the existing Blelloch kernels scan the aggregates
-    applied to g (middle: vectors come out);
+    registers (up; in shared memory where H is too large); one launch carries g across the aggregates, a warp tree
+    per batch element (middle: vectors come out; the Blelloch kernels where ``L_m`` bounds the tree);
     each block replays its chunk from its carry (down), writing the scan's output or the block's sums of the
     parameter gradients, which one ``torch.sum`` adds.  The paper layout and dense chains take
     :class:`CupyBackend`."""
@@ -191,7 +192,7 @@ class CupyFactoredBackend(CupyBackend):
         if bufs["S"] is not None:
             bufs["S"][0].copy_(g)  # the middle scan's spine starts from g
         elif shapes["carries"][0] > 1:
-            bufs["carries"][0].copy_(g)  # the affine scan's carry kernel starts from g
+            bufs["carries"][0].copy_(g)  # the one-launch middle phase starts from g
         ptr = {k: runtime.pointer(unused if t is None else t) for k, t in bufs.items()}
         ptr["unused"] = runtime.pointer(unused)
         out, s = None, runtime.stream(dev)

@@ -10,14 +10,15 @@
 // blockIdx.x = c * B + b for batch element b; no block ever waits for another:
 //   up:     agg[c][b] = J_{last} ... J_{first} of the chunk, built from the factors: in registers by factored_up.cu
 //           (compiled per H), or here in shared memory (bppsa_factored_up_smem_*) where H is too large for that;
-//   middle: the Blelloch kernels (blelloch.cu) scan (g, agg) into carries[c][b] = agg[c-1] ... agg[0] g;
+//   middle: factored_warp.cu (one launch, compiled per H) carries g across the aggregates, carries[c][b] =
+//           agg[c-1] ... agg[0] g (the Blelloch kernels of blelloch.cu where L_m bounds the tree);
 //   down:   each block replays its chunk from its carry with mat-vecs: the scan's output P[k][b] = the
 //           vector before step k (mode 0), or (mode & 1) the block's sums of the parameter gradients,
 //           acc[block][NA][I + 1 + H] as chain_scan.c accumulates them, which the host adds over the blocks.
 // The per-step-gradient (affine) scan, v_{k+1} = J_k v_k + c_k with c [n][B][H] (mode & 2: every mat-vec adds
 // c_k): the down kernel first runs with mode & 4 from zero, writing each chunk's offset (its replay with the
-// gradients injected, through its last step) to P[c][b]; bppsa_factored_carry then walks the chunks,
-// carries[c+1] = agg[c] carries[c] + offset[c], one block per batch element; then the down kernel as above.
+// gradients injected, through its last step) to P[c][b]; factored_warp.cu's middle kernel (mode & 2) then carries
+// across the chunks, carries[c+1] = agg[c] carries[c] + offset[c]; then the down kernel as above.
 //
 // Every H x H matrix in shared memory has row pitch `pitch` (odd, >= H: plan.smem_pitch), so a warp reading
 // a column (thread i reads row i, the down phase's mat-vec) hits distinct banks; element-wise and row-times-
@@ -208,31 +209,6 @@ __device__ void down(const T* Wt, const T* f, const T* carry, const T* cin, T* P
   }
 }
 
-// Block b (batch element b): the affine scan's carries, carries[c+1][b] = agg[c][b] carries[c][b] + off[c][b] for
-// c = 0 .. K - 2, from carries[0][b] = g (written by the host); thread i computes row i (agg row-major).
-template <typename T>
-__device__ void carry(const T* agg, const T* off, T* carries, idx_t n, idx_t B, idx_t H, idx_t C) {
-  const idx_t b = blockIdx.x, K = (n + C - 1) / C;
-  T* sm = reinterpret_cast<T*>(BPPSA_SMEM);
-  T* v = sm;     // H: carries[c][b]
-  T* w = v + H;  // H: carries[c + 1][b]
-  for (idx_t i = threadIdx.x; i < H; i += blockDim.x) v[i] = carries[b * H + i];
-  __syncthreads();
-  for (idx_t c = 0; c + 1 < K; ++c) {
-    const T* M = agg + (c * B + b) * H * H;
-    for (idx_t i = threadIdx.x; i < H; i += blockDim.x) {
-      T a = off[(c * B + b) * H + i];
-      for (idx_t j = 0; j < H; ++j) a += M[i * H + j] * v[j];
-      w[i] = a;
-      carries[((c + 1) * B + b) * H + i] = a;
-    }
-    __syncthreads();
-    T* tmp = v;
-    v = w;
-    w = tmp;
-  }
-}
-
 }  // namespace bppsa_factored
 
 #define BPPSA_FACTORED_KERNELS(T, SUFFIX, KIND, NAME)                                                         \
@@ -255,17 +231,3 @@ BPPSA_FACTORED_KERNELS(float, f32, 0, rnn)
 BPPSA_FACTORED_KERNELS(double, f64, 0, rnn)
 BPPSA_FACTORED_KERNELS(float, f32, 1, gru)
 BPPSA_FACTORED_KERNELS(double, f64, 1, gru)
-
-#define BPPSA_FACTORED_CARRY(T, SUFFIX)                                                                       \
-  extern "C" __global__ void bppsa_factored_carry_##SUFFIX(const T* agg, const T* off, T* carries, idx_t n,     \
-                                                          idx_t B, idx_t H, idx_t I, idx_t C, idx_t pitch,     \
-                                                          idx_t G, idx_t mode) {                               \
-    (void)I;                                                                                                  \
-    (void)pitch;                                                                                              \
-    (void)G;                                                                                                  \
-    (void)mode;                                                                                               \
-    bppsa_factored::carry<T>(agg, off, carries, n, B, H, C);                                                  \
-  }
-
-BPPSA_FACTORED_CARRY(float, f32)
-BPPSA_FACTORED_CARRY(double, f64)

@@ -153,6 +153,47 @@ def up_reg_smem(kind: str, H: int, itemsize: int) -> int:
     return FACTORED_KINDS[kind][0] * H * (-(-H // v) * v)
 
 
+MIDDLE_MAX_WARPS = 8  # warps (segments) of the one-launch middle phase: <= 8 x 256 registers a block
+MIDDLE_SMEM_BYTES = 48 * 1024  # its shared memory stays under the static limit (no opt-in, any GPU)
+
+
+def middle_constants(H: int) -> tuple[tuple[str, int], ...]:
+    """The compile-time constants of ``factored_warp.cu`` for hidden size H (one module per H, both dtypes)."""
+    return (("BPPSA_H", H),)
+
+
+def middle_smem(H: int, itemsize: int, warps: int) -> int:
+    """Shared memory (elements) of the one-launch middle phase (``factored_warp.cu``) with ``warps`` warps: each its
+    staged aggregate (H rows at a pitch of 16 bytes' multiple, H <= 32); with more than one warp also each its composed
+    map [H + 1][H] and its segment's starting carry [H]."""
+    v = 16 // itemsize
+    mat = H * (-(-H // v) * v) if H <= 32 else 0
+    return warps * mat + (warps * (H * (H + 1) + H) if warps > 1 else 0)
+
+
+def middle_max_warps(H: int, itemsize: int) -> int:
+    """The most warps the middle phase may take: 1 where a warp cannot hold a composed map's H + 1 columns (H > 31),
+    else up to MIDDLE_MAX_WARPS within MIDDLE_SMEM_BYTES of shared memory."""
+    if H > 31:
+        return 1
+    return max(1, min(MIDDLE_MAX_WARPS, max(w for w in range(1, MIDDLE_MAX_WARPS + 1)
+                                            if middle_smem(H, itemsize, w) * itemsize <= MIDDLE_SMEM_BYTES)))
+
+
+def middle_depth(H: int, itemsize: int) -> int:
+    """Aggregates the middle phase's warp streams ahead in registers (``factored_warp.cu``'s Layout::D): up to 4 within
+    64 32-bit registers of ceil(H² / 32) elements each."""
+    ns = -(-H * H // 32) if H <= 32 else 1
+    return max(1, min(4, 64 // (ns * (itemsize // 4))))
+
+
+def middle_segments(K: int, warps: int) -> tuple[int, int]:
+    """(segment length L, non-empty segments Wn) of the middle phase's K - 1 transitions over ``warps`` warps."""
+    nt = K - 1
+    L = -(-nt // warps)
+    return L, -(-nt // L)
+
+
 def smem_pitch(H: int) -> int:
     """The row pitch (elements) of every H x H matrix the factored kernels keep in shared memory: the
     smallest odd number >= H.  A warp that reads a column (thread i reads row i, as the down phase's
@@ -226,7 +267,7 @@ def factored_smem(kind: str, H: int, I: int, grads: bool) -> tuple[int, int]:
 @functools.lru_cache(maxsize=256)
 def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: bool = True,
                   L_m: int | None = None, itemsize: int = 4, register_up: bool = True,
-                  affine: bool = False) -> tuple[int, tuple[Launch, ...]]:
+                  affine: bool = False, warps: int = 1) -> tuple[int, tuple[Launch, ...]]:
     """The launches of the factored backward over a chain of ``n`` steps (``kind`` "rnn": J_k = W^T diag(d_k);
     "gru": J_k = sum_g W_hg^T diag(c_g,k) + diag(z_k)): (chunk size C, launches in order).
 
@@ -236,8 +277,13 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: b
       never uses it: one pair of K·B).  Where NC columns do not fit the registers (H > 40 in fp32, H > 20 in fp64
       for ``itemsize`` 4 or 8), ``bppsa_factored_up_smem_<kind>`` (``factored.cu``): block c * B + b builds the
       aggregate in shared memory;
-    * middle: the scan of :func:`scan_plan` over (g, M_0 .. M_{K-1}), K + 1 positions: the carries
-      [K, B, H], carry_c = M_{c-1} ... M_0 g (``L_m`` bounds its tree, as for any scan);
+    * middle, ``bppsa_factored_middle`` (``factored_warp.cu``, compiled for this H), one launch: block b (batch
+      element b) writes the carries [K, B, H], carry_{c+1} = M_c carry_c from carry_0 = g, its ``warps`` warps (at
+      most :func:`middle_max_warps`) a two-level tree over the K - 1 transitions (:func:`middle_segments`: warp 0 walks
+      the first segment while the others compose theirs into one map each, warp 0 applies the maps, every warp walks
+      its segment); the cost model picks ``warps`` (:func:`.cost_model.middle_warps`).  Where ``L_m`` is given, the
+      paper's heterogeneous Blelloch scan of :func:`scan_plan` over (g, M_0 .. M_{K-1}) instead (``L_m`` bounds its
+      tree, as for any scan);
     * down, ``bppsa_factored_down_<kind>``: block c * B + b replays chunk c from its carry with mat-vecs and
       writes the scan's output P [n, B, H] (``grads`` False, or I = 0), or accumulates the block's sums of the
       parameter gradients [NA, I + 1 + H] (the CPU kernel's ``acc``) for every block, [K·B, NA, I + 1 + H];
@@ -245,8 +291,8 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: b
 
     ``affine``: the per-step-gradient scan, v_{k+1} = J_k v_k + c_k (the down kernels' mode & 2: each mat-vec adds
     c_k).  The middle scan is then, after the up kernel, the down kernel from zero (mode & 4) writing each chunk's
-    offset [K, B, H] (its replay with the c_k injected), and ``bppsa_factored_carry``: one block per batch element
-    walks the K - 1 chunks, carry_{c+1} = M_c carry_c + offset_c (pointers ``(aggregates, offsets, carries)``).
+    offset [K, B, H] (its replay with the c_k injected), and the middle kernel with mode & 2: carry_{c+1} =
+    M_c carry_c + offset_c (its pointers are ``(aggregates, offsets, carries)``; the single seed's offsets: a stand-in).
 
     C is the caller's: the cost model's :func:`.cost_model.chunk_size` picks it where none is given (it evaluates
     this plan, so the plan cannot ask it back).  K = 1 (n <= C) is the down launch alone, from g.  Every kernel takes
@@ -297,10 +343,10 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: b
             launches.append(Launch(f"bppsa_factored_down_{kind}", K * B, down_threads(H, False), smem_off,
                                    ints[:-1] + (2 | 4,), moved=B * chunks(lambda L: NW * HH + L * (nfo + 1) * H + H),
                                    flop=B * chunks(lambda L: L * (NW * H + _matvec_flop(kind, H) + H))))
-            launches.append(Launch("bppsa_factored_carry", B, down_threads(H, False), 2 * H, ints,
-                                   moved=B * ((K - 1) * (HH + 2 * H) + H), flop=B * (K - 1) * (2 * HH + H)))
-        else:
+        if L_m is not None and not affine:
             launches.extend(scan_plan(K + 1, B, H, L_m)[1])
+        else:
+            launches.append(middle_launch(n, B, H, I, C, itemsize, affine, warps))
     nfd = 1 if kind == "rnn" else (5 if grads else 4)
     # t = factors ⊙ v every step (NW·H products); the mat-vec to the next step (all but the chunk's last):
     # RNN 2H² (W^T t), GRU 6H² + H (three W^T t and z ⊙ v).
@@ -327,6 +373,27 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: b
     return C, tuple(launches)
 
 
+def middle_launch(n: int, B: int, H: int, I: int, C: int, itemsize: int, affine: bool, warps: int) -> Launch:
+    """The one-launch middle phase over the K = ceil(n / C) chunks (``factored_plan``'s middle): ``warps`` clamped to
+    [1, min(:func:`middle_max_warps`, K - 1)].  Counts, per batch element: every transition's aggregate read by the walk
+    that writes its carry, the composed segments' read once more, the carries written and g read (and each offset read
+    as often as its aggregate); a mat-vec per walked transition, (H + 1) columns of an H x H product per composed one
+    after a segment's first, and a map (H x (H + 1)) applied per segment start."""
+    K = -(-n // C)
+    W = max(1, min(warps, middle_max_warps(H, itemsize), K - 1))
+    L, Wn = middle_segments(K, W)
+    nt = K - 1
+    composed = L * max(0, Wn - 2) if W > 1 else 0  # the transitions composed (segments 1 .. Wn - 2)
+    HH = H * H
+    moved = B * ((nt + composed) * HH + nt * H + H + ((nt + composed) * H if affine else 0))
+    flop = B * (nt * 2 * HH + max(0, composed - max(0, Wn - 2)) * 2 * HH * (H + 1) + max(0, Wn - 2) * (2 * HH + H)
+                + (nt * H if affine else 0))
+    mode = 2 if affine else 0
+    return Launch("bppsa_factored_middle", B, 32 * W, middle_smem(H, itemsize, W),
+                  (n, B, H, I, C, smem_pitch(H), FACTORED_GROUP, mode), moved=moved, flop=flop,
+                  consts=middle_constants(H))
+
+
 def _matvec_flop(kind: str, H: int) -> int:
     """FLOP of one step's mat-vec in the down kernel: RNN 2H² (W^T t), GRU 6H² + H (three W^T t and z ⊙ v)."""
     return 2 * H * H if kind == "rnn" else 6 * H * H + H
@@ -336,6 +403,8 @@ def factored_source(launch: Launch) -> str | None:
     """The source a factored plan's launch runs from (None: torch's reduction)."""
     if launch.kernel == "torch.sum":
         return None
+    if launch.kernel == "bppsa_factored_middle":
+        return "factored_warp.cu"
     if launch.consts:
         return "factored_up.cu"
     return "factored.cu" if launch.kernel.startswith("bppsa_factored_") else "blelloch.cu"
@@ -346,7 +415,7 @@ def factored_buffers(kind: str, n: int, B: int, H: int, I: int, C: int, launches
     """The work buffers of a factored plan (``C, launches`` from :func:`factored_plan`) by name, and their shapes;
     None where no launch of the plan touches one (a one-element stand-in then gives the kernel a real address).
     ``carries`` [K, B, H]: with one chunk, ∇h_T itself; with a middle scan (``S``: ∇h_T, then one vector per level)
-    its output; else (the affine scan's carry kernel) ∇h_T first.  ``P``: the scan's output; ``accs``: the
+    its output; else (the middle kernel) ∇h_T first.  ``P``: the scan's output; ``accs``: the
     parameter-gradient sums per block (the plan ends in their ``torch.sum``); ``agg``: the chunks' aggregates;
     ``offsets``: the affine scan's per-chunk offsets.  The operands a caller brings (``Wt``, ``f``, ``c``) are not
     among them (:func:`factored_operands`)."""
@@ -357,7 +426,8 @@ def factored_buffers(kind: str, n: int, B: int, H: int, I: int, C: int, launches
     return {"carries": (K, B, H), "agg": (K, B, H, H) if K > 1 else None, "P": None if sums else (n, B, H),
             "accs": (K * B, NA, NBV) if sums else None,
             "S": (_scan.tree_levels(K + 1, L_m) + 1, B, H) if middle else None,
-            "offsets": (K, B, H) if not middle and K > 1 else None}
+            "offsets": (K, B, H) if any(x.ints[-1] & 4 for x in launches if x.kernel.startswith("bppsa_factored_down"))
+            else None}
 
 
 def factored_operands(launch: Launch, bufs: dict) -> tuple:
@@ -370,7 +440,7 @@ def factored_operands(launch: Launch, bufs: dict) -> tuple:
         return b["agg"], b["S"], b["carries"]
     if "_up_" in launch.kernel:
         return b["Wt"], b["f"], b["agg"]
-    if launch.kernel == "bppsa_factored_carry":
+    if launch.kernel == "bppsa_factored_middle":
         return b["agg"], b["offsets"], b["carries"]
     if launch.ints[-1] & 4:  # the affine scan's offsets, from zero: no output of P or sums
         return b["Wt"], b["f"], b["carries"], b["c"], b["offsets"], b["unused"]
