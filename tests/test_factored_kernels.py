@@ -80,6 +80,21 @@ def _sums(chain, P: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+def _flat(chain, acc) -> np.ndarray:
+    """The flat parameter gradients (what the kernels write: plan.grad_index) from sums [NA, I + 1 + H]."""
+    from bppsa.backends.cuda import plan
+
+    index, _ = plan.grad_index(chain.grad_layout(), chain.I + 1 + chain.shape[2])
+    return np.asarray(acc, dtype=np.float64).reshape(-1)[index]
+
+
+def _views(chain, flat):
+    from bppsa.backends.cuda import plan
+
+    return plan.grad_views(torch.as_tensor(np.asarray(flat, dtype=np.float64)), chain.grad_layout(),
+                           chain.I + 1 + chain.shape[2])
+
+
 def _rel(got, ref) -> float:
     got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
     scale = np.abs(ref).max()
@@ -105,11 +120,11 @@ def test_emulated_factored_scan_and_sums(emu, kind, n, B, H, C, dtype):
     assert not np.isnan(P).any(), "a position was never written"
     assert _rel(P, P_ref) <= TOL[dtype]
     acc, _ = emulated_factored(emu, chain, gd, C=C, grads=True)
-    assert acc.shape == acc_ref.shape and not np.isnan(acc).any()
-    assert _rel(acc, acc_ref) <= TOL[dtype]
-    got = chain.param_grads(torch.from_numpy(acc.astype(np.float64)))
-    for name, ref in chain.param_grads(acc_ref).items():
-        assert _rel(got[name], ref) <= TOL[dtype], name
+    assert acc.shape == _flat(chain, acc_ref).shape and not np.isnan(acc).any()
+    assert _rel(acc, _flat(chain, acc_ref)) <= TOL[dtype]
+    got = _views(chain, acc)
+    for name, ref in chain.param_grads(acc_ref).items():  # the views are the parameters' gradients
+        assert got[name].shape == ref.shape and _rel(got[name], ref) <= TOL[dtype], name
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["fp64", "fp32"])
@@ -131,7 +146,7 @@ def test_emulated_affine_scan_and_sums(emu, kind, n, B, H, C, dtype):
     P, used = emulated_factored(emu, chain, g.numpy().astype(dtype), C=C, c=c.numpy().astype(dtype))
     assert used == C and not np.isnan(P).any() and _rel(P, P_ref) <= TOL[dtype]
     acc, _ = emulated_factored(emu, chain, g.numpy().astype(dtype), C=C, grads=True, c=c.numpy().astype(dtype))
-    assert not np.isnan(acc).any() and _rel(acc, _sums(chain, P_ref)) <= TOL[dtype]
+    assert not np.isnan(acc).any() and _rel(acc, _flat(chain, _sums(chain, P_ref))) <= TOL[dtype]
 
 
 def _affine_reference(chain, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -169,9 +184,9 @@ def test_T37_matrix_register_up_and_one_launch_middle(emu, kind, B, I, dtype):
     A_ref = _affine_reference(chain, g, c)
     gd, cd = g.numpy().astype(dtype), c.numpy().astype(dtype)
     acc, _ = emulated_factored(emu, chain, gd, C=C, grads=True, warps=W)
-    assert not np.isnan(acc).any() and _rel(acc, acc_ref) <= TOL[dtype]
+    assert not np.isnan(acc).any() and _rel(acc, _flat(chain, acc_ref)) <= TOL[dtype]
     acc, _ = emulated_factored(emu, chain, gd, C=C, grads=True, c=cd, warps=W)
-    assert not np.isnan(acc).any() and _rel(acc, _sums(chain, A_ref)) <= TOL[dtype]
+    assert not np.isnan(acc).any() and _rel(acc, _flat(chain, _sums(chain, A_ref))) <= TOL[dtype]
     if B == 3:
         P, _ = emulated_factored(emu, chain, gd, C=C, warps=W)
         assert not np.isnan(P).any() and _rel(P, P_ref) <= TOL[dtype]
@@ -221,8 +236,8 @@ def test_a_broken_middle_kernel_fails(emu, mutation):
     g, c = torch.randn(2, H, dtype=torch.float64, generator=gen), torch.randn(37, 2, H, dtype=torch.float64,
                                                                               generator=gen)
     want = _affine_reference(chain, g, c)
-    real = library_for(emu, plan.Launch("bppsa_factored_middle", 1, 32, 0, (), consts=plan.middle_constants(H)))
-    broken = build_with_constants(str(real._name).rsplit("/", 1)[0], "factored_warp.cu", plan.middle_constants(H),
+    real = library_for(emu, plan.Launch("bppsa_factored_middle", 1, 32, 0, (), consts=plan.warp_constants(H, 1)))
+    broken = build_with_constants(str(real._name).rsplit("/", 1)[0], "factored_warp.cu", plan.warp_constants(H, 1),
                                   text.replace(*mutation))
     orig = cuda_emulator.library_for
     try:
@@ -266,6 +281,53 @@ def test_a_broken_register_up_kernel_fails(emu, kind, mutation):
     assert np.isnan(P).any() or _rel(P, P_ref) > 1e-6
 
 
+@pytest.mark.parametrize("source,mutation", [
+    ("factored_warp.cu", ("nv = (nv + ck) * one;", "nv = nv * one;")),                   # c_k not injected
+    ("factored_warp.cu", ("bsum[i * NBV + q] += acc[q];", "bsum[i * NBV + q] = acc[q];")),  # a warp's sums lost
+    ("factored_warp.cu", ("if (q <= I) acc[2 * NBV + q] += dn * cq;", "")),               # the GRU's dN dropped
+    ("factored_warp.cu", ("if (!sums && !offset && row) P[", "if (!sums && !offset && row && b > 0) P[")),  # P lost
+    ("factored.cu", ("for (unsigned w = 0; w < W; ++w) s += part[w * 32 + lane];", "s = part[lane];")),  # warps' parts
+    ("factored.cu", ("      s1 += a[(p + W) * entries];", "")),                          # every other part dropped
+])
+def test_a_broken_warp_down_kernel_or_reduction_fails(emu, source, mutation):
+    """The warp down kernel and the gradients' reduction with an injection, a reduction or a gradient row dropped: the
+    per-step scan's flat gradients of the GRU (T = 37, C = 1: 111 pairs in 14 blocks of the down kernel, so the
+    reduction's eight warps add one or two parts each) or, for P, the scan's output, no longer match."""
+    import cuda_emulator
+    from cuda_emulator import KERNEL_NAMES, build_source, build_with_constants
+
+    from bppsa.backends.cuda import plan, runtime
+
+    text = (runtime.KERNEL_DIR / source).read_text()
+    assert mutation[0] in text
+    H, I, B = 7, 2, 3
+    chain = _chain("gru", 37, B, H, I, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    g, c = torch.randn(B, H, dtype=torch.float64, generator=gen), torch.randn(37, B, H, dtype=torch.float64,
+                                                                              generator=gen)
+    A_ref = _affine_reference(chain, g, c)
+    real = library_for(emu, plan.Launch("bppsa_factored_middle", 1, 32, 0, (), consts=plan.warp_constants(H, I)))
+    folder = str(real._name).rsplit("/", 1)[0]
+    if source == "factored_warp.cu":
+        broken = build_with_constants(folder, source, plan.warp_constants(H, I), text.replace(*mutation))
+        pick = lambda lib, step: broken if plan.factored_source(step) == source else orig(lib, step)  # noqa: E731
+    else:
+        body = (runtime.KERNEL_DIR / "blelloch.cu").read_text() + "\n" + text.replace(*mutation)
+        broken = build_source(folder, body, tuple(KERNEL_NAMES["blelloch.cu"] + KERNEL_NAMES["factored.cu"]))
+        pick = lambda lib, step: orig(lib, step) if step.consts else broken  # noqa: E731
+    orig = cuda_emulator.library_for
+    try:
+        cuda_emulator.library_for = pick
+        if "P[" in mutation[0]:
+            got, want = emulated_factored(emu, chain, g.numpy(), C=1, c=c.numpy(), warps=3)[0], A_ref
+        else:
+            got = emulated_factored(emu, chain, g.numpy(), C=1, grads=True, c=c.numpy(), warps=3)[0]
+            want = _flat(chain, _sums(chain, A_ref))
+    finally:
+        cuda_emulator.library_for = orig
+    assert np.isnan(got).any() or _rel(got, want) > 1e-6
+
+
 def test_emulated_factored_middle_with_bounded_tree(emu):
     chain = _chain("rnn", 45, 2, 5, 1, seed=4)
     g = torch.randn(2, 5, dtype=torch.float64)
@@ -305,7 +367,7 @@ class EmulatedFactored(TorchBackend):
 
     def cell_grads(self, g, J, L_m, from_scan):
         acc, _ = emulated_factored(self.lib, J, g.numpy(), C=self.C, grads=True, L_m=L_m)
-        return J.param_grads(torch.from_numpy(acc))
+        return _views(J, acc)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
@@ -377,7 +439,8 @@ def test_cupy_factored_matches_the_torch_twin(kind, T, B, H, C, dtype):
         return
     acc = be._factored(g, chain, None, grads=True, C=C)
     _, acc_ref = _reference(_cpu64(chain), g.double().cpu())
-    assert acc.shape == acc_ref.shape and _rel(acc.cpu(), acc_ref) <= tol
+    want = _flat(_cpu64(chain), acc_ref)
+    assert acc.shape == want.shape and _rel(acc.cpu(), want) <= tol
 
 
 @pytest.mark.gpu
@@ -504,7 +567,7 @@ def test_backend_refuses_what_does_not_fit_in_shared_memory(monkeypatch):
     small = be.gru_jacobians_t(x[:, :, :3], torch.zeros(40, 2, 5, dtype=torch.float64), torch.nn.GRU(3, 5).double())
     monkeypatch.setattr(runtime, "pointer", lambda t: t)
     be.scan(torch.zeros(2, 5, dtype=torch.float64), small)  # fits: up, the middle scan, down
-    assert [a[1].kernel for a in launched][0] == "bppsa_factored_up_gru" and launched[-1][0] == "factored.cu"
+    assert [a[1].kernel for a in launched][0] == "bppsa_factored_up_gru" and launched[-1][0] == "factored_warp.cu"
 
 
 def test_gradient_sums_that_do_not_fit_fall_back_to_the_scan(monkeypatch):
@@ -566,4 +629,4 @@ def test_torch_built_factors_as_the_gpu_builds_them(emu, kind):
     P_ref, acc_ref = _reference(torch_built, g)
     P, _ = emulated_factored(emu, torch_built, g.numpy(), C=4)
     acc, _ = emulated_factored(emu, torch_built, g.numpy(), C=4, grads=True)
-    assert _rel(P, P_ref) <= 1e-10 and _rel(acc, acc_ref) <= 1e-10
+    assert _rel(P, P_ref) <= 1e-10 and _rel(acc, _flat(torch_built, acc_ref)) <= 1e-10

@@ -78,13 +78,13 @@ def test_rnn_plan_counts_by_hand():
     assert C == 2
     up, mid, down, red = launches
     # the middle phase in one launch, one warp: g carried across M_0 and M_1 (two mat-vecs of 2 x 2)
-    assert (mid.kernel, mid.grid, mid.block, mid.consts) == ("bppsa_factored_middle", 1, 32, (("BPPSA_H", 2),))
+    assert (mid.kernel, mid.grid, mid.block, mid.consts) == ("bppsa_factored_middle", 1, 32, plan.warp_constants(2, 1))
     assert plan.factored_source(mid) == "factored_warp.cu" and mid.ints[-1] == 0
     assert (mid.moved, mid.flop) == (2 * 4 + 2 * 2 + 2, 2 * 8)  # two aggregates read, two carries written, g read
     # with L_m the paper's heterogeneous Blelloch scan over (g, M_0, M_1, M_2) instead
     assert plan.factored_plan("rnn", 5, 1, 2, 1, 2, L_m=1)[1][1:-2] == plan.scan_plan(4, 1, 2, 1)[1]
-    assert (up.kernel, up.grid, up.block, down.kernel, down.grid, red.kernel) == (
-        "bppsa_factored_up_rnn", 1, 32, "bppsa_factored_down_rnn", 3, "torch.sum")  # 3 pairs: one warp
+    assert (up.kernel, up.grid, up.block, down.kernel, down.grid, down.block, red.kernel) == (
+        "bppsa_factored_up_rnn", 1, 32, "bppsa_factored_down_warp_rnn", 1, 256, "bppsa_factored_grads")  # 3 pairs
     assert up.ints == down.ints == (5, 1, 2, 1, 2, 3, plan.FACTORED_GROUP, 1)
     # up, per block: W^T (4) read, d (2 per step) read, the aggregate (4) written: 4+4+4, 4+4+4, 4+2+4
     assert up.moved == 12 + 12 + 10
@@ -94,8 +94,10 @@ def test_rnn_plan_counts_by_hand():
     assert down.moved == (4 + 2 + 4 + 6 + 8) * 2 + (4 + 2 + 2 + 3 + 8)
     # per step: t = d v (2), the rows d ⊙ v (2), 8 entries updated (16); per step but the chunk's last: W^T t (8)
     assert down.flop == 5 * (2 + 2 + 16) + 2 * 8
-    # the reduction: 3 blocks of 8 sums read, 8 written, 2 x 8 additions
-    assert (red.moved, red.flop) == (32, 16)
+    # the reduction: the one block's sums (8 entries, all of them gradients: W_ih 2, b_ih 2, b_hh 2, W_hh 4 -> 10
+    # flat elements) read through the map (10) and written (10); one part: no additions
+    assert plan.grad_total("rnn", 2, 1) == 10 and red.ints == (1, 8, 10)
+    assert (red.moved, red.flop) == (30, 0)
 
 
 def test_gru_plan_counts_by_hand():
@@ -113,18 +115,19 @@ def test_gru_plan_counts_by_hand():
     # per step but the last of its chunk: three W^T t and z v (7)
     assert plan.grad_entries("gru", 1, 1) == 10
     assert down.flop == 3 * (3 + 4 + 20) + 7
-    assert (red.moved, red.flop) == (3 * 12, 12)
+    # the reduction: one block of the warp kernel; 3 (W_ih) + 3 + 3 (biases) + 3 (W_hh) flat elements
+    assert red.ints == (1, 12, 12) and (red.moved, red.flop) == (3 * 12, 0)
 
 
 def test_scan_only_plan_and_one_chunk():
     _, launches = plan.factored_plan("rnn", 5, 2, 2, 1, 2, grads=False)
-    assert launches[-1].kernel == "bppsa_factored_down_rnn" and launches[-1].ints[-1] == 0
+    assert launches[-1].kernel == "bppsa_factored_down_warp_rnn" and launches[-1].ints[-1] == 0
     # down without gradients: W^T, carry and d as before, and P written (H per step)
     assert launches[-1].moved == 2 * ((4 + 2 + 4) * 2 + (4 + 2 + 2)) + 5 * 2 * 2
     C, launches = plan.factored_plan("gru", 5, 2, 3, 4, 8)  # n < C: the down phase alone, from g
-    assert C == 8 and [x.kernel for x in launches] == ["bppsa_factored_down_gru", "torch.sum"]
+    assert C == 8 and [x.kernel for x in launches] == ["bppsa_factored_down_warp_gru", "bppsa_factored_grads"]
     _, launches = plan.factored_plan("rnn", 16, 2, 3, 0, 16)  # n == C, no x: down alone, writing P
-    assert [x.kernel for x in launches] == ["bppsa_factored_down_rnn"]
+    assert [x.kernel for x in launches] == ["bppsa_factored_down_warp_rnn"]
     with pytest.raises(ValueError, match="unknown chain kind"):
         plan.factored_plan("lstm", 5, 1, 2, 1, 2)
 

@@ -101,8 +101,10 @@ class CupyFactoredBackend(CupyBackend):
     stored.  Three phases (:func:`.plan.factored_plan`): each thread builds some columns of one chunk's aggregate in
     registers (up; in shared memory where H is too large); one launch carries g across the aggregates, a warp tree
     per batch element (middle: vectors come out; the Blelloch kernels where ``L_m`` bounds the tree);
-    each block replays its chunk from its carry (down), writing the scan's output or the block's sums of the
-    parameter gradients, which one ``torch.sum`` adds.  The paper layout and dense chains take
+    a warp per (chunk, batch element) pair replays its chunk from its carry (down; a block per pair in shared memory
+    where its registers would not hold it), writing the scan's output or the pair's sums of the parameter gradients,
+    which one more kernel adds in a fixed order into the flat gradients (their views are what ``cell_grads``
+    returns).  The paper layout and dense chains take
     :class:`CupyBackend`."""
 
     name = "cupy-factored"
@@ -133,7 +135,7 @@ class CupyFactoredBackend(CupyBackend):
             # the scan's output, then the parameter gradients as GEMMs: also where the sums' block would not fit
             # this GPU's shared memory (the GRU at H = 64 in fp64 on an H100/H200: 259 KiB of 227)
             return from_scan(self.scan(g, J, L_m))
-        return J.param_grads(self._factored(g, J, L_m, grads=True))
+        return plan.grad_views(self._factored(g, J, L_m, grads=True), J.grad_layout(), J.I + 1 + J.shape[2])
 
     def affine_scan(self, g: torch.Tensor, J, c: torch.Tensor, L_m: int | None = None,
                     past: torch.Tensor | None = None) -> torch.Tensor:
@@ -146,7 +148,7 @@ class CupyFactoredBackend(CupyBackend):
     def affine_cell_grads(self, g, J, c, L_m, from_scan) -> dict[str, torch.Tensor]:
         if not _factored(J) or not J.I or not self.sums_fit(J, g.dtype, g.device):
             return from_scan(self.affine_scan(g, J, c, L_m))
-        return J.param_grads(self._factored(g, J, L_m, grads=True, c=c))
+        return plan.grad_views(self._factored(g, J, L_m, grads=True, c=c), J.grad_layout(), J.I + 1 + J.shape[2])
 
     @staticmethod
     def sums_fit(chain, dtype: torch.dtype, device: torch.device) -> bool:
@@ -159,7 +161,7 @@ class CupyFactoredBackend(CupyBackend):
 
     def _factored(self, g: torch.Tensor, chain, L_m, grads: bool, C: int | None = None,
                   c: torch.Tensor | None = None) -> torch.Tensor:
-        """The scan's output P [n, B, H], or (``grads``) the sums [NA, I + 1 + H] that ``chain.param_grads`` takes;
+        """The scan's output P [n, B, H], or (``grads``) the flat parameter gradients (:func:`.plan.grad_index`);
         ``c`` [n, B, H]: the per-step gradients of the affine scan (None: the single seed's scan)."""
         check_operands(g, chain)
         n, B, H, _ = chain.shape
@@ -184,6 +186,8 @@ class CupyFactoredBackend(CupyBackend):
         for name, shape in shapes.items():
             if shape is None:
                 bufs[name] = None
+            elif name == "gmap":
+                bufs[name] = self._grad_map(chain, g.device)
             elif name == "carries" and shape[0] == 1:
                 bufs[name] = g[None]  # one chunk: the down launch alone, from g
             else:
@@ -195,14 +199,20 @@ class CupyFactoredBackend(CupyBackend):
             bufs["carries"][0].copy_(g)  # the one-launch middle phase starts from g
         ptr = {k: runtime.pointer(unused if t is None else t) for k, t in bufs.items()}
         ptr["unused"] = runtime.pointer(unused)
-        out, s = None, runtime.stream(dev)
+        s = runtime.stream(dev)
         for step in launches:
-            src = plan.factored_source(step)
-            if src is None:
-                out = bufs["accs"].sum(0)  # the one reduction over the blocks (torch, on the same stream)
-            else:
-                runtime.launch(src, step, g.dtype, dev, plan.factored_operands(step, ptr), s)
-        return out if shapes["P"] is None else bufs["P"]
+            runtime.launch(plan.factored_source(step), step, g.dtype, dev, plan.factored_operands(step, ptr), s)
+        return bufs["grads"] if shapes["P"] is None else bufs["P"]
+
+    def _grad_map(self, chain, device) -> torch.Tensor:
+        """The flat gradients' entries of the sums (:func:`.plan.grad_index`), int32 on ``device``, once per shape."""
+        n, B, H, _ = chain.shape
+        key = (chain.kind, H, chain.I, str(device))
+        cache = self.__dict__.setdefault("_grad_maps", {})
+        if key not in cache:
+            index, _ = plan.grad_index(chain.grad_layout(), chain.I + 1 + H)
+            cache[key] = torch.tensor(index, dtype=torch.int32, device=device)
+        return cache[key]
 
 
 @functools.lru_cache(maxsize=16)  # once per device: a backward's host time is what the GPU runs wait on

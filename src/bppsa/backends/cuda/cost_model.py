@@ -176,6 +176,24 @@ class Step:
             return cls(launch.kernel, 1, launch.grid * launch.block, launch.moved, launch.flop, block=launch.block,
                        lds_per_fma=itemsize / LDS_BYTES, seconds=secs)
         serial, step, lds, fma_step = 0, "", LDS_PER_FMA, 0
+        if launch.kernel.startswith("bppsa_factored_down_warp_"):  # ints n, B, H, I, C, ..., mode; a warp per pair
+            g = GPUS[CHUNK_GPU] if gpu is None else gpu
+            secs = _down_warp_seconds(launch, itemsize, g)
+            # a step's 16-byte broadcast loads (t_g, the column values) per its multiply-adds (mat-vec, the sums)
+            H, I = launch.ints[2], launch.ints[3]
+            nw, nbv, v = (1, I + 1 + H, LDS_BYTES // itemsize) if "_rnn" in launch.kernel else (3, I + 1 + H,
+                                                                                              LDS_BYTES // itemsize)
+            nacc = nbv if nw == 1 else 3 * nbv + 1
+            lds = (nw * -(-H // v) + -(-nbv // v)) / (nw * H + nacc)
+            return cls(launch.kernel, 1, launch.grid * launch.block, launch.moved, launch.flop, block=launch.block,
+                       lds_per_fma=lds, seconds=secs)
+        if launch.kernel == "bppsa_factored_grads":  # ints: parts, entries, total
+            # a warp adds every GRADS_WARPS-th part, two loads an iteration; assumed: GRADS_IN_FLIGHT iterations' loads
+            # in flight, each round a global load's latency
+            rounds = 1 + launch.ints[0] / (2 * plan.GRADS_WARPS * GRADS_IN_FLIGHT)
+            secs = rounds * GLOBAL_LATENCY_S
+            return cls(launch.kernel, 1, launch.grid * launch.block, launch.moved, launch.flop, block=launch.block,
+                       lds_per_fma=0.0, seconds=secs)
         if launch.consts:  # the register up kernel (factored_up.cu): ints n, B, H, I, C, ...
             H, C = launch.ints[2], launch.ints[4]
             nc = dict(launch.consts)["BPPSA_NC64" if itemsize == 8 else "BPPSA_NC32"]
@@ -287,14 +305,14 @@ def phase(step: str) -> str:
     """The phase of the backward a step belongs to: ``torch`` (torch's passes: the factors, the GRU's gates, the
     faithful path's GEMMs, the sum over the blocks), ``jacobians`` (the faithful fill), ``up`` (the factored up
     kernel), ``scan`` (the factored path's middle phase: its one-launch kernel, or the Blelloch kernels where ``L_m``
-    bounds the tree), ``down`` (the factored down)."""
+    bounds the tree), ``down`` (the factored down and the gradients' reduction)."""
     if step.startswith("torch."):
         return "torch"
     if step.startswith("bppsa_rnn_jacobians"):
         return "jacobians"
     if step.startswith("bppsa_factored_up"):
         return "up"
-    if step.startswith("bppsa_factored_down"):
+    if step.startswith("bppsa_factored_down") or step == "bppsa_factored_grads":
         return "down"
     return "scan"
 
@@ -393,6 +411,36 @@ def _middle_clocks(K: int, H: int, itemsize: int, warps: int, gpu: Gpu) -> float
         return L * walk
     first = max(walk, max(mm, floor) if Wn > 2 else 0.0)
     return L * first + (Wn - 2) * H * (1 + dep) + L * walk + 100
+
+
+SHFL_CLK = 30  # a shuffle's latency (clocks), assumed
+GRADS_IN_FLIGHT = 4  # iterations of the gradients' reduction whose loads a warp keeps in flight, assumed
+
+
+def _down_warp_seconds(launch: plan.Launch, itemsize: int, gpu: Gpu) -> float:
+    """The warp down kernel's time from its code (assumptions, not fits; no GPU has run it).  A warp walks its chunk's
+    C steps; a step's dependent chain is a mat-vec (shuffles, then H dependent multiply-adds, SHFL_CLK + H·FMA_DEP_CLK
+    + STAGE_CLK) but at least a global load's latency (its factors are loaded one step ahead).  A step issues, per warp,
+    NW·H shuffles and multiply-adds for the mat-vec and, with the sums, NBV shuffles and the rows' multiply-adds (rnn
+    NBV, gru 3·NBV + 1), and its loads; an SM's warps share SCHEDULERS_PER_SM schedulers.  The time is the longer of a
+    warp's chain over its C steps and the busiest scheduler's issue over the whole launch."""
+    if not (gpu.clock_GHz and gpu.sms):
+        return 0.0
+    n, B, H, I, C, mode = (launch.ints[i] for i in (0, 1, 2, 3, 4, 7))
+    kind = launch.kernel.rsplit("_", 1)[1]
+    clock = gpu.clock_GHz * 1e9
+    nw = 1 if kind == "rnn" else 3
+    nbv = I + 1 + H
+    lanes = gpu.peak_flops(itemsize) / 2 / clock / (gpu.sms * SCHEDULERS_PER_SM)
+    pipe = max(1.0, 32 / lanes)
+    chain = max(SHFL_CLK + H * FMA_DEP_CLK[itemsize] + STAGE_CLK, GLOBAL_LATENCY_S * clock)
+    issue = nw * H * (1 + pipe) + (1 if kind == "rnn" else 5) + -(-nbv // 32) + 8
+    if mode & 1:
+        issue += nbv + (nbv if kind == "rnn" else 3 * nbv + 1) * pipe
+    K = -(-n // C)
+    pairs = K * B
+    per_sched = -(-pairs // gpu.sms) / SCHEDULERS_PER_SM
+    return max(min(C, n) * chain, n / K * issue * max(1.0, per_sched)) / clock
 
 
 def middle_warps(K: int, H: int, itemsize: int = 4, gpu: Gpu | None = None) -> int:

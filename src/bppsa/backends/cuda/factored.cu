@@ -209,6 +209,35 @@ __device__ void down(const T* Wt, const T* f, const T* carry, const T* cin, T* P
   }
 }
 
+// The parameter gradients from the sums of `parts` blocks (accs [parts][entries]; either down kernel, mode & 1):
+// out[j] = the sum over the parts, in a fixed order, of accs[part][map[j]], for the flat gradient j (map:
+// plan.grad_index, the chain's grad_layout).  Block: 32 consecutive j (the lanes) and W warps; warp w adds the parts
+// w, w + W, ... in order, then the warps' partial sums are added in warp order.  Deterministic: the same order in
+// every run, whatever the timing.
+template <typename T>
+__device__ void grads(const T* accs, const int* map, T* out, idx_t parts, idx_t entries, idx_t total) {
+  T* part = reinterpret_cast<T*>(BPPSA_SMEM);  // [W][32]
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, W = blockDim.x / 32;
+  const idx_t j = (idx_t)blockIdx.x * 32 + lane;
+  T s0 = T(0), s1 = T(0);
+  if (j < total) {
+    const T* a = accs + map[j];
+    idx_t p = warp;
+    for (; p + W < parts; p += 2 * W) {
+      s0 += a[p * entries];
+      s1 += a[(p + W) * entries];
+    }
+    if (p < parts) s0 += a[p * entries];
+  }
+  part[warp * 32 + lane] = s0 + s1;
+  __syncthreads();
+  if (warp == 0 && j < total) {
+    T s = T(0);
+    for (unsigned w = 0; w < W; ++w) s += part[w * 32 + lane];
+    out[j] = s;
+  }
+}
+
 }  // namespace bppsa_factored
 
 #define BPPSA_FACTORED_KERNELS(T, SUFFIX, KIND, NAME)                                                         \
@@ -231,3 +260,12 @@ BPPSA_FACTORED_KERNELS(float, f32, 0, rnn)
 BPPSA_FACTORED_KERNELS(double, f64, 0, rnn)
 BPPSA_FACTORED_KERNELS(float, f32, 1, gru)
 BPPSA_FACTORED_KERNELS(double, f64, 1, gru)
+
+#define BPPSA_FACTORED_GRADS(T, SUFFIX)                                                                       \
+  extern "C" __global__ void bppsa_factored_grads_##SUFFIX(const T* accs, const int* map, T* out, idx_t parts,  \
+                                                           idx_t entries, idx_t total) {                       \
+    bppsa_factored::grads<T>(accs, map, out, parts, entries, total);                                          \
+  }
+
+BPPSA_FACTORED_GRADS(float, f32)
+BPPSA_FACTORED_GRADS(double, f64)

@@ -157,9 +157,74 @@ MIDDLE_MAX_WARPS = 8  # warps (segments) of the one-launch middle phase: <= 8 x 
 MIDDLE_SMEM_BYTES = 48 * 1024  # its shared memory stays under the static limit (no opt-in, any GPU)
 
 
-def middle_constants(H: int) -> tuple[tuple[str, int], ...]:
-    """The compile-time constants of ``factored_warp.cu`` for hidden size H (one module per H, both dtypes)."""
-    return (("BPPSA_H", H),)
+DOWN_WARP_WORDS = 180  # 32-bit registers a lane of the warp down kernel may give its arrays
+DOWN_WARPS = 8  # warps (pairs) per thread block of the warp down kernel
+GRADS_WARPS = 8  # warps of the gradients' reduction (bppsa_factored_grads), each adding every 8th block's sums
+
+
+def down_warp_words(kind: str, H: int, I: int, itemsize: int) -> int:
+    """32-bit registers of a lane's arrays in the warp down kernel (``factored_warp.cu``): its row of each W_g^T
+    (NW·H), the gradient rows' sums (rnn: NBV = I + 1 + H; gru: dR, dZ NBV each, dN I + 1, dM 1 + H), and the step's
+    factors and column values with the next step's, 2·(NFL + ceil(NBV / 32))."""
+    nbv = I + 1 + H
+    nw, nfl = (1, 1) if kind == "rnn" else (3, 5)
+    nacc = nbv if kind == "rnn" else 2 * nbv + (I + 1) + (1 + H)
+    return (itemsize // 4) * (nw * H + nacc + 2 * (nfl + -(-nbv // 32)))
+
+
+def down_warp_fits(kind: str, H: int, I: int, itemsize: int) -> bool:
+    """Whether the warp down kernel takes this chain: a lane per row (H <= 32) and its arrays within DOWN_WARP_WORDS
+    registers (at H = 20 every case but the GRU in fp64); factored.cu's shared-memory down kernel takes the others."""
+    return H <= 32 and down_warp_words(kind, H, I, itemsize) <= DOWN_WARP_WORDS
+
+
+def down_warp_smem(kind: str, H: int, I: int, itemsize: int, grads: bool) -> int:
+    """Shared memory (elements) of the warp down kernel: with the sums the block's [NA, I + 1 + H], then per warp two
+    step buffers of its t_g (NW rows at H rounded up to 16 bytes) and column values, each 16-byte aligned."""
+    v = 16 // itemsize
+    up = lambda x: -(-x // v) * v  # noqa: E731
+    nw, na, nbv = (1, H, I + 1 + H) if kind == "rnn" else (3, 4 * H, I + 1 + H)
+    return (up(na * nbv) if grads else 0) + DOWN_WARPS * 2 * (nw * up(H) + up(nbv))
+
+
+def warp_constants(H: int, I: int) -> tuple[tuple[str, int], ...]:
+    """The compile-time constants of ``factored_warp.cu`` (one module per H and I, both dtypes): BPPSA_DOWN_WARP has
+    bit 1 for the RNN's fp32 down kernel, 2 its fp64, 4 the GRU's fp32, 8 its fp64, where :func:`down_warp_fits`."""
+    mask = sum(bit for bit, kind, item in ((1, "rnn", 4), (2, "rnn", 8), (4, "gru", 4), (8, "gru", 8))
+               if down_warp_fits(kind, H, I, item))
+    return (("BPPSA_H", H), ("BPPSA_I", I), ("BPPSA_DOWN_WARP", mask))
+
+
+def grad_total(kind: str, H: int, I: int) -> int:
+    """Elements of the cell's parameter gradients (weight_ih, bias_ih, bias_hh, weight_hh)."""
+    g = 1 if kind == "rnn" else 3
+    return g * H * (I + 2 + H)
+
+
+def grad_index(layout, NBV: int) -> tuple[list[int], list[tuple[str, tuple[int, ...], int]]]:
+    """The flat parameter gradients from the kernel's sums [NA, NBV]: for each flat element the sums' entry
+    (row·NBV + column), parameter after parameter as ``layout`` (a chain's ``grad_layout()``) lists them, each block
+    row by row; and per parameter its name, shape and first flat element."""
+    index: list[int] = []
+    params = []
+    for name, shape, parts in layout:
+        params.append((name, tuple(shape), len(index)))
+        for rows, cols in parts:
+            for r in range(rows.start, rows.stop):
+                index.extend(r * NBV + c for c in range(cols.start, cols.stop))
+    return index, params
+
+
+def grad_views(flat, layout, NBV: int) -> dict:
+    """The parameters' gradients as views of the flat buffer ``flat`` (:func:`grad_index`'s order)."""
+    _, params = grad_index(layout, NBV)
+    out = {}
+    for name, shape, start in params:
+        size = 1
+        for d in shape:
+            size *= d
+        out[name] = flat[start:start + size].view(shape)
+    return out
 
 
 def middle_smem(H: int, itemsize: int, warps: int) -> int:
@@ -267,7 +332,7 @@ def factored_smem(kind: str, H: int, I: int, grads: bool) -> tuple[int, int]:
 @functools.lru_cache(maxsize=256)
 def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: bool = True,
                   L_m: int | None = None, itemsize: int = 4, register_up: bool = True,
-                  affine: bool = False, warps: int = 1) -> tuple[int, tuple[Launch, ...]]:
+                  affine: bool = False, warps: int = 1, warp_down: bool = True) -> tuple[int, tuple[Launch, ...]]:
     """The launches of the factored backward over a chain of ``n`` steps (``kind`` "rnn": J_k = W^T diag(d_k);
     "gru": J_k = sum_g W_hg^T diag(c_g,k) + diag(z_k)): (chunk size C, launches in order).
 
@@ -287,12 +352,15 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: b
     * down, ``bppsa_factored_down_<kind>``: block c * B + b replays chunk c from its carry with mat-vecs and
       writes the scan's output P [n, B, H] (``grads`` False, or I = 0), or accumulates the block's sums of the
       parameter gradients [NA, I + 1 + H] (the CPU kernel's ``acc``) for every block, [K·B, NA, I + 1 + H];
-    * with the gradients, ``torch.sum`` over the blocks.
+    * with the gradients, ``bppsa_factored_grads`` (``factored.cu``): the pairs' sums added in a fixed order into the
+      flat parameter gradients (:func:`grad_index`; pointers ``(accs, map, grads)``, integers ``(K·B, NA·NBV, total)``).
 
     ``affine``: the per-step-gradient scan, v_{k+1} = J_k v_k + c_k (the down kernels' mode & 2: each mat-vec adds
     c_k).  The middle scan is then, after the up kernel, the down kernel from zero (mode & 4) writing each chunk's
     offset [K, B, H] (its replay with the c_k injected), and the middle kernel with mode & 2: carry_{c+1} =
     M_c carry_c + offset_c (its pointers are ``(aggregates, offsets, carries)``; the single seed's offsets: a stand-in).
+
+    ``warp_down`` False: factored.cu's down kernel even where the warp kernel fits (the first GPU runs' plan).
 
     C is the caller's: the cost model's :func:`.cost_model.chunk_size` picks it where none is given (it evaluates
     this plan, so the plan cannot ask it back).  K = 1 (n <= C) is the down launch alone, from g.  Every kernel takes
@@ -340,9 +408,9 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: b
         if affine:
             _, smem_off = factored_smem(kind, H, I, False)
             nfo = 1 if kind == "rnn" else 4
-            launches.append(Launch(f"bppsa_factored_down_{kind}", K * B, down_threads(H, False), smem_off,
-                                   ints[:-1] + (2 | 4,), moved=B * chunks(lambda L: NW * HH + L * (nfo + 1) * H + H),
-                                   flop=B * chunks(lambda L: L * (NW * H + _matvec_flop(kind, H) + H))))
+            launches.append(_down(kind, n, B, H, I, K, itemsize, smem_off, down_threads(H, False), ints[:-1] + (2 | 4,),
+                                  moved=B * chunks(lambda L: NW * HH + L * (nfo + 1) * H + H),
+                                  flop=B * chunks(lambda L: L * (NW * H + _matvec_flop(kind, H) + H)), warp=warp_down))
         if L_m is not None and not affine:
             launches.extend(scan_plan(K + 1, B, H, L_m)[1])
         else:
@@ -365,12 +433,24 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: b
         moved += n * B * H  # P written
     if affine:
         moved, flop = moved + n * B * H, flop + n * B * H  # c read, added
-    launches.append(Launch(f"bppsa_factored_down_{kind}", K * B, down_threads(H, grads), smem_down, ints,
-                           moved=moved, flop=flop))
+    down = _down(kind, n, B, H, I, K, itemsize, smem_down, down_threads(H, grads), ints, moved, flop, grads, warp_down)
+    launches.append(down)
     if grads:
-        launches.append(Launch("torch.sum", 1, 0, 0, (K * B, NA * NBV),
-                               moved=(K * B + 1) * NA * NBV, flop=(K * B - 1) * NA * NBV))
+        total = grad_total(kind, H, I)
+        parts = down.grid if down.consts else K * B  # the warp kernel's sums per block, the other's per pair
+        launches.append(Launch("bppsa_factored_grads", -(-total // 32), 32 * GRADS_WARPS, 32 * GRADS_WARPS,
+                               (parts, NA * NBV, total), moved=parts * total + 2 * total, flop=(parts - 1) * total))
     return C, tuple(launches)
+
+
+def _down(kind, n, B, H, I, K, itemsize, smem, threads, ints, moved, flop, grads=False, warp=True) -> Launch:
+    """A down launch: the warp kernel (``factored_warp.cu``: a warp per pair, DOWN_WARPS pairs a block, shared memory
+    only for the block's sums [NA, I + 1 + H]) where :func:`down_warp_fits`, else factored.cu's (a block per pair)."""
+    if warp and down_warp_fits(kind, H, I, itemsize):
+        return Launch(f"bppsa_factored_down_warp_{kind}", -(-K * B // DOWN_WARPS), 32 * DOWN_WARPS,
+                      down_warp_smem(kind, H, I, itemsize, grads), ints, moved=moved, flop=flop,
+                      consts=warp_constants(H, I))
+    return Launch(f"bppsa_factored_down_{kind}", K * B, threads, smem, ints, moved=moved, flop=flop)
 
 
 def middle_launch(n: int, B: int, H: int, I: int, C: int, itemsize: int, affine: bool, warps: int) -> Launch:
@@ -391,7 +471,7 @@ def middle_launch(n: int, B: int, H: int, I: int, C: int, itemsize: int, affine:
     mode = 2 if affine else 0
     return Launch("bppsa_factored_middle", B, 32 * W, middle_smem(H, itemsize, W),
                   (n, B, H, I, C, smem_pitch(H), FACTORED_GROUP, mode), moved=moved, flop=flop,
-                  consts=middle_constants(H))
+                  consts=warp_constants(H, I))
 
 
 def _matvec_flop(kind: str, H: int) -> int:
@@ -399,11 +479,9 @@ def _matvec_flop(kind: str, H: int) -> int:
     return 2 * H * H if kind == "rnn" else 6 * H * H + H
 
 
-def factored_source(launch: Launch) -> str | None:
-    """The source a factored plan's launch runs from (None: torch's reduction)."""
-    if launch.kernel == "torch.sum":
-        return None
-    if launch.kernel == "bppsa_factored_middle":
+def factored_source(launch: Launch) -> str:
+    """The source a factored plan's launch runs from."""
+    if launch.kernel == "bppsa_factored_middle" or launch.kernel.startswith("bppsa_factored_down_warp_"):
         return "factored_warp.cu"
     if launch.consts:
         return "factored_up.cu"
@@ -416,15 +494,17 @@ def factored_buffers(kind: str, n: int, B: int, H: int, I: int, C: int, launches
     None where no launch of the plan touches one (a one-element stand-in then gives the kernel a real address).
     ``carries`` [K, B, H]: with one chunk, ∇h_T itself; with a middle scan (``S``: ∇h_T, then one vector per level)
     its output; else (the middle kernel) ∇h_T first.  ``P``: the scan's output; ``accs``: the
-    parameter-gradient sums per block (the plan ends in their ``torch.sum``); ``agg``: the chunks' aggregates;
+    parameter-gradient sums per pair; ``gmap`` (int32) and ``grads``: the flat gradients' entries of the sums
+    (:func:`grad_index`) and the flat gradients, which the plan's last launch writes; ``agg``: the chunks' aggregates;
     ``offsets``: the affine scan's per-chunk offsets.  The operands a caller brings (``Wt``, ``f``, ``c``) are not
     among them (:func:`factored_operands`)."""
     K = -(-n // C)
-    sums = launches[-1].kernel == "torch.sum"
+    sums = launches[-1].kernel == "bppsa_factored_grads"
     middle = any(factored_source(x) == "blelloch.cu" for x in launches)
     NA, NBV = (H if kind == "rnn" else 4 * H), I + 1 + H
     return {"carries": (K, B, H), "agg": (K, B, H, H) if K > 1 else None, "P": None if sums else (n, B, H),
-            "accs": (K * B, NA, NBV) if sums else None,
+            "accs": (launches[-1].ints[0], NA, NBV) if sums else None,
+            "gmap": (launches[-1].ints[2],) if sums else None, "grads": (launches[-1].ints[2],) if sums else None,
             "S": (_scan.tree_levels(K + 1, L_m) + 1, B, H) if middle else None,
             "offsets": (K, B, H) if any(x.ints[-1] & 4 for x in launches if x.kernel.startswith("bppsa_factored_down"))
             else None}
@@ -442,6 +522,8 @@ def factored_operands(launch: Launch, bufs: dict) -> tuple:
         return b["Wt"], b["f"], b["agg"]
     if launch.kernel == "bppsa_factored_middle":
         return b["agg"], b["offsets"], b["carries"]
+    if launch.kernel == "bppsa_factored_grads":
+        return b["accs"], b["gmap"], b["grads"]
     if launch.ints[-1] & 4:  # the affine scan's offsets, from zero: no output of P or sums
         return b["Wt"], b["f"], b["carries"], b["c"], b["offsets"], b["unused"]
     return b["Wt"], b["f"], b["carries"], b["c"], b["P"], b["accs"]

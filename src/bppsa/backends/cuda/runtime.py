@@ -31,10 +31,11 @@ SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 def reference_constants(source: str) -> tuple[tuple[str, int], ...]:
     """The compile-time constants a check compiles ``source`` with where no plan gives them (the NVRTC, SASS and nvcc
-    tests, ``bppsa doctor``): ``factored_up.cu`` and ``factored_warp.cu`` at the paper's H = 20; others take none."""
-    from .plan import middle_constants, up_constants
+    tests, ``bppsa doctor``): ``factored_up.cu`` at the paper's H = 20, ``factored_warp.cu`` at H = 20 and the GRU's
+    I = 12."""
+    from .plan import up_constants, warp_constants
 
-    return {"factored_up.cu": up_constants(20), "factored_warp.cu": middle_constants(20)}.get(source, ())
+    return {"factored_up.cu": up_constants(20), "factored_warp.cu": warp_constants(20, 12)}.get(source, ())
 
 
 def define_options(consts) -> tuple[str, ...]:
