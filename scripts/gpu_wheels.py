@@ -7,8 +7,10 @@ Writes OUT_DIR/*.whl and OUT_DIR/MANIFEST.txt (name==version); exits 1 naming wh
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -20,6 +22,34 @@ PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (39, 35, 34, 31, 28, 27, 24, 17,
 
 def norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pinned(req: Requirement) -> Requirement:
+    """``req`` pinned to the version installed here where it satisfies it (the versions this checkout is tested
+    with), else as given."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version(req.name)
+    except metadata.PackageNotFoundError:
+        return req
+    if req.specifier and not req.specifier.contains(version, prereleases=True):
+        return req
+    return Requirement(f"{req.name}=={version}")
+
+
+def pure_wheel(req: Requirement, out: Path) -> list[Path]:
+    """The wheel of a package published only as a source distribution, built here without its dependencies; kept
+    only if it is pure Python (``-none-any``), which any Python 3 platform installs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-binary", req.name,
+                            "-w", tmp, str(req)], capture_output=True, text=True)
+        built = [w for w in Path(tmp).glob("*.whl") if w.name.endswith("-none-any.whl")]
+        if r.returncode != 0 or not built:
+            return []
+        dest = out / built[0].name
+        shutil.copy2(built[0], dest)
+        return [dest]
 
 
 def main(argv: list[str]) -> int:
@@ -43,11 +73,14 @@ def main(argv: list[str]) -> int:
         if name in done or name in have or (req.marker and not req.marker.evaluate(env)):
             continue
         done.add(name)
+        req = pinned(req)
         r = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
                             "--python-version", pyver, "--implementation", "cp", "--abi", abi, "--abi", "abi3",
                             "--abi", "none", *platforms, "-d", str(out), str(req)], capture_output=True, text=True)
         got = [w for w in out.glob("*.whl") if norm(w.name.split("-")[0]) == name]
         if r.returncode != 0 or not got:
+            got = pure_wheel(req, out)  # a package published as source only: built here if it is pure Python
+        if not got:
             missing.append(f"{req} ({(r.stderr.strip().splitlines() or ['no wheel'])[-1]})")
             continue
         whl = got[0]
