@@ -42,7 +42,8 @@ KERNEL_NAMES = {
     "factored_warp.cu": ["bppsa_factored_middle_f32", "bppsa_factored_middle_f64"]
     + [f"bppsa_factored_down_warp_{k}_{s}" for k in ("rnn", "gru") for s in ("f32", "f64")],
 }
-KERNEL_NAMES["factored.cu"] += ["bppsa_factored_grads_f32", "bppsa_factored_grads_f64"]
+KERNEL_NAMES["factored.cu"] += ["bppsa_factored_grads_f32", "bppsa_factored_grads_f64", "bppsa_gru_factors_f32",
+                                 "bppsa_gru_factors_f64"]
 
 
 def kernels_for(source: str, consts) -> list[str]:

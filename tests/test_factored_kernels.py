@@ -328,6 +328,43 @@ def test_a_broken_warp_down_kernel_or_reduction_fails(emu, source, mutation):
     assert np.isnan(got).any() or _rel(got, want) > 1e-6
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("mutation", [None, ("fk[(2 * H + i) * B] = e * r;", "fk[(2 * H + i) * B] = r;"),
+                                      ("M += wh[(2 * H + i) * H + m] * hm;", "M += wh[(2 * H + i) * H + m];")])
+def test_gru_factor_kernel_is_the_torch_twin(emu, dtype, mutation):
+    """bppsa_gru_factors (factored.cu): the GRU's factors from the forward's states in one kernel, T = 37, B = 3,
+    H = 20, I = 12, with biases, as GruChain.from_states writes them (fp64 1e-12, fp32 1e-5 of each row's scale); the
+    chain's c_n without e, or h_{t-1} left out of M, does not match."""
+    from cuda_emulator import KERNEL_NAMES, Buf, build_source
+
+    from bppsa.backends.cuda import plan, runtime
+
+    T, B, H, I = 37, 3, 20, 12
+    torch.manual_seed(7)
+    cell = torch.nn.GRU(I, H).double()
+    x = torch.randn(T, B, I, dtype=torch.float64)
+    with torch.no_grad():
+        h, _ = cell(x)
+        want = GruChain.from_states(x, h, cell).f.numpy()
+    lib = emu
+    if mutation is not None:
+        text = (runtime.KERNEL_DIR / "factored.cu").read_text()
+        assert mutation[0] in text
+        lib = build_source(str(emu._name).rsplit("/", 1)[0], text.replace(*mutation),
+                           tuple(KERNEL_NAMES["factored.cu"]))
+    launch = plan.gru_factors_launch(T, B, H, I)
+    ops = [x, h, cell.weight_ih_l0, cell.weight_hh_l0, cell.bias_ih_l0, cell.bias_hh_l0]
+    bufs = [Buf(t.detach().numpy().astype(dtype)) for t in ops] + [Buf(np.full(want.shape, np.nan, dtype=dtype))]
+    emulated_launch(lib, launch, dtype, bufs)
+    got = bufs[-1].value()
+    err = max(_rel(got[:, r], want[:, r]) for r in range(want.shape[1]) if np.abs(want[:, r]).max() > 0)
+    if mutation is None:
+        assert not np.isnan(got).any() and err <= (1e-12 if dtype == np.float64 else 1e-5), err
+        assert np.array_equal(got[:, 5 * H + I:][-1], np.zeros((H, B)))  # h_{-1} = 0 at the last scan step
+    else:
+        assert err > 1e-6
+
+
 def test_emulated_factored_middle_with_bounded_tree(emu):
     chain = _chain("rnn", 45, 2, 5, 1, seed=4)
     g = torch.randn(2, 5, dtype=torch.float64)
@@ -561,10 +598,13 @@ def test_backend_refuses_what_does_not_fit_in_shared_memory(monkeypatch):
     be = cuda.CupyFactoredBackend()
     x, h = torch.zeros(40, 2, 3, dtype=torch.float64), torch.zeros(40, 2, 64, dtype=torch.float64)
     chain = be.gru_jacobians_t(x, h, torch.nn.GRU(3, 64).double())
+    assert not launched  # the factors by torch: their kernel's weights (104 KiB at H = 64) do not fit 48 KiB
     with pytest.raises(ValueError, match=r"'cupy-factored' needs \d+ bytes of shared memory .* allows 49152"):
         be.scan(torch.zeros(2, 64, dtype=torch.float64), chain)
     assert not launched
     small = be.gru_jacobians_t(x[:, :, :3], torch.zeros(40, 2, 5, dtype=torch.float64), torch.nn.GRU(3, 5).double())
+    assert [a[1].kernel for a in launched] == ["bppsa_gru_factors"]  # at H = 5 the factors' kernel
+    launched.clear()
     monkeypatch.setattr(runtime, "pointer", lambda t: t)
     be.scan(torch.zeros(2, 5, dtype=torch.float64), small)  # fits: up, the middle scan, down
     assert [a[1].kernel for a in launched][0] == "bppsa_factored_up_gru" and launched[-1][0] == "factored_warp.cu"

@@ -264,6 +264,9 @@ def _factored_launches() -> dict[str, tuple[int, int]]:
             out[f"bppsa_factored_up_smem_{kind}_{suffix}"] = (plan.up_threads(H), smem_up)
             # factored.cu's down kernel, which the plan takes where the warp kernel's registers would not hold a pair
             out.setdefault(f"bppsa_factored_down_{kind}_{suffix}", (plan.down_threads(H, True), smem_down))
+            if kind == "gru":  # the GRU's factors from the forward's states
+                gf = plan.gru_factors_launch(30000, 16, H, I)
+                out[f"{gf.kernel}_{suffix}"] = (gf.block, gf.smem_elems)
     return out
 
 

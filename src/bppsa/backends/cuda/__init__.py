@@ -120,10 +120,24 @@ class CupyFactoredBackend(CupyBackend):
         return RnnChain.from_states(h, W_hh, x, out=self.workspace.get(("factors", "rnn"), (T, rows, B), h))
 
     def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates=None):
-        runtime.check_cuda(h.dtype, h, x, cell.weight_hh_l0)
+        """The GRU's chain, its factors written by one kernel from the forward's states (``bppsa_gru_factors``, in
+        place of torch's gate recomputation and ~30 ops; ``GruChain.from_states`` is its twin)."""
+        dev = runtime.check_cuda(h.dtype, h, x, cell.weight_hh_l0)
         T, B, H = h.shape
-        out = self.workspace.get(("factors", "gru"), (T, 6 * H + x.shape[2], B), h)
-        return GruChain.from_states(x, h, cell, out=out)
+        I = x.shape[2]
+        f = self.workspace.get(("factors", "gru"), (T, 6 * H + I, B), h)
+        if T * B == 0:
+            return GruChain(cell.weight_hh_l0, f, I)
+        launch = plan.gru_factors_launch(T, B, H, I)
+        if launch.smem_elems * h.dtype.itemsize > runtime.smem_optin(dev):  # (H, I far beyond the paper's)
+            return GruChain.from_states(x, h, cell, out=f)
+        zeros = h.new_zeros(3 * H)
+        ops = [t.detach().contiguous() for t in (x, h, cell.weight_ih_l0, cell.weight_hh_l0,
+                                                 zeros if cell.bias_ih_l0 is None else cell.bias_ih_l0,
+                                                 zeros if cell.bias_hh_l0 is None else cell.bias_hh_l0)]
+        runtime.launch("factored.cu", launch, h.dtype, dev, [runtime.pointer(t) for t in ops] + [runtime.pointer(f)],
+                       runtime.stream(dev))
+        return GruChain(cell.weight_hh_l0, f, I)
 
     def scan(self, g: torch.Tensor, J, L_m: int | None = None) -> torch.Tensor:
         if not _factored(J):

@@ -258,7 +258,9 @@ def steps(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int 
         if cell == "rnn":
             # RnnChain.from_states: d = 1 - h² (h read, d written), x and h' copied into the factor rows.
             out.append(Step("torch.rnn_factors", 4, 0, rows * (H + H + 2 * (I + H)), rows * 2 * H))
-        else:
+        elif GRU_FACTOR_KERNEL:  # one kernel from the forward's states (issue 41)
+            out.append(Step.of(plan.gru_factors_launch(T, B, H, I), itemsize, gpu))
+        else:  # torch's gates and factor passes (the H200 runs of 2026-11-26 and -27)
             out.append(_gates(T, B, H, I))
             out.append(Step("torch.gru_factors", 8, 0, rows * (12 * H + NR + I + H), rows * 12 * H))
         C = chunk_size(cell, T, B, H, I, itemsize, gpu if gpu in GPUS.values() else None)
@@ -302,11 +304,12 @@ def predict(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: in
 
 
 def phase(step: str) -> str:
-    """The phase of the backward a step belongs to: ``torch`` (torch's passes: the factors, the GRU's gates, the
+    """The phase of the backward a step belongs to: ``torch`` (the factors: torch's passes or the GRU's factor kernel,
+    the GRU's gates, the
     faithful path's GEMMs, the sum over the blocks), ``jacobians`` (the faithful fill), ``up`` (the factored up
     kernel), ``scan`` (the factored path's middle phase: its one-launch kernel, or the Blelloch kernels where ``L_m``
     bounds the tree), ``down`` (the factored down and the gradients' reduction)."""
-    if step.startswith("torch."):
+    if step.startswith("torch.") or step == "bppsa_gru_factors":
         return "torch"
     if step.startswith("bppsa_rnn_jacobians"):
         return "jacobians"
@@ -414,6 +417,7 @@ def _middle_clocks(K: int, H: int, itemsize: int, warps: int, gpu: Gpu) -> float
 
 
 SHFL_CLK = 30  # a shuffle's latency (clocks), assumed
+GRU_FACTOR_KERNEL = True  # the GRU's factors by bppsa_gru_factors (False: torch's passes, as the first GPU runs did)
 GRADS_IN_FLIGHT = 4  # iterations of the gradients' reduction whose loads a warp keeps in flight, assumed
 
 

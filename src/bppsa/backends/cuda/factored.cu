@@ -26,6 +26,12 @@
 
 typedef long long idx_t;
 
+#if !defined(__CUDACC_RTC__) && !defined(__CUDACC__)
+#include <cmath>  // the CPU emulator (g++); NVRTC and nvcc have exp and tanh built in
+using std::exp;
+using std::tanh;
+#endif
+
 #ifndef BPPSA_SMEM
 extern __shared__ double bppsa_smem_[];
 #define BPPSA_SMEM bppsa_smem_
@@ -238,7 +244,76 @@ __device__ void grads(const T* accs, const int* map, T* out, idx_t parts, idx_t 
   }
 }
 
+// The GRU's factors from the forward's saved states, in one pass (replacing torch's gate recomputation and ~30 ops):
+// thread p = t * B + b (time step t, batch element b) recomputes the gates of step t, r, z = sigmoid(W_i x_t + b_i +
+// W_h h_{t-1} + b_h), M = W_hn h_{t-1} + b_hn, n = tanh(W_in x_t + b_in + r ⊙ M) (h_{-1} = 0), and writes scan step
+// k = T - 1 - t of f [T][6H + I][B] (lane order) as GruChain.from_states does: c_r = e M r (1 - r),
+// c_z = (h_{t-1} - n) z (1 - z), c_n = e r, z, e = (1 - z)(1 - n²), then x_t and h_{t-1}.  The weights and biases are
+// staged in shared memory once per block and read as broadcasts (every thread the same address).
+template <typename T>
+__device__ void gru_factors(const T* x, const T* h, const T* Wih, const T* Whh, const T* bih, const T* bhh, T* f,
+                            idx_t Tn, idx_t B, idx_t H, idx_t I) {
+  T* sm = reinterpret_cast<T*>(BPPSA_SMEM);
+  T* wi = sm;                 // [3H][I]
+  T* wh = wi + 3 * H * I;     // [3H][H]
+  T* bi = wh + 3 * H * H;     // [3H]
+  T* bh = bi + 3 * H;         // [3H]
+  for (idx_t q = threadIdx.x; q < 3 * H * I; q += blockDim.x) wi[q] = Wih[q];
+  for (idx_t q = threadIdx.x; q < 3 * H * H; q += blockDim.x) wh[q] = Whh[q];
+  for (idx_t q = threadIdx.x; q < 3 * H; q += blockDim.x) {
+    bi[q] = bih[q];
+    bh[q] = bhh[q];
+  }
+  __syncthreads();
+  const idx_t p = (idx_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (p >= Tn * B) return;
+  const idx_t t = p / B, b = p % B, k = Tn - 1 - t, NR = 6 * H + I;
+  const T* xt = x + p * I;
+  const T* hp = t > 0 ? h + (p - B) * H : nullptr;
+  T* fk = f + k * NR * B + b;
+  for (idx_t i = 0; i < H; ++i) {
+    T gr = bi[i], gz = bi[H + i], gn = bi[2 * H + i];
+    for (idx_t m = 0; m < I; ++m) {
+      const T xm = xt[m];
+      gr += wi[i * I + m] * xm;
+      gz += wi[(H + i) * I + m] * xm;
+      gn += wi[(2 * H + i) * I + m] * xm;
+    }
+    T hr = bh[i], hz = bh[H + i], M = bh[2 * H + i];
+    if (hp != nullptr) {
+      for (idx_t m = 0; m < H; ++m) {
+        const T hm = hp[m];
+        hr += wh[i * H + m] * hm;
+        hz += wh[(H + i) * H + m] * hm;
+        M += wh[(2 * H + i) * H + m] * hm;
+      }
+    }
+    const T r = T(1) / (T(1) + exp(-(gr + hr)));
+    const T z = T(1) / (T(1) + exp(-(gz + hz)));
+    const T n = tanh(gn + r * M);
+    const T hpi = hp != nullptr ? hp[i] : T(0);
+    const T e = (T(1) - z) * (T(1) - n * n);
+    fk[i * B] = e * M * r * (T(1) - r);
+    fk[(H + i) * B] = (hpi - n) * z * (T(1) - z);
+    fk[(2 * H + i) * B] = e * r;
+    fk[(3 * H + i) * B] = z;
+    fk[(4 * H + i) * B] = e;
+    fk[(5 * H + I + i) * B] = hpi;
+  }
+  for (idx_t m = 0; m < I; ++m) fk[(5 * H + m) * B] = xt[m];
+}
+
 }  // namespace bppsa_factored
+
+#define BPPSA_GRU_FACTORS(T, SUFFIX)                                                                          \
+  extern "C" __global__ void bppsa_gru_factors_##SUFFIX(const T* x, const T* h, const T* Wih, const T* Whh,    \
+                                                        const T* bih, const T* bhh, T* f, idx_t Tn, idx_t B,  \
+                                                        idx_t H, idx_t I) {                                   \
+    bppsa_factored::gru_factors<T>(x, h, Wih, Whh, bih, bhh, f, Tn, B, H, I);                                 \
+  }
+
+BPPSA_GRU_FACTORS(float, f32)
+BPPSA_GRU_FACTORS(double, f64)
 
 #define BPPSA_FACTORED_KERNELS(T, SUFFIX, KIND, NAME)                                                         \
   extern "C" __global__ void bppsa_factored_up_smem_##NAME##_##SUFFIX(const T* Wt, const T* f, T* agg,          \

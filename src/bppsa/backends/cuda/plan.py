@@ -96,6 +96,21 @@ def rnn_jacobians_launch(T: int, B: int, H: int, layout: str) -> Launch:
                   moved=total + T * B * H + H * H, flop=flop)
 
 
+GRU_FACTOR_THREADS = 128
+
+
+def gru_factors_launch(T: int, B: int, H: int, I: int) -> Launch:
+    """The GRU's factors in one kernel (``factored.cu``'s ``bppsa_gru_factors``): a thread per (step, batch element)
+    recomputes the gates from x_t and h_{t-1} and writes the step's 6H + I factor rows; the weights and biases staged
+    per block.  Counts: x_t (I) and h_{t-1} (H) read, 6H + I rows written per pair, the weights once per block; two
+    multiply-add FLOP per weight a pair, ~20 per gate element."""
+    pairs = T * B
+    grid = max(1, -(-pairs // GRU_FACTOR_THREADS))
+    weights = 3 * H * (I + H) + 6 * H
+    return Launch("bppsa_gru_factors", grid, GRU_FACTOR_THREADS, weights, (T, B, H, I),
+                  moved=pairs * (I + H + 6 * H + I) + grid * weights, flop=pairs * (2 * 3 * H * (I + H) + 20 * H))
+
+
 def max_hidden(dtype: torch.dtype, smem_optin: int) -> int:
     """Largest H whose matrix-matrix block (two H x H operands) fits in ``smem_optin`` bytes."""
     return math.isqrt(smem_optin // (2 * dtype.itemsize))
