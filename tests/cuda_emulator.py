@@ -36,10 +36,28 @@ KERNEL_NAMES = {
     "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
     "rnn_jacobians.cu": [f"bppsa_rnn_jacobians_{k}_{s}" for k in ("paper", "fused") for s in ("f32", "f64")],
     "factored.cu": [f"bppsa_factored_{p}_{k}_{s}" for p in ("up_smem", "down") for k in ("rnn", "gru")
-                    for s in ("f32", "f64")] + ["bppsa_factored_carry_f32", "bppsa_factored_carry_f64"],
+                    for s in ("f32", "f64")],
     # compiled per hidden size (plan.up_constants); at the reference H = 20 both dtypes' kernels exist
     "factored_up.cu": [f"bppsa_factored_up_{k}_{s}" for k in ("rnn", "gru") for s in ("f32", "f64")],
+    "factored_warp.cu": ["bppsa_factored_middle_f32", "bppsa_factored_middle_f64"]
+    + [f"bppsa_factored_down_warp_{k}_{s}" for k in ("rnn", "gru") for s in ("f32", "f64")],
 }
+KERNEL_NAMES["factored.cu"] += ["bppsa_factored_grads_f32", "bppsa_factored_grads_f64", "bppsa_gru_factors_f32",
+                                 "bppsa_gru_factors_f64"]
+
+
+def kernels_for(source: str, consts) -> list[str]:
+    """The kernels ``source`` defines when compiled with ``consts`` (factored_up.cu: none for a dtype whose columns
+    do not fit, BPPSA_NC32 / BPPSA_NC64 = 0; factored_warp.cu: the down kernels of BPPSA_DOWN_WARP's bits)."""
+    values = dict(consts)
+    names = KERNEL_NAMES[source]
+    if source == "factored_up.cu":
+        return [n for n in names if values["BPPSA_NC" + ("32" if n.endswith("f32") else "64")] > 0]
+    if source == "factored_warp.cu":
+        bits = {("rnn", "f32"): 1, ("rnn", "f64"): 2, ("gru", "f32"): 4, ("gru", "f64"): 8}
+        return [n for n in names if "_down_warp_" not in n
+                or values["BPPSA_DOWN_WARP"] & bits[(n.split("_")[-2], n.split("_")[-1])]]
+    return list(names)
 
 
 SHIM = r"""
@@ -290,9 +308,7 @@ def build_with_constants(build_dir: str, source: str, consts: tuple, text: str |
     """``source`` compiled with its compile-time constants ``consts`` (the ``#define`` lines NVRTC's ``-D`` gives),
     as its own library; exports the kernels that exist for these constants (factored_up.cu: a dtype whose
     BPPSA_NC32 / BPPSA_NC64 is 0 has none).  ``text``: the source's text instead of the file's (a mutant)."""
-    values = dict(consts)
-    names = [n for n in KERNEL_NAMES[source]
-             if source != "factored_up.cu" or values["BPPSA_NC" + ("32" if n.endswith("f32") else "64")] > 0]
+    names = kernels_for(source, consts)
     defines = "".join(f"#define {k} {int(v)}\n" for k, v in consts)
     text = (runtime.KERNEL_DIR / source).read_text() if text is None else text
     stem = "c_" + hashlib.sha1((source + defines + text).encode()).hexdigest()[:12]
@@ -339,7 +355,8 @@ class Buf:
 
     def __init__(self, arr: np.ndarray):
         self.shape = arr.shape
-        self.flat = np.full(arr.size + 2 * self.G, SENTINEL, dtype=arr.dtype)
+        self.sentinel = np.array(SENTINEL if arr.dtype.kind == "f" else -12345).astype(arr.dtype)  # int32: the map
+        self.flat = np.full(arr.size + 2 * self.G, self.sentinel, dtype=arr.dtype)
         self.flat[self.G : self.G + arr.size] = arr.ravel()
 
     @property
@@ -348,7 +365,7 @@ class Buf:
 
     def value(self) -> np.ndarray:
         guards = np.concatenate([self.flat[: self.G], self.flat[-self.G :]])
-        assert (guards == SENTINEL).all(), "write out of bounds"
+        assert (guards == self.sentinel).all(), "write out of bounds"
         return self.flat[self.G : -self.G].reshape(self.shape).copy()
 
 
@@ -379,17 +396,18 @@ def emulated_scan(lib, g: np.ndarray, J: np.ndarray, L_m):
 
 
 def emulated_factored(lib, chain, g: np.ndarray, C: int | None = None, grads: bool = False, L_m=None,
-                      c: np.ndarray | None = None):
+                      c: np.ndarray | None = None, warps: int | None = None):
     """CupyFactoredBackend's factored path with the kernels run by the emulator: the same plan
     (:func:`bppsa.backends.cuda.plan.factored_plan`), the same buffers, each with guard bands.
 
-    ``chain``: an RnnChain or GruChain (CPU tensors); ``c`` [n, B, H]: the affine scan's per-step gradients.
-    Returns the scan's output P [n, B, H] (``grads`` False, or a chain without x), else the summed
-    parameter-gradient sums [NA, I + 1 + H] (what ``chain.param_grads`` takes), and the chunk size used."""
+    ``chain``: an RnnChain or GruChain (CPU tensors); ``c`` [n, B, H]: the affine scan's per-step gradients; ``warps``:
+    the middle phase's warps (None: the cost model's choice).
+    Returns the scan's output P [n, B, H] (``grads`` False, or a chain without x), else the flat parameter gradients
+    (:func:`bppsa.backends.cuda.plan.grad_index`; ``plan.grad_views`` gives them per parameter), and the chunk size."""
     n, B, H, _ = chain.shape
     dt = g.dtype
     C, launches = cost_model.factored_plan(chain.kind, n, B, H, chain.I, C, grads=grads, L_m=L_m,
-                                           itemsize=dt.itemsize, affine=c is not None)
+                                           itemsize=dt.itemsize, affine=c is not None, warps=warps)
     shapes = plan.factored_buffers(chain.kind, n, B, H, chain.I, C, launches, L_m)
     arrs = {name: np.full(shape, np.nan, dtype=dt) for name, shape in shapes.items() if shape is not None}
     if shapes["carries"][0] == 1:
@@ -398,23 +416,20 @@ def emulated_factored(lib, chain, g: np.ndarray, C: int | None = None, grads: bo
         arrs["carries"][0] = g  # the affine scan's carry kernel starts from g
     if "S" in arrs:
         arrs["S"][0] = g  # the middle scan's spine starts from g
+    if "gmap" in arrs:
+        arrs["gmap"] = np.array(plan.grad_index(chain.grad_layout(), chain.I + 1 + H)[0], dtype=np.int32)
     # the backend's own buffers (plan.factored_buffers/factored_operands), each with guard bands; where the GPU
     # passes a one-element stand-in, an empty one: a kernel that wrote it fails the guard check
     bufs = {name: Buf(a) for name, a in arrs.items()}
     bufs.update({name: None for name, shape in shapes.items() if shape is None})
     bufs.update(Wt=Buf(chain.Wt.numpy().astype(dt)), f=Buf(chain.f.numpy().astype(dt)),
                 c=None if c is None else Buf(c.astype(dt)), unused=Buf(np.zeros(0, dtype=dt)))
-    total = None
     for step in launches:
-        src = plan.factored_source(step)
-        if src is None:
-            total = torch.from_numpy(bufs["accs"].value()).sum(0).numpy()  # as the backend reduces: torch.sum
-        else:
-            emulated_launch(library_for(lib, step), step, dt.type, list(plan.factored_operands(step, bufs)))
+        emulated_launch(library_for(lib, step), step, dt.type, list(plan.factored_operands(step, bufs)))
     for b in bufs.values():
         if b is not None:
             b.value()  # every guard band intact, the stand-in's included
-    return (total if shapes["P"] is None else bufs["P"].value()), C
+    return (bufs["grads"] if shapes["P"] is None else bufs["P"]).value(), C
 
 
 def backend_or_skip(cls_name: str):

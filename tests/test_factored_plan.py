@@ -76,10 +76,15 @@ def test_rnn_plan_counts_by_hand():
     # n = 5 steps, B = 1, H = 2, I = 1, C = 2: chunks of 2, 2 and 1 steps (K = 3)
     C, launches = plan.factored_plan("rnn", 5, 1, 2, 1, 2)
     assert C == 2
-    up, *middle, down, red = launches
-    assert tuple(middle) == plan.scan_plan(4, 1, 2)[1]  # the Blelloch scan over (g, M_0, M_1, M_2)
-    assert (up.kernel, up.grid, up.block, down.kernel, down.grid, red.kernel) == (
-        "bppsa_factored_up_rnn", 1, 32, "bppsa_factored_down_rnn", 3, "torch.sum")  # 3 pairs: one warp
+    up, mid, down, red = launches
+    # the middle phase in one launch, one warp: g carried across M_0 and M_1 (two mat-vecs of 2 x 2)
+    assert (mid.kernel, mid.grid, mid.block, mid.consts) == ("bppsa_factored_middle", 1, 32, plan.warp_constants(2, 1))
+    assert plan.factored_source(mid) == "factored_warp.cu" and mid.ints[-1] == 0
+    assert (mid.moved, mid.flop) == (2 * 4 + 2 * 2 + 2, 2 * 8)  # two aggregates read, two carries written, g read
+    # with L_m the paper's heterogeneous Blelloch scan over (g, M_0, M_1, M_2) instead
+    assert plan.factored_plan("rnn", 5, 1, 2, 1, 2, L_m=1)[1][1:-2] == plan.scan_plan(4, 1, 2, 1)[1]
+    assert (up.kernel, up.grid, up.block, down.kernel, down.grid, down.block, red.kernel) == (
+        "bppsa_factored_up_rnn", 1, 32, "bppsa_factored_down_warp_rnn", 1, 256, "bppsa_factored_grads")  # 3 pairs
     assert up.ints == down.ints == (5, 1, 2, 1, 2, 3, plan.FACTORED_GROUP, 1)
     # up, per block: W^T (4) read, d (2 per step) read, the aggregate (4) written: 4+4+4, 4+4+4, 4+2+4
     assert up.moved == 12 + 12 + 10
@@ -89,15 +94,17 @@ def test_rnn_plan_counts_by_hand():
     assert down.moved == (4 + 2 + 4 + 6 + 8) * 2 + (4 + 2 + 2 + 3 + 8)
     # per step: t = d v (2), the rows d ⊙ v (2), 8 entries updated (16); per step but the chunk's last: W^T t (8)
     assert down.flop == 5 * (2 + 2 + 16) + 2 * 8
-    # the reduction: 3 blocks of 8 sums read, 8 written, 2 x 8 additions
-    assert (red.moved, red.flop) == (32, 16)
+    # the reduction: the one block's sums (8 entries, all of them gradients: W_ih 2, b_ih 2, b_hh 2, W_hh 4 -> 10
+    # flat elements) read through the map (10) and written (10); one part: no additions
+    assert plan.grad_total("rnn", 2, 1) == 10 and red.ints == (1, 8, 10)
+    assert (red.moved, red.flop) == (30, 0)
 
 
 def test_gru_plan_counts_by_hand():
     # n = 3, B = 1, H = 1, I = 1, C = 2: chunks of 2 and 1 steps; W^T is 3 matrices of 1
     C, launches = plan.factored_plan("gru", 3, 1, 1, 1, 2)
-    up, *middle, down, red = launches
-    assert tuple(middle) == plan.scan_plan(3, 1, 1)[1]
+    up, mid, down, red = launches
+    assert mid == plan.middle_launch(3, 1, 1, 1, 2, 4, False, 1)
     # up: W^T 3, c_r c_z c_n z (4) per step, aggregate 1: (3 + 8 + 1) + (3 + 4 + 1)
     assert up.moved == 12 + 8
     # the Jacobian: 3 products and 2 sums per element, + z on the diagonal (6); a 1x1 product (2) after the first
@@ -108,18 +115,19 @@ def test_gru_plan_counts_by_hand():
     # per step but the last of its chunk: three W^T t and z v (7)
     assert plan.grad_entries("gru", 1, 1) == 10
     assert down.flop == 3 * (3 + 4 + 20) + 7
-    assert (red.moved, red.flop) == (3 * 12, 12)
+    # the reduction: one block of the warp kernel; 3 (W_ih) + 3 + 3 (biases) + 3 (W_hh) flat elements
+    assert red.ints == (1, 12, 12) and (red.moved, red.flop) == (3 * 12, 0)
 
 
 def test_scan_only_plan_and_one_chunk():
     _, launches = plan.factored_plan("rnn", 5, 2, 2, 1, 2, grads=False)
-    assert launches[-1].kernel == "bppsa_factored_down_rnn" and launches[-1].ints[-1] == 0
+    assert launches[-1].kernel == "bppsa_factored_down_warp_rnn" and launches[-1].ints[-1] == 0
     # down without gradients: W^T, carry and d as before, and P written (H per step)
     assert launches[-1].moved == 2 * ((4 + 2 + 4) * 2 + (4 + 2 + 2)) + 5 * 2 * 2
     C, launches = plan.factored_plan("gru", 5, 2, 3, 4, 8)  # n < C: the down phase alone, from g
-    assert C == 8 and [x.kernel for x in launches] == ["bppsa_factored_down_gru", "torch.sum"]
+    assert C == 8 and [x.kernel for x in launches] == ["bppsa_factored_down_warp_gru", "bppsa_factored_grads"]
     _, launches = plan.factored_plan("rnn", 16, 2, 3, 0, 16)  # n == C, no x: down alone, writing P
-    assert [x.kernel for x in launches] == ["bppsa_factored_down_rnn"]
+    assert [x.kernel for x in launches] == ["bppsa_factored_down_warp_rnn"]
     with pytest.raises(ValueError, match="unknown chain kind"):
         plan.factored_plan("lstm", 5, 1, 2, 1, 2)
 
@@ -222,3 +230,31 @@ def test_kernel_access_patterns_in_fp64(H):
     assert got["up: J row"] == 1
     if H % 16 == 0 or H < 16:
         assert got["up: M column"] == got["up: factor by column"] == 1
+
+
+def test_middle_plan_counts_and_warps():
+    """The one-launch middle phase: warps clamped (K - 1 transitions; one warp where a map's H + 1 columns do not fit a
+    warp; shared memory under 48 KiB), its segments, its counts by hand with a composed segment, and the cost model's
+    choice of warps."""
+    assert plan.middle_segments(19, 4) == (5, 4) and plan.middle_segments(10, 3) == (3, 3)
+    assert plan.middle_segments(10, 8) == (2, 5)  # 9 transitions over 8 warps: segments of 2, five of them
+    assert [plan.middle_max_warps(H, 4) for H in (7, 20, 31, 32, 64)] == [8, 8, 6, 1, 1]
+    assert plan.middle_max_warps(20, 8) == 7 and plan.middle_max_warps(31, 8) == 3
+    for H, item in ((20, 4), (20, 8), (31, 8), (7, 8)):
+        assert plan.middle_smem(H, item, plan.middle_max_warps(H, item)) * item <= plan.MIDDLE_SMEM_BYTES
+    assert plan.middle_launch(100, 2, 20, 1, 50, 4, False, 8).block == 32  # K = 2: one transition, one warp
+    # n = 7, C = 1, H = 2, B = 1, 3 warps: 6 transitions in segments of 2; warp 1 composes 2 (one 2 x 2 by 2 x 3
+    # product), warp 0 applies one map (2 x 3: 2·4 + 2 FLOP)
+    m = plan.middle_launch(7, 1, 2, 1, 1, 8, True, 3)
+    assert (m.block, m.ints[-1], m.smem_elems) == (96, 2, 3 * 2 * 2 + 3 * (2 * 3 + 2))
+    assert m.moved == (6 + 2) * 4 + 6 * 2 + 2 + (6 + 2) * 2
+    assert m.flop == 6 * 8 + 1 * 2 * 4 * 3 + 1 * (8 + 2) + 6 * 2
+    h200 = cost_model.GPUS["h200"]
+    assert cost_model.middle_warps(2, 20, 4, h200) == 1
+    W = cost_model.middle_warps(125, 20, 4, h200)
+    assert 1 < W <= plan.MIDDLE_MAX_WARPS
+    clocks = [cost_model._middle_clocks(125, 20, 4, w, h200) for w in range(1, 9)]
+    assert clocks[W - 1] == min(clocks) and clocks[0] > clocks[W - 1]
+    # what the backend runs: the cost model's warps for its chunk size
+    C, launches = cost_model.factored_plan("rnn", 1000, 16, 20, 1, gpu=h200)
+    assert launches[1].block == 32 * cost_model.middle_warps(-(-1000 // C), 20, 4, h200)

@@ -1,28 +1,61 @@
-"""scripts/gpu_check.sh, the time-boxed GPU check: every step is listed with its outcome, and what no longer fits
-before the deadline is skipped rather than started (its GPU steps themselves run only on a GPU machine)."""
+"""scripts/gpu_check.sh, the prepared GPU run (issue 41): every step is listed with its outcome, and what no longer fits
+before the deadline is skipped rather than started (its GPU steps themselves run only on a GPU machine); the
+minutes-sized GPU profile it runs the workflow with (config/gpu-minutes.yaml) passes Snakemake's dry run; the wheel
+folder it installs from is what scripts/gpu_wheels.sh fetches."""
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["machine", "environment", "doctor", "data", "sanitizer", "gpu_tests", "bench_rnn_T1000_B16",
-         "bench_gru_l_B16", "bench_rnn_T30000_B16", "bench_rnn_T1000_B256", "speedups_rnn", "gpu_measured",
-         "graphed_rnn_T1000_B16", "graphed_gru_l_B16", "graphed_rnn_T30000_B16", "graphed_rnn_T1000_B256",
-         "graphed_rnn_T1000_B16_packed", "speedups_graphed", "jax_rival", "bench_rnn_T100_B16", "bench_gru_s_B64",
-         "speedups", "membound_T1000_fused", "membound_T1000_paper", "membound_T10000_fused",
-         "membound_T10000_paper"]
+STEPS = ["install", "machine", "environment", "doctor", "data", "sanitizer", "gpu_tests", "graphed_rnn_T1000_B16",
+         "graphed_gru_l_B16", "graphed_rnn_T30000_B16", "graphed_rnn_T1000_B256", "speedups_graphed", "jax_rival",
+         "profile", "workflow", "scaling"]
 
 
 def test_steps_past_the_deadline_are_skipped_and_listed(tmp_path):
     env = {**os.environ, "DEADLINE": "0", "DEVICE": "cpu", "DATA": str(tmp_path / "data"), "SANITIZER": "skip",
-           "PYTHON": sys.executable}
+           "PYTHON": sys.executable, "WHEELS": str(tmp_path / "no-wheels")}
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "res")], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     rows = [line.split("\t") for line in (tmp_path / "res" / "check" / "steps.tsv").read_text().splitlines()[1:]]
     assert [name for name, *_ in rows] == STEPS
     outcome = dict((name, rc) for name, rc, _ in rows)
-    assert outcome.pop("sanitizer") == "skipped" and outcome.pop("gpu_measured").startswith("no cost-model entry")
+    assert outcome.pop("sanitizer") == "skipped" and outcome.pop("install").startswith("no wheels in")
     assert set(outcome.values()) == {"skipped"}  # nothing was started: no step had time left
     assert "device cpu" in r.stdout
+
+
+def test_the_sanitizers_cover_every_new_kernel_and_the_wheels_install_offline():
+    """The script's text: memcheck, racecheck and synccheck each on a single-seed training step and a loss on every step
+    of both cells in fp32 (the one-launch middle, the warp down kernels, the gradients' reduction); the install from the
+    wheel folder with no index; the workflow on the minutes-sized GPU profile; the scaling to 16 threads."""
+    text = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    assert "for tool in memcheck racecheck synccheck; do" in text
+    for name in ('"${tool}_rnn"', '"${tool}_gru"', '"${tool}_per_step_rnn"', '"${tool}_per_step_gru"'):
+        assert name in text
+    assert "pip install -q --no-index --no-deps --find-links" in text
+    assert "--configfile config/gpu-minutes.yaml" in text and '"${SCALING_THREADS:-16}"' in text
+    assert (ROOT / ".gitignore").read_text().splitlines().count("/.whl/") == 1  # the default WHEELS folder
+
+
+def test_gpu_minutes_profile_dry_run(tmp_path):
+    """config/gpu-minutes.yaml, merged over the default: Snakemake's dry run plans the GPU benchmarks, the training
+    curves, the figures and the report (claims) of both models, on the GPU, from the minutes-sized grids."""
+    cfg = yaml.safe_load((ROOT / "config" / "gpu-minutes.yaml").read_text())
+    assert cfg["profile"] == "gpu-minutes" and cfg["device"] == "cuda"
+    r = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile",
+                        str(ROOT / "config" / "gpu-minutes.yaml"), "--config", "device_slug=nvidia-h200",
+                        "--directory", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    out = r.stdout + r.stderr
+    jobs = {line.split()[0]: int(line.split()[1]) for line in out.splitlines()
+            if len(line.split()) == 2 and line.split()[1].isdigit()}
+    # Fig 8: 5 lengths + 4 batches (T = 1000, B = 16 shared) = 8 RNN benchmarks; Fig 9: 2 sets x 2 batches
+    assert jobs["rnn_bench"] == 8 and jobs["gru_bench"] == 4
+    for rule in ("rnn_train", "gru_train", "rnn_plot", "gru_plot", "report_render", "rnn_verify", "gru_verify"):
+        assert jobs.get(rule, 0) >= 1, rule
+    assert jobs["total"] <= 80

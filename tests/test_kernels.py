@@ -25,7 +25,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from cuda_emulator import KERNEL_NAMES, Buf, backend_or_skip, build_emulator, emulated_launch, emulated_scan
+from cuda_emulator import (
+    KERNEL_NAMES,
+    Buf,
+    backend_or_skip,
+    build_emulator,
+    emulated_launch,
+    emulated_scan,
+    kernels_for,
+)
 
 from bppsa.backends.cuda import plan, runtime
 from bppsa.jacobians.recurrent import rnn_jacobians_t
@@ -76,7 +84,7 @@ def test_nvcc_compiles(source, arch, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     blob = cubin.read_bytes()
-    for name in KERNEL_NAMES[source]:  # extern "C": unmangled entry points that CuPy looks up
+    for name in kernels_for(source, runtime.reference_constants(source)):  # extern "C": what CuPy looks up
         assert name.encode() in blob, f"{name} missing from the {source} cubin"
 
 

@@ -471,7 +471,10 @@ def test_readme_example_runs_as_written():
 def emulated_cupy_factored(tmp_path_factory):
     """CupyFactoredBackend (the GPU's 'auto') with its kernels run by tests/cuda_emulator.py: the same launch
     plans and buffers, on CPU tensors; what the layers get for backend='cupy-factored' here."""
-    from cuda_emulator import build_emulator, emulated_factored, emulated_scan
+    from types import SimpleNamespace
+
+    import numpy as np
+    from cuda_emulator import build_emulator, emulated_factored, emulated_launch, emulated_scan
 
     from bppsa.backends.cuda import CupyBackend, CupyFactoredBackend, runtime
 
@@ -491,6 +494,14 @@ def emulated_cupy_factored(tmp_path_factory):
         calls.append("dense scan")
         return torch.from_numpy(emulated_scan(lib, g.numpy(), J.contiguous().numpy(), L_m)[0])
 
+    def launch(src, step, dtype, dev, args, stream):  # the GRU's factor kernel, on the CPU tensors' memory
+        assert step.kernel == "bppsa_gru_factors", step.kernel
+        calls.append("gru factors")
+        emulated_launch(lib, step, np.float64 if dtype == torch.float64 else np.float32,
+                        [SimpleNamespace(ptr=int(a)) for a in args])
+
+    mp.setattr(runtime, "launch", launch)
+    mp.setattr(runtime, "stream", lambda dev: None)
     mp.setattr(CupyFactoredBackend, "_factored", factored)
     mp.setattr(CupyBackend, "scan", scan)
     mp.setitem(nn_backward._backends, ("cupy-factored", "cpu"), CupyFactoredBackend())
@@ -525,7 +536,8 @@ def test_cupy_factored_backend_emulated(cell, emulated_cupy_factored):
         have = _run(got, x, h0, lengths, loss_kind, batch_first, w_out, w_hn, ours=True)[0]
         assert max(_rel(have[k], want[k]) for k in want) <= 1e-10, case
     # case 2's first layer takes the second's ∇x at every step; variable lengths (the last case) go to the twin
-    assert calls == ["sums", "scan", "affine scan", "affine sums", "affine scan"]
+    assert [c for c in calls if c != "gru factors"] == ["sums", "scan", "affine scan", "affine sums", "affine scan"]
+    assert ("gru factors" in calls) == (cell == "gru")  # the GRU's factors by their kernel
 
 
 # -- on a GPU (skipped without one): the CuPy backends, torch's current stream, CUDA graphs --------------------

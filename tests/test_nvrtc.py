@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from cuda_emulator import KERNEL_NAMES
+from cuda_emulator import KERNEL_NAMES, kernels_for
 
 from bppsa.backends import cuda
 from bppsa.backends.cuda import nvrtc, runtime
@@ -57,7 +57,7 @@ def test_compiles_clean_with_cupys_options(nv, source, arch):
     r = _compiled(source, arch)
     assert not _diagnostics(r.log), r.log
     report = nvrtc.ptxas_report(r.log)
-    assert sorted(report) == sorted(KERNELS[source])
+    assert sorted(report) == sorted(kernels_for(source, runtime.reference_constants(source)))
     for name, stats in report.items():
         assert stats["registers"] > 0, (name, stats)
         assert stats["stack"] == 0 and stats["spill_stores"] == 0 and stats["spill_loads"] == 0, (name, arch, stats)
@@ -146,10 +146,11 @@ def _recorded_launches(monkeypatch) -> list[tuple[str, tuple, int]]:
         for chain in (rnn, gru):  # 40 steps in chunks of 4: up, middle, down; the scan and the gradients
             fb.scan(g, chain)
             fb.cell_grads(g, chain, None, None)
-            fb.affine_scan(g, chain, c)  # the per-step gradients: the offsets, the carry kernel, the down kernel
+            fb.affine_scan(g, chain, c)  # the per-step gradients: the offsets, the middle kernel, the down kernel
             fb.affine_cell_grads(g, chain, c, None, None)
-        # an H too large for the register up kernel (plan.up_columns): factored.cu's shared-memory up kernel
-        H = 41 if dtype == torch.float32 else 21
+        # an H too large for the register up kernel (plan.up_columns) and the warp down kernel (H > 32): factored.cu's
+        # shared-memory up and down kernels
+        H = 41 if dtype == torch.float32 else 33
         wide = fb.rnn_jacobians_t(torch.zeros(40, 2, H, dtype=dtype), torch.zeros(H, H, dtype=dtype), "fused", x)
         gwide = fb.gru_jacobians_t(x, torch.zeros(40, 2, H, dtype=dtype), torch.nn.GRU(3, H).to(dtype))
         for chain in (wide, gwide):
@@ -169,6 +170,9 @@ def test_ptx_parameters_match_the_launchers(nv, arch, monkeypatch):
     entries = {}
     for source in runtime.SOURCES:
         entries.update(nvrtc.ptx_entries(_compiled(source, arch).ptx))
+    # the recorder's chains (H = 5, I = 3) take the GRU's fp64 warp down kernel, which H = 20, I = 12 leaves out
+    entries.update(nvrtc.ptx_entries(nvrtc.compile_kernel("factored_warp.cu", arch,
+                                                          consts=cuda.plan.warp_constants(5, 3)).ptx))
     calls = _recorded_launches(monkeypatch)
     assert {name for name, _, _ in calls} == set(entries), "every kernel launched, and only those"
     for name, args, _smem in calls:
@@ -236,6 +240,9 @@ def occupancy(arch: int, registers: int, block: int, smem_bytes: int) -> dict[st
     return {"blocks_per_sm": n, "threads_per_sm": n * block, "limited_by_registers": int(by_regs == n)}
 
 
+FACTORED_SOURCES = ("factored.cu", "factored_up.cu", "factored_warp.cu")
+
+
 def _factored_launches() -> dict[str, tuple[int, int]]:
     """Kernel base name -> (threads, dynamic shared memory in elements per dtype suffix) of the default plan at the
     paper's sizes: T = 30000, B = 16, H = 20, the RNN with I = 1 and the GRU with the IRMAS MFCCs' I = 12, training
@@ -252,10 +259,14 @@ def _factored_launches() -> dict[str, tuple[int, int]]:
             out.update({f"{x.kernel}_{suffix}": (x.block, x.smem_elems) for x in launches
                         if x.kernel.startswith("bppsa_factored_")})
             _, affine = cost_model.factored_plan(kind, 30000, 16, H, I, itemsize=itemsize, affine=True)
-            out.update({f"{x.kernel}_{suffix}": (x.block, x.smem_elems) for x in affine
-                        if x.kernel == "bppsa_factored_carry"})
-            smem_up = plan.factored_smem(kind, H, I, True)[0]
+            assert {x.kernel for x in affine} <= {x.kernel for x in launches}  # the same kernels, the middle's mode 2
+            smem_up, smem_down = plan.factored_smem(kind, H, I, True)
             out[f"bppsa_factored_up_smem_{kind}_{suffix}"] = (plan.up_threads(H), smem_up)
+            # factored.cu's down kernel, which the plan takes where the warp kernel's registers would not hold a pair
+            out.setdefault(f"bppsa_factored_down_{kind}_{suffix}", (plan.down_threads(H, True), smem_down))
+            if kind == "gru":  # the GRU's factors from the forward's states
+                gf = plan.gru_factors_launch(30000, 16, H, I)
+                out[f"{gf.kernel}_{suffix}"] = (gf.block, gf.smem_elems)
     return out
 
 
@@ -263,8 +274,7 @@ def _factored_ptxas() -> dict:
     launches = _factored_launches()
     rec: dict = {"nvrtc": ".".join(map(str, nvrtc.version())), "plan": "T=30000 B=16 H=20, rnn I=1, gru I=12"}
     for arch in ARCHS:
-        report = {**nvrtc.ptxas_report(_compiled("factored.cu", arch).log),
-                  **nvrtc.ptxas_report(_compiled("factored_up.cu", arch).log)}
+        report = {k: v for src in FACTORED_SOURCES for k, v in nvrtc.ptxas_report(_compiled(src, arch).log).items()}
         per = {}
         for name, stats in sorted(report.items()):
             block, elems = launches[name]
@@ -286,7 +296,8 @@ def test_factored_kernels_ptxas_record(nv):
     want = json.loads(PTXAS_RECORD.read_text())
     for arch in ARCHS:
         key = f"sm_{arch}"
-        assert sorted(got[key]) == sorted(want[key]) == sorted(KERNELS["factored.cu"] + KERNELS["factored_up.cu"])
+        assert sorted(got[key]) == sorted(want[key]) == sorted(
+            k for src in FACTORED_SOURCES for k in kernels_for(src, runtime.reference_constants(src)))
         for name, g in got[key].items():
             w = want[key][name]
             assert g["spill_stores"] == g["spill_loads"] == 0, (arch, name, g)

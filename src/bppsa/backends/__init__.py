@@ -31,7 +31,7 @@ CUPY_BACKENDS = ("cupy", "cupy-factored")
 
 # one kernel of the faithful path and one of the factored path: auto picks the factored one only where both load
 _PROBE_KERNELS = (("rnn_jacobians.cu", "bppsa_rnn_jacobians_fused_f32"), ("factored.cu", "bppsa_factored_down_rnn_f32"),
-                  ("factored_up.cu", "bppsa_factored_up_rnn_f32"))
+                  ("factored_up.cu", "bppsa_factored_up_rnn_f32"), ("factored_warp.cu", "bppsa_factored_middle_f32"))
 
 
 def cupy_probe(device: torch.device | str | None = None) -> tuple[bool, str]:
@@ -59,7 +59,7 @@ def _probe_cuda(index: int) -> tuple[bool, str]:
     try:
         with cp.cuda.Device(index):
             for source, kernel in _PROBE_KERNELS:
-                consts = runtime.reference_constants(source)  # factored_up.cu: at H = 20
+                consts = runtime.reference_constants(source)  # factored_up.cu, factored_warp.cu: at H = 20
                 runtime.kernel(source, kernel, index, *((consts,) if consts else ()))
     except Exception as exc:  # noqa: BLE001 - NVRTC, driver and loader errors all mean "unusable"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

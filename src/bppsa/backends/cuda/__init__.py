@@ -6,11 +6,12 @@ and on disk).  Each kernel has a torch reference twin that tests hold it to:
 
 * ``bppsa_{up_sweep,middle_scan,down_sweep}_{f32,f64}`` -- :func:`bppsa.scan.blelloch_scan`;
 * ``bppsa_rnn_jacobians_{paper,fused}_{f32,f64}`` -- :func:`bppsa.jacobians.recurrent.rnn_jacobians_t`;
-* ``bppsa_factored_{up,up_smem,down}_{rnn,gru}_{f32,f64}`` (``factored_up.cu``, compiled per hidden size, and
-  ``factored.cu``; :class:`CupyFactoredBackend`) -- the scan
+* ``bppsa_factored_{up,up_smem,down}_{rnn,gru}_{f32,f64}`` and ``bppsa_factored_middle_{f32,f64}``
+  (``factored_up.cu`` and ``factored_warp.cu``, compiled per hidden size, and ``factored.cu``;
+  :class:`CupyFactoredBackend`) -- the scan
   over ``chain.dense()`` of a :class:`~bppsa.backends.chain.RnnChain` or
-  :class:`~bppsa.backends.chain.GruChain`, and the parameter-gradient sums the CPU kernel accumulates; with
-  ``bppsa_factored_carry_{f32,f64}``, the per-step-gradient (affine) scan over that chain
+  :class:`~bppsa.backends.chain.GruChain`, and the parameter-gradient sums the CPU kernel accumulates, and the
+  per-step-gradient (affine) scan over that chain
   (:func:`bppsa.scan.affine_blelloch_scan`).
 
 The launch schedule is computed in pure Python by :func:`.plan.scan_plan` from :func:`bppsa.scan.levels`,
@@ -98,10 +99,12 @@ class CupyFactoredBackend(CupyBackend):
     fused layout as :class:`~bppsa.backends.chain.RnnChain`, the GRU as
     :class:`~bppsa.backends.chain.GruChain`, built by torch on the GPU) and no per-step Jacobian is ever
     stored.  Three phases (:func:`.plan.factored_plan`): each thread builds some columns of one chunk's aggregate in
-    registers (up; in shared memory where H is too large); the existing Blelloch kernels scan the aggregates
-    applied to g (middle: vectors come out);
-    each block replays its chunk from its carry (down), writing the scan's output or the block's sums of the
-    parameter gradients, which one ``torch.sum`` adds.  The paper layout and dense chains take
+    registers (up; in shared memory where H is too large); one launch carries g across the aggregates, a warp tree
+    per batch element (middle: vectors come out; the Blelloch kernels where ``L_m`` bounds the tree);
+    a warp per (chunk, batch element) pair replays its chunk from its carry (down; a block per pair in shared memory
+    where its registers would not hold it), writing the scan's output or the pair's sums of the parameter gradients,
+    which one more kernel adds in a fixed order into the flat gradients (their views are what ``cell_grads``
+    returns).  The paper layout and dense chains take
     :class:`CupyBackend`."""
 
     name = "cupy-factored"
@@ -117,10 +120,24 @@ class CupyFactoredBackend(CupyBackend):
         return RnnChain.from_states(h, W_hh, x, out=self.workspace.get(("factors", "rnn"), (T, rows, B), h))
 
     def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates=None):
-        runtime.check_cuda(h.dtype, h, x, cell.weight_hh_l0)
+        """The GRU's chain, its factors written by one kernel from the forward's states (``bppsa_gru_factors``, in
+        place of torch's gate recomputation and ~30 ops; ``GruChain.from_states`` is its twin)."""
+        dev = runtime.check_cuda(h.dtype, h, x, cell.weight_hh_l0)
         T, B, H = h.shape
-        out = self.workspace.get(("factors", "gru"), (T, 6 * H + x.shape[2], B), h)
-        return GruChain.from_states(x, h, cell, out=out)
+        I = x.shape[2]
+        f = self.workspace.get(("factors", "gru"), (T, 6 * H + I, B), h)
+        if T * B == 0:
+            return GruChain(cell.weight_hh_l0, f, I)
+        launch = plan.gru_factors_launch(T, B, H, I)
+        if launch.smem_elems * h.dtype.itemsize > runtime.smem_optin(dev):  # (H, I far beyond the paper's)
+            return GruChain.from_states(x, h, cell, out=f)
+        zeros = h.new_zeros(3 * H)
+        ops = [t.detach().contiguous() for t in (x, h, cell.weight_ih_l0, cell.weight_hh_l0,
+                                                 zeros if cell.bias_ih_l0 is None else cell.bias_ih_l0,
+                                                 zeros if cell.bias_hh_l0 is None else cell.bias_hh_l0)]
+        runtime.launch("factored.cu", launch, h.dtype, dev, [runtime.pointer(t) for t in ops] + [runtime.pointer(f)],
+                       runtime.stream(dev))
+        return GruChain(cell.weight_hh_l0, f, I)
 
     def scan(self, g: torch.Tensor, J, L_m: int | None = None) -> torch.Tensor:
         if not _factored(J):
@@ -132,7 +149,7 @@ class CupyFactoredBackend(CupyBackend):
             # the scan's output, then the parameter gradients as GEMMs: also where the sums' block would not fit
             # this GPU's shared memory (the GRU at H = 64 in fp64 on an H100/H200: 259 KiB of 227)
             return from_scan(self.scan(g, J, L_m))
-        return J.param_grads(self._factored(g, J, L_m, grads=True))
+        return plan.grad_views(self._factored(g, J, L_m, grads=True), J.grad_layout(), J.I + 1 + J.shape[2])
 
     def affine_scan(self, g: torch.Tensor, J, c: torch.Tensor, L_m: int | None = None,
                     past: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,7 +162,7 @@ class CupyFactoredBackend(CupyBackend):
     def affine_cell_grads(self, g, J, c, L_m, from_scan) -> dict[str, torch.Tensor]:
         if not _factored(J) or not J.I or not self.sums_fit(J, g.dtype, g.device):
             return from_scan(self.affine_scan(g, J, c, L_m))
-        return J.param_grads(self._factored(g, J, L_m, grads=True, c=c))
+        return plan.grad_views(self._factored(g, J, L_m, grads=True, c=c), J.grad_layout(), J.I + 1 + J.shape[2])
 
     @staticmethod
     def sums_fit(chain, dtype: torch.dtype, device: torch.device) -> bool:
@@ -158,7 +175,7 @@ class CupyFactoredBackend(CupyBackend):
 
     def _factored(self, g: torch.Tensor, chain, L_m, grads: bool, C: int | None = None,
                   c: torch.Tensor | None = None) -> torch.Tensor:
-        """The scan's output P [n, B, H], or (``grads``) the sums [NA, I + 1 + H] that ``chain.param_grads`` takes;
+        """The scan's output P [n, B, H], or (``grads``) the flat parameter gradients (:func:`.plan.grad_index`);
         ``c`` [n, B, H]: the per-step gradients of the affine scan (None: the single seed's scan)."""
         check_operands(g, chain)
         n, B, H, _ = chain.shape
@@ -183,6 +200,8 @@ class CupyFactoredBackend(CupyBackend):
         for name, shape in shapes.items():
             if shape is None:
                 bufs[name] = None
+            elif name == "gmap":
+                bufs[name] = self._grad_map(chain, g.device)
             elif name == "carries" and shape[0] == 1:
                 bufs[name] = g[None]  # one chunk: the down launch alone, from g
             else:
@@ -191,17 +210,23 @@ class CupyFactoredBackend(CupyBackend):
         if bufs["S"] is not None:
             bufs["S"][0].copy_(g)  # the middle scan's spine starts from g
         elif shapes["carries"][0] > 1:
-            bufs["carries"][0].copy_(g)  # the affine scan's carry kernel starts from g
+            bufs["carries"][0].copy_(g)  # the one-launch middle phase starts from g
         ptr = {k: runtime.pointer(unused if t is None else t) for k, t in bufs.items()}
         ptr["unused"] = runtime.pointer(unused)
-        out, s = None, runtime.stream(dev)
+        s = runtime.stream(dev)
         for step in launches:
-            src = plan.factored_source(step)
-            if src is None:
-                out = bufs["accs"].sum(0)  # the one reduction over the blocks (torch, on the same stream)
-            else:
-                runtime.launch(src, step, g.dtype, dev, plan.factored_operands(step, ptr), s)
-        return out if shapes["P"] is None else bufs["P"]
+            runtime.launch(plan.factored_source(step), step, g.dtype, dev, plan.factored_operands(step, ptr), s)
+        return bufs["grads"] if shapes["P"] is None else bufs["P"]
+
+    def _grad_map(self, chain, device) -> torch.Tensor:
+        """The flat gradients' entries of the sums (:func:`.plan.grad_index`), int32 on ``device``, once per shape."""
+        n, B, H, _ = chain.shape
+        key = (chain.kind, H, chain.I, str(device))
+        cache = self.__dict__.setdefault("_grad_maps", {})
+        if key not in cache:
+            index, _ = plan.grad_index(chain.grad_layout(), chain.I + 1 + H)
+            cache[key] = torch.tensor(index, dtype=torch.int32, device=device)
+        return cache[key]
 
 
 @functools.lru_cache(maxsize=16)  # once per device: a backward's host time is what the GPU runs wait on

@@ -71,6 +71,10 @@ SCHEDULERS_PER_SM = 4  # warp schedulers per SM, each issuing one warp instructi
 ISSUE_PER_FMA = 1.35  # instructions a warp issues per multiply-add of its step loop (the FMAs, the LDS.128 of
 #                       W^T, the streamed factor loads and their addresses), read from its SASS, not timed
 STEP_S = {"mm": 4.0e-6, "mv": 2.0e-6}  # latency of one dependent step of a block at H = 20 (scales with H / 20)
+# The one-launch middle phase (factored_warp.cu): assumptions, not fits (no GPU has run it); see _middle_clocks.
+GLOBAL_LATENCY_S = 0.5e-6  # a load that misses L1 (between Hopper's L2 and HBM latencies, ~0.25 and ~0.5 µs)
+FMA_DEP_CLK = {4: 4, 8: 8}  # clocks from one dependent multiply-add to the next (fp32, fp64)
+STAGE_CLK = 40  # a staging's fixed cost per transition: two __syncwarp and the address arithmetic
 HOST_LAUNCH_S = 25e-6  # host time of one CuPy RawKernel launch from Python
 HOST_TORCH_S = 25e-6  # host time of one eager torch op (Python, dispatch, launch)
 HOST_FIXED_S = 600e-6  # the backward's Python glue outside any op (autograd, the layer's routing, plans, checks)
@@ -157,12 +161,39 @@ class Step:
     block: int = 0  # threads per block
     lds_per_fma: float = LDS_PER_FMA  # shared loads per multiply-add of its inner loop
     fma_per_step: int = 0  # multiply-adds one thread issues per dependent step (0: the step takes STEP_S[step])
+    seconds: float = 0.0  # the launch's dependent chain where it is modelled in clocks (the middle kernel)
 
     @classmethod
-    def of(cls, launch: plan.Launch, itemsize: int = 4) -> Step:
+    def of(cls, launch: plan.Launch, itemsize: int = 4, gpu: Gpu | None = None) -> Step:
         if launch.kernel.startswith("torch."):
             return cls(launch.kernel, 1, 0, launch.moved, launch.flop)
+        if launch.kernel == "bppsa_factored_middle":  # ints: n, B, H, I, C, ...; one block per batch element
+            n, H, C = launch.ints[0], launch.ints[2], launch.ints[4]
+            g = GPUS[CHUNK_GPU] if gpu is None else gpu
+            secs = _middle_clocks(-(-n // C), H, itemsize, launch.block // 32, g) / (g.clock_GHz * 1e9) \
+                if g.clock_GHz and g.sms else 0.0
+            # its hottest loop, a composition: one 16-byte broadcast load of the staged aggregate per 16 / itemsize FMAs
+            return cls(launch.kernel, 1, launch.grid * launch.block, launch.moved, launch.flop, block=launch.block,
+                       lds_per_fma=itemsize / LDS_BYTES, seconds=secs)
         serial, step, lds, fma_step = 0, "", LDS_PER_FMA, 0
+        if launch.kernel.startswith("bppsa_factored_down_warp_"):  # ints n, B, H, I, C, ..., mode; a warp per pair
+            g = GPUS[CHUNK_GPU] if gpu is None else gpu
+            secs = _down_warp_seconds(launch, itemsize, g)
+            # a step's 16-byte broadcast loads (t_g, the column values) per its multiply-adds (mat-vec, the sums)
+            H, I = launch.ints[2], launch.ints[3]
+            nw, nbv, v = (1, I + 1 + H, LDS_BYTES // itemsize) if "_rnn" in launch.kernel else (3, I + 1 + H,
+                                                                                              LDS_BYTES // itemsize)
+            nacc = nbv if nw == 1 else 3 * nbv + 1
+            lds = (nw * -(-H // v) + -(-nbv // v)) / (nw * H + nacc)
+            return cls(launch.kernel, 1, launch.grid * launch.block, launch.moved, launch.flop, block=launch.block,
+                       lds_per_fma=lds, seconds=secs)
+        if launch.kernel == "bppsa_factored_grads":  # ints: parts, entries, total
+            # a warp adds every GRADS_WARPS-th part, two loads an iteration; assumed: GRADS_IN_FLIGHT iterations' loads
+            # in flight, each round a global load's latency
+            rounds = 1 + launch.ints[0] / (2 * plan.GRADS_WARPS * GRADS_IN_FLIGHT)
+            secs = rounds * GLOBAL_LATENCY_S
+            return cls(launch.kernel, 1, launch.grid * launch.block, launch.moved, launch.flop, block=launch.block,
+                       lds_per_fma=0.0, seconds=secs)
         if launch.consts:  # the register up kernel (factored_up.cu): ints n, B, H, I, C, ...
             H, C = launch.ints[2], launch.ints[4]
             nc = dict(launch.consts)["BPPSA_NC64" if itemsize == 8 else "BPPSA_NC32"]
@@ -170,9 +201,6 @@ class Step:
             # a thread's chunk: its first step builds the Jacobian's columns, each later one multiplies them,
             # NW·H² multiply-adds per column; one 16-byte load of W^T feeds (16 / itemsize) rows of its NC columns
             serial, step, lds, fma_step = C - 1, "mm", itemsize / (LDS_BYTES * nc), nw * H * H * nc
-        elif launch.kernel == "bppsa_factored_carry":  # the affine scan's middle: a block walks the K - 1 chunks
-            n, C = launch.ints[0], launch.ints[4]
-            serial, step = -(-n // C) - 1, "mv"
         elif launch.kernel.startswith("bppsa_factored_"):  # ints: n, B, H, I, C, ...: a block walks C steps
             serial, step = launch.ints[4], "mm" if "_up_" in launch.kernel else "mv"
         elif launch.kernel in ("bppsa_up_sweep", "bppsa_down_sweep", "bppsa_middle_scan"):
@@ -230,11 +258,16 @@ def steps(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int 
         if cell == "rnn":
             # RnnChain.from_states: d = 1 - h² (h read, d written), x and h' copied into the factor rows.
             out.append(Step("torch.rnn_factors", 4, 0, rows * (H + H + 2 * (I + H)), rows * 2 * H))
-        else:
+        elif GRU_FACTOR_KERNEL:  # one kernel from the forward's states (issue 41)
+            out.append(Step.of(plan.gru_factors_launch(T, B, H, I), itemsize, gpu))
+        else:  # torch's gates and factor passes (the H200 runs of 2026-11-26 and -27)
             out.append(_gates(T, B, H, I))
             out.append(Step("torch.gru_factors", 8, 0, rows * (12 * H + NR + I + H), rows * 12 * H))
         C = chunk_size(cell, T, B, H, I, itemsize, gpu if gpu in GPUS.values() else None)
-        out += [Step.of(launch, itemsize) for launch in plan.factored_plan(cell, T, B, H, I, C, itemsize=itemsize)[1]]
+        g = gpu if gpu in GPUS.values() else None
+        warps = middle_warps(-(-T // C), H, itemsize, g)
+        out += [Step.of(launch, itemsize, g)
+                for launch in plan.factored_plan(cell, T, B, H, I, C, itemsize=itemsize, warps=warps)[1]]
         return out
     raise ValueError(f"layout must be 'faithful' or 'factored', got {layout!r}")
 
@@ -271,16 +304,18 @@ def predict(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: in
 
 
 def phase(step: str) -> str:
-    """The phase of the backward a step belongs to: ``torch`` (torch's passes: the factors, the GRU's gates, the
+    """The phase of the backward a step belongs to: ``torch`` (the factors: torch's passes or the GRU's factor kernel,
+    the GRU's gates, the
     faithful path's GEMMs, the sum over the blocks), ``jacobians`` (the faithful fill), ``up`` (the factored up
-    kernel), ``scan`` (the Blelloch kernels: the middle scan of the factored path), ``down`` (the factored down)."""
-    if step.startswith("torch."):
+    kernel), ``scan`` (the factored path's middle phase: its one-launch kernel, or the Blelloch kernels where ``L_m``
+    bounds the tree), ``down`` (the factored down and the gradients' reduction)."""
+    if step.startswith("torch.") or step == "bppsa_gru_factors":
         return "torch"
     if step.startswith("bppsa_rnn_jacobians"):
         return "jacobians"
     if step.startswith("bppsa_factored_up"):
         return "up"
-    if step.startswith("bppsa_factored_down"):
+    if step.startswith("bppsa_factored_down") or step == "bppsa_factored_grads":
         return "down"
     return "scan"
 
@@ -310,7 +345,7 @@ def _device_s(s: Step, H: int, itemsize: int, gpu: Gpu, launch_s: float, lds_per
     if (s.serial or s.fma_per_step) and gpu.clock_GHz and gpu.sms:
         smem_Bps = gpu.sms * SMEM_BYTES_PER_CLK * gpu.clock_GHz * 1e9
         bound = max(bound, s.flop / 2 * lds * itemsize / smem_Bps)
-    latency = 0.0
+    latency = s.seconds
     if s.fma_per_step:
         latency = _issue_latency(s, itemsize, gpu)
     elif s.serial and resident:
@@ -324,6 +359,8 @@ def _fill(s: Step, gpu: Gpu) -> float:
     (a thread does a pair's NC columns, ILP instead of threads) the warp schedulers its warps reach."""
     if s.threads == 0 or gpu.sms == 0:
         return 1.0
+    if s.seconds and s.block:  # the middle kernel: its latency term streams the loads; a block per SM it reaches
+        return min(1.0, s.threads // s.block / gpu.sms)
     if s.fma_per_step and s.block:
         blocks = s.threads // s.block
         warps_per_sm = -(-blocks // gpu.sms) * s.block / 32
@@ -346,6 +383,77 @@ def _issue_latency(s: Step, itemsize: int, gpu: Gpu) -> float:
     blocks_per_sm = -(-(s.threads // s.block) // gpu.sms)
     share = max(1.0, blocks_per_sm * s.block / 32 / SCHEDULERS_PER_SM)
     return s.serial * s.fma_per_step * clocks_per_fma * share / clock
+
+
+def _middle_clocks(K: int, H: int, itemsize: int, warps: int, gpu: Gpu) -> float:
+    """Clocks of the one-launch middle phase's chain (``factored_warp.cu``) over K chunks with ``warps`` warps, from
+    its code, not timed (assumptions, module constants):
+
+    * a walked transition (a mat-vec): H shuffles issued and H dependent multiply-adds (FMA_DEP_CLK each), plus the
+      staging (2·ceil(H²/32) loads and stores a lane, STAGE_CLK); but no less than a global load's latency
+      (GLOBAL_LATENCY_S) over the D aggregates streamed ahead (:func:`.plan.middle_depth`);
+    * a composed transition: H² multiply-adds a lane at the dtype's pipe rate and H²·itemsize/16 shared loads,
+      plus the staging, with the same floor;
+    * a map applied (warp 0, phase 2): a mat-vec from shared memory;
+    * two block barriers (100 clocks) where there is more than one warp.
+    Segments (:func:`.plan.middle_segments`): L transitions walked by warp 0 while warps 1 .. Wn - 2 compose theirs,
+    Wn - 2 maps applied, then L transitions walked by each later warp at once."""
+    if K < 2:
+        return 0.0
+    clock = gpu.clock_GHz * 1e9
+    lanes = gpu.peak_flops(itemsize) / 2 / clock / (gpu.sms * SCHEDULERS_PER_SM)
+    pipe = max(1.0, 32 / lanes)  # issue clocks of one warp multiply-add
+    ns = -(-H * H // 32) if H <= 32 else 0
+    floor = GLOBAL_LATENCY_S * clock / plan.middle_depth(H, itemsize)
+    dep = FMA_DEP_CLK[itemsize]
+    mv = H * (1 + dep) + (2 * ns + STAGE_CLK if ns else 0)
+    walk = max(mv, floor if ns else GLOBAL_LATENCY_S * clock)
+    mm = H * H * pipe + H * H * itemsize / LDS_BYTES + 2 * ns + STAGE_CLK
+    L, Wn = plan.middle_segments(K, warps)
+    if Wn == 1:
+        return L * walk
+    first = max(walk, max(mm, floor) if Wn > 2 else 0.0)
+    return L * first + (Wn - 2) * H * (1 + dep) + L * walk + 100
+
+
+SHFL_CLK = 30  # a shuffle's latency (clocks), assumed
+GRU_FACTOR_KERNEL = True  # the GRU's factors by bppsa_gru_factors (False: torch's passes, as the first GPU runs did)
+GRADS_IN_FLIGHT = 4  # iterations of the gradients' reduction whose loads a warp keeps in flight, assumed
+
+
+def _down_warp_seconds(launch: plan.Launch, itemsize: int, gpu: Gpu) -> float:
+    """The warp down kernel's time from its code (assumptions, not fits; no GPU has run it).  A warp walks its chunk's
+    C steps; a step's dependent chain is a mat-vec (shuffles, then H dependent multiply-adds, SHFL_CLK + H·FMA_DEP_CLK
+    + STAGE_CLK) but at least a global load's latency (its factors are loaded one step ahead).  A step issues, per warp,
+    NW·H shuffles and multiply-adds for the mat-vec and, with the sums, NBV shuffles and the rows' multiply-adds (rnn
+    NBV, gru 3·NBV + 1), and its loads; an SM's warps share SCHEDULERS_PER_SM schedulers.  The time is the longer of a
+    warp's chain over its C steps and the busiest scheduler's issue over the whole launch."""
+    if not (gpu.clock_GHz and gpu.sms):
+        return 0.0
+    n, B, H, I, C, mode = (launch.ints[i] for i in (0, 1, 2, 3, 4, 7))
+    kind = launch.kernel.rsplit("_", 1)[1]
+    clock = gpu.clock_GHz * 1e9
+    nw = 1 if kind == "rnn" else 3
+    nbv = I + 1 + H
+    lanes = gpu.peak_flops(itemsize) / 2 / clock / (gpu.sms * SCHEDULERS_PER_SM)
+    pipe = max(1.0, 32 / lanes)
+    chain = max(SHFL_CLK + H * FMA_DEP_CLK[itemsize] + STAGE_CLK, GLOBAL_LATENCY_S * clock)
+    issue = nw * H * (1 + pipe) + (1 if kind == "rnn" else 5) + -(-nbv // 32) + 8
+    if mode & 1:
+        issue += nbv + (nbv if kind == "rnn" else 3 * nbv + 1) * pipe
+    K = -(-n // C)
+    pairs = K * B
+    per_sched = -(-pairs // gpu.sms) / SCHEDULERS_PER_SM
+    return max(min(C, n) * chain, n / K * issue * max(1.0, per_sched)) / clock
+
+
+def middle_warps(K: int, H: int, itemsize: int = 4, gpu: Gpu | None = None) -> int:
+    """The middle phase's warps for K chunks: the fewest of least :func:`_middle_clocks` (1 .. the plan's maximum)."""
+    gpu = GPUS[CHUNK_GPU] if gpu is None else gpu
+    if K < 3 or not gpu.clock_GHz:
+        return 1
+    top = min(plan.middle_max_warps(H, itemsize), K - 1)
+    return min(range(1, top + 1), key=lambda w: (_middle_clocks(K, H, itemsize, w, gpu), w))
 
 
 def expected(layout: str, cell: str, T: int, B: int, H: int, I: int, itemsize: int, gpu: Gpu,
@@ -377,8 +485,9 @@ def chunk_cost(kind: str, n: int, B: int, H: int, I: int, C: int, itemsize: int 
     :func:`.plan.factored_plan`, as a replayed graph runs them: no host time; torch's factor passes, which C does
     not change, left out).  Large C lengthens the up and down chains, small C the middle scan."""
     gpu = GPUS[CHUNK_GPU] if gpu is None else gpu
-    launches = plan.factored_plan(kind, n, B, H, I, C, itemsize=itemsize)[1]
-    return sum(_device_s(Step.of(x, itemsize), H, itemsize, gpu, LAUNCH_S) for x in launches)
+    warps = middle_warps(-(-n // C), H, itemsize, gpu)
+    launches = plan.factored_plan(kind, n, B, H, I, C, itemsize=itemsize, warps=warps)[1]
+    return sum(_device_s(Step.of(x, itemsize, gpu), H, itemsize, gpu, LAUNCH_S) for x in launches)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -390,7 +499,10 @@ def chunk_size(kind: str, n: int, B: int, H: int, I: int = 1, itemsize: int = 4,
 
 def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int | None = None, *, gpu: Gpu | None = None,
                   **kw) -> tuple[int, tuple[plan.Launch, ...]]:
-    """:func:`.plan.factored_plan` with C = :func:`chunk_size`'s where ``C`` is None (what the backend runs)."""
+    """:func:`.plan.factored_plan` with C = :func:`chunk_size`'s where ``C`` is None, and the middle phase's warps
+    :func:`middle_warps`'s where ``warps`` is None or not given (what the backend runs)."""
     if C is None:
         C = chunk_size(kind, n, B, H, I, kw.get("itemsize", 4), gpu)
+    if kw.get("warps") is None:
+        kw["warps"] = middle_warps(-(-n // C), H, kw.get("itemsize", 4), gpu)
     return plan.factored_plan(kind, n, B, H, I, C, **kw)

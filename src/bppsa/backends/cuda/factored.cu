@@ -10,20 +10,27 @@
 // blockIdx.x = c * B + b for batch element b; no block ever waits for another:
 //   up:     agg[c][b] = J_{last} ... J_{first} of the chunk, built from the factors: in registers by factored_up.cu
 //           (compiled per H), or here in shared memory (bppsa_factored_up_smem_*) where H is too large for that;
-//   middle: the Blelloch kernels (blelloch.cu) scan (g, agg) into carries[c][b] = agg[c-1] ... agg[0] g;
+//   middle: factored_warp.cu (one launch, compiled per H) carries g across the aggregates, carries[c][b] =
+//           agg[c-1] ... agg[0] g (the Blelloch kernels of blelloch.cu where L_m bounds the tree);
 //   down:   each block replays its chunk from its carry with mat-vecs: the scan's output P[k][b] = the
 //           vector before step k (mode 0), or (mode & 1) the block's sums of the parameter gradients,
 //           acc[block][NA][I + 1 + H] as chain_scan.c accumulates them, which the host adds over the blocks.
 // The per-step-gradient (affine) scan, v_{k+1} = J_k v_k + c_k with c [n][B][H] (mode & 2: every mat-vec adds
 // c_k): the down kernel first runs with mode & 4 from zero, writing each chunk's offset (its replay with the
-// gradients injected, through its last step) to P[c][b]; bppsa_factored_carry then walks the chunks,
-// carries[c+1] = agg[c] carries[c] + offset[c], one block per batch element; then the down kernel as above.
+// gradients injected, through its last step) to P[c][b]; factored_warp.cu's middle kernel (mode & 2) then carries
+// across the chunks, carries[c+1] = agg[c] carries[c] + offset[c]; then the down kernel as above.
 //
 // Every H x H matrix in shared memory has row pitch `pitch` (odd, >= H: plan.smem_pitch), so a warp reading
 // a column (thread i reads row i, the down phase's mat-vec) hits distinct banks; element-wise and row-times-
 // matrix loops run over the pitched index (the pad column idles), so their warps touch consecutive words.
 
 typedef long long idx_t;
+
+#if !defined(__CUDACC_RTC__) && !defined(__CUDACC__)
+#include <cmath>  // the CPU emulator (g++); NVRTC and nvcc have exp and tanh built in
+using std::exp;
+using std::tanh;
+#endif
 
 #ifndef BPPSA_SMEM
 extern __shared__ double bppsa_smem_[];
@@ -208,32 +215,105 @@ __device__ void down(const T* Wt, const T* f, const T* carry, const T* cin, T* P
   }
 }
 
-// Block b (batch element b): the affine scan's carries, carries[c+1][b] = agg[c][b] carries[c][b] + off[c][b] for
-// c = 0 .. K - 2, from carries[0][b] = g (written by the host); thread i computes row i (agg row-major).
+// The parameter gradients from the sums of `parts` blocks (accs [parts][entries]; either down kernel, mode & 1):
+// out[j] = the sum over the parts, in a fixed order, of accs[part][map[j]], for the flat gradient j (map:
+// plan.grad_index, the chain's grad_layout).  Block: 32 consecutive j (the lanes) and W warps; warp w adds the parts
+// w, w + W, ... in order, then the warps' partial sums are added in warp order.  Deterministic: the same order in
+// every run, whatever the timing.
 template <typename T>
-__device__ void carry(const T* agg, const T* off, T* carries, idx_t n, idx_t B, idx_t H, idx_t C) {
-  const idx_t b = blockIdx.x, K = (n + C - 1) / C;
-  T* sm = reinterpret_cast<T*>(BPPSA_SMEM);
-  T* v = sm;     // H: carries[c][b]
-  T* w = v + H;  // H: carries[c + 1][b]
-  for (idx_t i = threadIdx.x; i < H; i += blockDim.x) v[i] = carries[b * H + i];
-  __syncthreads();
-  for (idx_t c = 0; c + 1 < K; ++c) {
-    const T* M = agg + (c * B + b) * H * H;
-    for (idx_t i = threadIdx.x; i < H; i += blockDim.x) {
-      T a = off[(c * B + b) * H + i];
-      for (idx_t j = 0; j < H; ++j) a += M[i * H + j] * v[j];
-      w[i] = a;
-      carries[((c + 1) * B + b) * H + i] = a;
+__device__ void grads(const T* accs, const int* map, T* out, idx_t parts, idx_t entries, idx_t total) {
+  T* part = reinterpret_cast<T*>(BPPSA_SMEM);  // [W][32]
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, W = blockDim.x / 32;
+  const idx_t j = (idx_t)blockIdx.x * 32 + lane;
+  T s0 = T(0), s1 = T(0);
+  if (j < total) {
+    const T* a = accs + map[j];
+    idx_t p = warp;
+    for (; p + W < parts; p += 2 * W) {
+      s0 += a[p * entries];
+      s1 += a[(p + W) * entries];
     }
-    __syncthreads();
-    T* tmp = v;
-    v = w;
-    w = tmp;
+    if (p < parts) s0 += a[p * entries];
+  }
+  part[warp * 32 + lane] = s0 + s1;
+  __syncthreads();
+  if (warp == 0 && j < total) {
+    T s = T(0);
+    for (unsigned w = 0; w < W; ++w) s += part[w * 32 + lane];
+    out[j] = s;
   }
 }
 
+// The GRU's factors from the forward's saved states, in one pass (replacing torch's gate recomputation and ~30 ops):
+// thread p = t * B + b (time step t, batch element b) recomputes the gates of step t, r, z = sigmoid(W_i x_t + b_i +
+// W_h h_{t-1} + b_h), M = W_hn h_{t-1} + b_hn, n = tanh(W_in x_t + b_in + r ⊙ M) (h_{-1} = 0), and writes scan step
+// k = T - 1 - t of f [T][6H + I][B] (lane order) as GruChain.from_states does: c_r = e M r (1 - r),
+// c_z = (h_{t-1} - n) z (1 - z), c_n = e r, z, e = (1 - z)(1 - n²), then x_t and h_{t-1}.  The weights and biases are
+// staged in shared memory once per block and read as broadcasts (every thread the same address).
+template <typename T>
+__device__ void gru_factors(const T* x, const T* h, const T* Wih, const T* Whh, const T* bih, const T* bhh, T* f,
+                            idx_t Tn, idx_t B, idx_t H, idx_t I) {
+  T* sm = reinterpret_cast<T*>(BPPSA_SMEM);
+  T* wi = sm;                 // [3H][I]
+  T* wh = wi + 3 * H * I;     // [3H][H]
+  T* bi = wh + 3 * H * H;     // [3H]
+  T* bh = bi + 3 * H;         // [3H]
+  for (idx_t q = threadIdx.x; q < 3 * H * I; q += blockDim.x) wi[q] = Wih[q];
+  for (idx_t q = threadIdx.x; q < 3 * H * H; q += blockDim.x) wh[q] = Whh[q];
+  for (idx_t q = threadIdx.x; q < 3 * H; q += blockDim.x) {
+    bi[q] = bih[q];
+    bh[q] = bhh[q];
+  }
+  __syncthreads();
+  const idx_t p = (idx_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (p >= Tn * B) return;
+  const idx_t t = p / B, b = p % B, k = Tn - 1 - t, NR = 6 * H + I;
+  const T* xt = x + p * I;
+  const T* hp = t > 0 ? h + (p - B) * H : nullptr;
+  T* fk = f + k * NR * B + b;
+  for (idx_t i = 0; i < H; ++i) {
+    T gr = bi[i], gz = bi[H + i], gn = bi[2 * H + i];
+    for (idx_t m = 0; m < I; ++m) {
+      const T xm = xt[m];
+      gr += wi[i * I + m] * xm;
+      gz += wi[(H + i) * I + m] * xm;
+      gn += wi[(2 * H + i) * I + m] * xm;
+    }
+    T hr = bh[i], hz = bh[H + i], M = bh[2 * H + i];
+    if (hp != nullptr) {
+      for (idx_t m = 0; m < H; ++m) {
+        const T hm = hp[m];
+        hr += wh[i * H + m] * hm;
+        hz += wh[(H + i) * H + m] * hm;
+        M += wh[(2 * H + i) * H + m] * hm;
+      }
+    }
+    const T r = T(1) / (T(1) + exp(-(gr + hr)));
+    const T z = T(1) / (T(1) + exp(-(gz + hz)));
+    const T n = tanh(gn + r * M);
+    const T hpi = hp != nullptr ? hp[i] : T(0);
+    const T e = (T(1) - z) * (T(1) - n * n);
+    fk[i * B] = e * M * r * (T(1) - r);
+    fk[(H + i) * B] = (hpi - n) * z * (T(1) - z);
+    fk[(2 * H + i) * B] = e * r;
+    fk[(3 * H + i) * B] = z;
+    fk[(4 * H + i) * B] = e;
+    fk[(5 * H + I + i) * B] = hpi;
+  }
+  for (idx_t m = 0; m < I; ++m) fk[(5 * H + m) * B] = xt[m];
+}
+
 }  // namespace bppsa_factored
+
+#define BPPSA_GRU_FACTORS(T, SUFFIX)                                                                          \
+  extern "C" __global__ void bppsa_gru_factors_##SUFFIX(const T* x, const T* h, const T* Wih, const T* Whh,    \
+                                                        const T* bih, const T* bhh, T* f, idx_t Tn, idx_t B,  \
+                                                        idx_t H, idx_t I) {                                   \
+    bppsa_factored::gru_factors<T>(x, h, Wih, Whh, bih, bhh, f, Tn, B, H, I);                                 \
+  }
+
+BPPSA_GRU_FACTORS(float, f32)
+BPPSA_GRU_FACTORS(double, f64)
 
 #define BPPSA_FACTORED_KERNELS(T, SUFFIX, KIND, NAME)                                                         \
   extern "C" __global__ void bppsa_factored_up_smem_##NAME##_##SUFFIX(const T* Wt, const T* f, T* agg,          \
@@ -256,16 +336,11 @@ BPPSA_FACTORED_KERNELS(double, f64, 0, rnn)
 BPPSA_FACTORED_KERNELS(float, f32, 1, gru)
 BPPSA_FACTORED_KERNELS(double, f64, 1, gru)
 
-#define BPPSA_FACTORED_CARRY(T, SUFFIX)                                                                       \
-  extern "C" __global__ void bppsa_factored_carry_##SUFFIX(const T* agg, const T* off, T* carries, idx_t n,     \
-                                                          idx_t B, idx_t H, idx_t I, idx_t C, idx_t pitch,     \
-                                                          idx_t G, idx_t mode) {                               \
-    (void)I;                                                                                                  \
-    (void)pitch;                                                                                              \
-    (void)G;                                                                                                  \
-    (void)mode;                                                                                               \
-    bppsa_factored::carry<T>(agg, off, carries, n, B, H, C);                                                  \
+#define BPPSA_FACTORED_GRADS(T, SUFFIX)                                                                       \
+  extern "C" __global__ void bppsa_factored_grads_##SUFFIX(const T* accs, const int* map, T* out, idx_t parts,  \
+                                                           idx_t entries, idx_t total) {                       \
+    bppsa_factored::grads<T>(accs, map, out, parts, entries, total);                                          \
   }
 
-BPPSA_FACTORED_CARRY(float, f32)
-BPPSA_FACTORED_CARRY(double, f64)
+BPPSA_FACTORED_GRADS(float, f32)
+BPPSA_FACTORED_GRADS(double, f64)

@@ -96,6 +96,21 @@ def rnn_jacobians_launch(T: int, B: int, H: int, layout: str) -> Launch:
                   moved=total + T * B * H + H * H, flop=flop)
 
 
+GRU_FACTOR_THREADS = 128
+
+
+def gru_factors_launch(T: int, B: int, H: int, I: int) -> Launch:
+    """The GRU's factors in one kernel (``factored.cu``'s ``bppsa_gru_factors``): a thread per (step, batch element)
+    recomputes the gates from x_t and h_{t-1} and writes the step's 6H + I factor rows; the weights and biases staged
+    per block.  Counts: x_t (I) and h_{t-1} (H) read, 6H + I rows written per pair, the weights once per block; two
+    multiply-add FLOP per weight a pair, ~20 per gate element."""
+    pairs = T * B
+    grid = max(1, -(-pairs // GRU_FACTOR_THREADS))
+    weights = 3 * H * (I + H) + 6 * H
+    return Launch("bppsa_gru_factors", grid, GRU_FACTOR_THREADS, weights, (T, B, H, I),
+                  moved=pairs * (I + H + 6 * H + I) + grid * weights, flop=pairs * (2 * 3 * H * (I + H) + 20 * H))
+
+
 def max_hidden(dtype: torch.dtype, smem_optin: int) -> int:
     """Largest H whose matrix-matrix block (two H x H operands) fits in ``smem_optin`` bytes."""
     return math.isqrt(smem_optin // (2 * dtype.itemsize))
@@ -151,6 +166,112 @@ def up_reg_smem(kind: str, H: int, itemsize: int) -> int:
     """Shared memory (elements) of the register up kernel: W^T column by column, rows padded to 16 bytes."""
     v = 16 // itemsize
     return FACTORED_KINDS[kind][0] * H * (-(-H // v) * v)
+
+
+MIDDLE_MAX_WARPS = 8  # warps (segments) of the one-launch middle phase: <= 8 x 256 registers a block
+MIDDLE_SMEM_BYTES = 48 * 1024  # its shared memory stays under the static limit (no opt-in, any GPU)
+
+
+DOWN_WARP_WORDS = 180  # 32-bit registers a lane of the warp down kernel may give its arrays
+DOWN_WARPS = 8  # warps (pairs) per thread block of the warp down kernel
+GRADS_WARPS = 8  # warps of the gradients' reduction (bppsa_factored_grads), each adding every 8th block's sums
+
+
+def down_warp_words(kind: str, H: int, I: int, itemsize: int) -> int:
+    """32-bit registers of a lane's arrays in the warp down kernel (``factored_warp.cu``): its row of each W_g^T
+    (NW·H), the gradient rows' sums (rnn: NBV = I + 1 + H; gru: dR, dZ NBV each, dN I + 1, dM 1 + H), and the step's
+    factors and column values with the next step's, 2·(NFL + ceil(NBV / 32))."""
+    nbv = I + 1 + H
+    nw, nfl = (1, 1) if kind == "rnn" else (3, 5)
+    nacc = nbv if kind == "rnn" else 2 * nbv + (I + 1) + (1 + H)
+    return (itemsize // 4) * (nw * H + nacc + 2 * (nfl + -(-nbv // 32)))
+
+
+def down_warp_fits(kind: str, H: int, I: int, itemsize: int) -> bool:
+    """Whether the warp down kernel takes this chain: a lane per row (H <= 32) and its arrays within DOWN_WARP_WORDS
+    registers (at H = 20 every case but the GRU in fp64); factored.cu's shared-memory down kernel takes the others."""
+    return H <= 32 and down_warp_words(kind, H, I, itemsize) <= DOWN_WARP_WORDS
+
+
+def down_warp_smem(kind: str, H: int, I: int, itemsize: int, grads: bool) -> int:
+    """Shared memory (elements) of the warp down kernel: with the sums the block's [NA, I + 1 + H], then per warp two
+    step buffers of its t_g (NW rows at H rounded up to 16 bytes) and column values, each 16-byte aligned."""
+    v = 16 // itemsize
+    up = lambda x: -(-x // v) * v  # noqa: E731
+    nw, na, nbv = (1, H, I + 1 + H) if kind == "rnn" else (3, 4 * H, I + 1 + H)
+    return (up(na * nbv) if grads else 0) + DOWN_WARPS * 2 * (nw * up(H) + up(nbv))
+
+
+def warp_constants(H: int, I: int) -> tuple[tuple[str, int], ...]:
+    """The compile-time constants of ``factored_warp.cu`` (one module per H and I, both dtypes): BPPSA_DOWN_WARP has
+    bit 1 for the RNN's fp32 down kernel, 2 its fp64, 4 the GRU's fp32, 8 its fp64, where :func:`down_warp_fits`."""
+    mask = sum(bit for bit, kind, item in ((1, "rnn", 4), (2, "rnn", 8), (4, "gru", 4), (8, "gru", 8))
+               if down_warp_fits(kind, H, I, item))
+    return (("BPPSA_H", H), ("BPPSA_I", I), ("BPPSA_DOWN_WARP", mask))
+
+
+def grad_total(kind: str, H: int, I: int) -> int:
+    """Elements of the cell's parameter gradients (weight_ih, bias_ih, bias_hh, weight_hh)."""
+    g = 1 if kind == "rnn" else 3
+    return g * H * (I + 2 + H)
+
+
+def grad_index(layout, NBV: int) -> tuple[list[int], list[tuple[str, tuple[int, ...], int]]]:
+    """The flat parameter gradients from the kernel's sums [NA, NBV]: for each flat element the sums' entry
+    (row·NBV + column), parameter after parameter as ``layout`` (a chain's ``grad_layout()``) lists them, each block
+    row by row; and per parameter its name, shape and first flat element."""
+    index: list[int] = []
+    params = []
+    for name, shape, parts in layout:
+        params.append((name, tuple(shape), len(index)))
+        for rows, cols in parts:
+            for r in range(rows.start, rows.stop):
+                index.extend(r * NBV + c for c in range(cols.start, cols.stop))
+    return index, params
+
+
+def grad_views(flat, layout, NBV: int) -> dict:
+    """The parameters' gradients as views of the flat buffer ``flat`` (:func:`grad_index`'s order)."""
+    _, params = grad_index(layout, NBV)
+    out = {}
+    for name, shape, start in params:
+        size = 1
+        for d in shape:
+            size *= d
+        out[name] = flat[start:start + size].view(shape)
+    return out
+
+
+def middle_smem(H: int, itemsize: int, warps: int) -> int:
+    """Shared memory (elements) of the one-launch middle phase (``factored_warp.cu``) with ``warps`` warps: each its
+    staged aggregate (H rows at a pitch of 16 bytes' multiple, H <= 32); with more than one warp also each its composed
+    map [H + 1][H] and its segment's starting carry [H]."""
+    v = 16 // itemsize
+    mat = H * (-(-H // v) * v) if H <= 32 else 0
+    return warps * mat + (warps * (H * (H + 1) + H) if warps > 1 else 0)
+
+
+def middle_max_warps(H: int, itemsize: int) -> int:
+    """The most warps the middle phase may take: 1 where a warp cannot hold a composed map's H + 1 columns (H > 31),
+    else up to MIDDLE_MAX_WARPS within MIDDLE_SMEM_BYTES of shared memory."""
+    if H > 31:
+        return 1
+    return max(1, min(MIDDLE_MAX_WARPS, max(w for w in range(1, MIDDLE_MAX_WARPS + 1)
+                                            if middle_smem(H, itemsize, w) * itemsize <= MIDDLE_SMEM_BYTES)))
+
+
+def middle_depth(H: int, itemsize: int) -> int:
+    """Aggregates the middle phase's warp streams ahead in registers (``factored_warp.cu``'s Layout::D): up to 4 within
+    64 32-bit registers of ceil(H² / 32) elements each."""
+    ns = -(-H * H // 32) if H <= 32 else 1
+    return max(1, min(4, 64 // (ns * (itemsize // 4))))
+
+
+def middle_segments(K: int, warps: int) -> tuple[int, int]:
+    """(segment length L, non-empty segments Wn) of the middle phase's K - 1 transitions over ``warps`` warps."""
+    nt = K - 1
+    L = -(-nt // warps)
+    return L, -(-nt // L)
 
 
 def smem_pitch(H: int) -> int:
@@ -226,7 +347,7 @@ def factored_smem(kind: str, H: int, I: int, grads: bool) -> tuple[int, int]:
 @functools.lru_cache(maxsize=256)
 def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: bool = True,
                   L_m: int | None = None, itemsize: int = 4, register_up: bool = True,
-                  affine: bool = False) -> tuple[int, tuple[Launch, ...]]:
+                  affine: bool = False, warps: int = 1, warp_down: bool = True) -> tuple[int, tuple[Launch, ...]]:
     """The launches of the factored backward over a chain of ``n`` steps (``kind`` "rnn": J_k = W^T diag(d_k);
     "gru": J_k = sum_g W_hg^T diag(c_g,k) + diag(z_k)): (chunk size C, launches in order).
 
@@ -236,17 +357,25 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: b
       never uses it: one pair of K·B).  Where NC columns do not fit the registers (H > 40 in fp32, H > 20 in fp64
       for ``itemsize`` 4 or 8), ``bppsa_factored_up_smem_<kind>`` (``factored.cu``): block c * B + b builds the
       aggregate in shared memory;
-    * middle: the scan of :func:`scan_plan` over (g, M_0 .. M_{K-1}), K + 1 positions: the carries
-      [K, B, H], carry_c = M_{c-1} ... M_0 g (``L_m`` bounds its tree, as for any scan);
+    * middle, ``bppsa_factored_middle`` (``factored_warp.cu``, compiled for this H), one launch: block b (batch
+      element b) writes the carries [K, B, H], carry_{c+1} = M_c carry_c from carry_0 = g, its ``warps`` warps (at
+      most :func:`middle_max_warps`) a two-level tree over the K - 1 transitions (:func:`middle_segments`: warp 0 walks
+      the first segment while the others compose theirs into one map each, warp 0 applies the maps, every warp walks
+      its segment); the cost model picks ``warps`` (:func:`.cost_model.middle_warps`).  Where ``L_m`` is given, the
+      paper's heterogeneous Blelloch scan of :func:`scan_plan` over (g, M_0 .. M_{K-1}) instead (``L_m`` bounds its
+      tree, as for any scan);
     * down, ``bppsa_factored_down_<kind>``: block c * B + b replays chunk c from its carry with mat-vecs and
       writes the scan's output P [n, B, H] (``grads`` False, or I = 0), or accumulates the block's sums of the
       parameter gradients [NA, I + 1 + H] (the CPU kernel's ``acc``) for every block, [K·B, NA, I + 1 + H];
-    * with the gradients, ``torch.sum`` over the blocks.
+    * with the gradients, ``bppsa_factored_grads`` (``factored.cu``): the pairs' sums added in a fixed order into the
+      flat parameter gradients (:func:`grad_index`; pointers ``(accs, map, grads)``, integers ``(K·B, NA·NBV, total)``).
 
     ``affine``: the per-step-gradient scan, v_{k+1} = J_k v_k + c_k (the down kernels' mode & 2: each mat-vec adds
     c_k).  The middle scan is then, after the up kernel, the down kernel from zero (mode & 4) writing each chunk's
-    offset [K, B, H] (its replay with the c_k injected), and ``bppsa_factored_carry``: one block per batch element
-    walks the K - 1 chunks, carry_{c+1} = M_c carry_c + offset_c (pointers ``(aggregates, offsets, carries)``).
+    offset [K, B, H] (its replay with the c_k injected), and the middle kernel with mode & 2: carry_{c+1} =
+    M_c carry_c + offset_c (its pointers are ``(aggregates, offsets, carries)``; the single seed's offsets: a stand-in).
+
+    ``warp_down`` False: factored.cu's down kernel even where the warp kernel fits (the first GPU runs' plan).
 
     C is the caller's: the cost model's :func:`.cost_model.chunk_size` picks it where none is given (it evaluates
     this plan, so the plan cannot ask it back).  K = 1 (n <= C) is the down launch alone, from g.  Every kernel takes
@@ -294,13 +423,13 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: b
         if affine:
             _, smem_off = factored_smem(kind, H, I, False)
             nfo = 1 if kind == "rnn" else 4
-            launches.append(Launch(f"bppsa_factored_down_{kind}", K * B, down_threads(H, False), smem_off,
-                                   ints[:-1] + (2 | 4,), moved=B * chunks(lambda L: NW * HH + L * (nfo + 1) * H + H),
-                                   flop=B * chunks(lambda L: L * (NW * H + _matvec_flop(kind, H) + H))))
-            launches.append(Launch("bppsa_factored_carry", B, down_threads(H, False), 2 * H, ints,
-                                   moved=B * ((K - 1) * (HH + 2 * H) + H), flop=B * (K - 1) * (2 * HH + H)))
-        else:
+            launches.append(_down(kind, n, B, H, I, K, itemsize, smem_off, down_threads(H, False), ints[:-1] + (2 | 4,),
+                                  moved=B * chunks(lambda L: NW * HH + L * (nfo + 1) * H + H),
+                                  flop=B * chunks(lambda L: L * (NW * H + _matvec_flop(kind, H) + H)), warp=warp_down))
+        if L_m is not None and not affine:
             launches.extend(scan_plan(K + 1, B, H, L_m)[1])
+        else:
+            launches.append(middle_launch(n, B, H, I, C, itemsize, affine, warps))
     nfd = 1 if kind == "rnn" else (5 if grads else 4)
     # t = factors ⊙ v every step (NW·H products); the mat-vec to the next step (all but the chunk's last):
     # RNN 2H² (W^T t), GRU 6H² + H (three W^T t and z ⊙ v).
@@ -319,12 +448,45 @@ def factored_plan(kind: str, n: int, B: int, H: int, I: int, C: int, *, grads: b
         moved += n * B * H  # P written
     if affine:
         moved, flop = moved + n * B * H, flop + n * B * H  # c read, added
-    launches.append(Launch(f"bppsa_factored_down_{kind}", K * B, down_threads(H, grads), smem_down, ints,
-                           moved=moved, flop=flop))
+    down = _down(kind, n, B, H, I, K, itemsize, smem_down, down_threads(H, grads), ints, moved, flop, grads, warp_down)
+    launches.append(down)
     if grads:
-        launches.append(Launch("torch.sum", 1, 0, 0, (K * B, NA * NBV),
-                               moved=(K * B + 1) * NA * NBV, flop=(K * B - 1) * NA * NBV))
+        total = grad_total(kind, H, I)
+        parts = down.grid if down.consts else K * B  # the warp kernel's sums per block, the other's per pair
+        launches.append(Launch("bppsa_factored_grads", -(-total // 32), 32 * GRADS_WARPS, 32 * GRADS_WARPS,
+                               (parts, NA * NBV, total), moved=parts * total + 2 * total, flop=(parts - 1) * total))
     return C, tuple(launches)
+
+
+def _down(kind, n, B, H, I, K, itemsize, smem, threads, ints, moved, flop, grads=False, warp=True) -> Launch:
+    """A down launch: the warp kernel (``factored_warp.cu``: a warp per pair, DOWN_WARPS pairs a block, shared memory
+    only for the block's sums [NA, I + 1 + H]) where :func:`down_warp_fits`, else factored.cu's (a block per pair)."""
+    if warp and down_warp_fits(kind, H, I, itemsize):
+        return Launch(f"bppsa_factored_down_warp_{kind}", -(-K * B // DOWN_WARPS), 32 * DOWN_WARPS,
+                      down_warp_smem(kind, H, I, itemsize, grads), ints, moved=moved, flop=flop,
+                      consts=warp_constants(H, I))
+    return Launch(f"bppsa_factored_down_{kind}", K * B, threads, smem, ints, moved=moved, flop=flop)
+
+
+def middle_launch(n: int, B: int, H: int, I: int, C: int, itemsize: int, affine: bool, warps: int) -> Launch:
+    """The one-launch middle phase over the K = ceil(n / C) chunks (``factored_plan``'s middle): ``warps`` clamped to
+    [1, min(:func:`middle_max_warps`, K - 1)].  Counts, per batch element: every transition's aggregate read by the walk
+    that writes its carry, the composed segments' read once more, the carries written and g read (and each offset read
+    as often as its aggregate); a mat-vec per walked transition, (H + 1) columns of an H x H product per composed one
+    after a segment's first, and a map (H x (H + 1)) applied per segment start."""
+    K = -(-n // C)
+    W = max(1, min(warps, middle_max_warps(H, itemsize), K - 1))
+    L, Wn = middle_segments(K, W)
+    nt = K - 1
+    composed = L * max(0, Wn - 2) if W > 1 else 0  # the transitions composed (segments 1 .. Wn - 2)
+    HH = H * H
+    moved = B * ((nt + composed) * HH + nt * H + H + ((nt + composed) * H if affine else 0))
+    flop = B * (nt * 2 * HH + max(0, composed - max(0, Wn - 2)) * 2 * HH * (H + 1) + max(0, Wn - 2) * (2 * HH + H)
+                + (nt * H if affine else 0))
+    mode = 2 if affine else 0
+    return Launch("bppsa_factored_middle", B, 32 * W, middle_smem(H, itemsize, W),
+                  (n, B, H, I, C, smem_pitch(H), FACTORED_GROUP, mode), moved=moved, flop=flop,
+                  consts=warp_constants(H, I))
 
 
 def _matvec_flop(kind: str, H: int) -> int:
@@ -332,10 +494,10 @@ def _matvec_flop(kind: str, H: int) -> int:
     return 2 * H * H if kind == "rnn" else 6 * H * H + H
 
 
-def factored_source(launch: Launch) -> str | None:
-    """The source a factored plan's launch runs from (None: torch's reduction)."""
-    if launch.kernel == "torch.sum":
-        return None
+def factored_source(launch: Launch) -> str:
+    """The source a factored plan's launch runs from."""
+    if launch.kernel == "bppsa_factored_middle" or launch.kernel.startswith("bppsa_factored_down_warp_"):
+        return "factored_warp.cu"
     if launch.consts:
         return "factored_up.cu"
     return "factored.cu" if launch.kernel.startswith("bppsa_factored_") else "blelloch.cu"
@@ -346,18 +508,21 @@ def factored_buffers(kind: str, n: int, B: int, H: int, I: int, C: int, launches
     """The work buffers of a factored plan (``C, launches`` from :func:`factored_plan`) by name, and their shapes;
     None where no launch of the plan touches one (a one-element stand-in then gives the kernel a real address).
     ``carries`` [K, B, H]: with one chunk, ∇h_T itself; with a middle scan (``S``: ∇h_T, then one vector per level)
-    its output; else (the affine scan's carry kernel) ∇h_T first.  ``P``: the scan's output; ``accs``: the
-    parameter-gradient sums per block (the plan ends in their ``torch.sum``); ``agg``: the chunks' aggregates;
+    its output; else (the middle kernel) ∇h_T first.  ``P``: the scan's output; ``accs``: the
+    parameter-gradient sums per pair; ``gmap`` (int32) and ``grads``: the flat gradients' entries of the sums
+    (:func:`grad_index`) and the flat gradients, which the plan's last launch writes; ``agg``: the chunks' aggregates;
     ``offsets``: the affine scan's per-chunk offsets.  The operands a caller brings (``Wt``, ``f``, ``c``) are not
     among them (:func:`factored_operands`)."""
     K = -(-n // C)
-    sums = launches[-1].kernel == "torch.sum"
+    sums = launches[-1].kernel == "bppsa_factored_grads"
     middle = any(factored_source(x) == "blelloch.cu" for x in launches)
     NA, NBV = (H if kind == "rnn" else 4 * H), I + 1 + H
     return {"carries": (K, B, H), "agg": (K, B, H, H) if K > 1 else None, "P": None if sums else (n, B, H),
-            "accs": (K * B, NA, NBV) if sums else None,
+            "accs": (launches[-1].ints[0], NA, NBV) if sums else None,
+            "gmap": (launches[-1].ints[2],) if sums else None, "grads": (launches[-1].ints[2],) if sums else None,
             "S": (_scan.tree_levels(K + 1, L_m) + 1, B, H) if middle else None,
-            "offsets": (K, B, H) if not middle and K > 1 else None}
+            "offsets": (K, B, H) if any(x.ints[-1] & 4 for x in launches if x.kernel.startswith("bppsa_factored_down"))
+            else None}
 
 
 def factored_operands(launch: Launch, bufs: dict) -> tuple:
@@ -370,8 +535,10 @@ def factored_operands(launch: Launch, bufs: dict) -> tuple:
         return b["agg"], b["S"], b["carries"]
     if "_up_" in launch.kernel:
         return b["Wt"], b["f"], b["agg"]
-    if launch.kernel == "bppsa_factored_carry":
+    if launch.kernel == "bppsa_factored_middle":
         return b["agg"], b["offsets"], b["carries"]
+    if launch.kernel == "bppsa_factored_grads":
+        return b["accs"], b["gmap"], b["grads"]
     if launch.ints[-1] & 4:  # the affine scan's offsets, from zero: no output of P or sums
         return b["Wt"], b["f"], b["carries"], b["c"], b["offsets"], b["unused"]
     return b["Wt"], b["f"], b["carries"], b["c"], b["P"], b["accs"]

@@ -19,7 +19,7 @@ import torch
 from .plan import Launch
 
 KERNEL_DIR = Path(__file__).resolve().parent
-SOURCES = ("blelloch.cu", "rnn_jacobians.cu", "factored.cu", "factored_up.cu")
+SOURCES = ("blelloch.cu", "rnn_jacobians.cu", "factored.cu", "factored_up.cu", "factored_warp.cu")
 NVRTC_OPTIONS = ("-std=c++17",)
 # What CuPy (14.x, NVRTC backend, no jitify) adds to every RawModule compile, in its order:
 # after our options '-ftz=true', then '-arch=sm_XX' (the device's), then this.  The NVRTC tests
@@ -31,10 +31,11 @@ SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 def reference_constants(source: str) -> tuple[tuple[str, int], ...]:
     """The compile-time constants a check compiles ``source`` with where no plan gives them (the NVRTC, SASS and nvcc
-    tests, ``bppsa doctor``): ``factored_up.cu`` at the paper's H = 20; the other sources take none."""
-    from .plan import up_constants
+    tests, ``bppsa doctor``): ``factored_up.cu`` at the paper's H = 20, ``factored_warp.cu`` at H = 20 and the GRU's
+    I = 12."""
+    from .plan import up_constants, warp_constants
 
-    return up_constants(20) if source == "factored_up.cu" else ()
+    return {"factored_up.cu": up_constants(20), "factored_warp.cu": warp_constants(20, 12)}.get(source, ())
 
 
 def define_options(consts) -> tuple[str, ...]:
