@@ -159,8 +159,12 @@ SNAKE_SLUG=$(basename "$RES")
 step workflow 240 "$PY" -m snakemake --cores all --configfile config/gpu-minutes.yaml \
   --config device_slug="$SNAKE_SLUG" --rerun-incomplete --keep-going
 # the host's CPU at its full width: the CPU fast path's scaling to SCALING_THREADS threads (1 .. 16 on a GPU host)
-mkdir -p "$RES/cpu"
-step scaling 60 "$PY" -m bppsa scaling --model rnn --seq-lens 1000 --batches 16 --device cpu \
-  --max-threads "${SCALING_THREADS:-16}" --min-iters 5 --max-seconds 1 --out "$RES/cpu/scaling_rnn.csv"
+# in a device folder of its own beside the GPU's (the host's CPU), with the figure and the crossover claims.md reads
+HOST="$RES-host-cpu"
+mkdir -p "$HOST/rnn"
+step scaling 60 bash -c "\"$PY\" -m bppsa scaling --model rnn --seq-lens 1000 --batches 16 --device cpu \
+  --max-threads \"${SCALING_THREADS:-16}\" --min-iters 5 --max-seconds 1 --out \"$HOST/rnn/scaling.csv\" \
+  && \"$PY\" -m bppsa plot cpu_scaling --results \"$(dirname "$RES")\" --input \"$HOST/rnn/scaling.csv\" \
+  --out \"$HOST/fig_scaling_rnn.png\" \"$HOST/rnn/scaling_crossover.csv\""
 echo "[gpu_check] done in $(($(date +%s) - T0)) s"
 cat "$LOG/steps.tsv"

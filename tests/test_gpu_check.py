@@ -38,7 +38,9 @@ def test_the_sanitizers_cover_every_new_kernel_and_the_wheels_install_offline():
     for name in ('"${tool}_rnn"', '"${tool}_gru"', '"${tool}_per_step_rnn"', '"${tool}_per_step_gru"'):
         assert name in text
     assert "pip install -q --no-index --no-deps --find-links" in text
-    assert "--configfile config/gpu-minutes.yaml" in text and '"${SCALING_THREADS:-16}"' in text
+    assert "--configfile config/gpu-minutes.yaml" in text and '${SCALING_THREADS:-16}' in text
+    # the scaling lands in the host CPU's own device folder, with the crossover claims.md reads
+    assert 'HOST="$RES-host-cpu"' in text and "bppsa plot cpu_scaling" in text and "rnn/scaling_crossover.csv" in text
     assert (ROOT / ".gitignore").read_text().splitlines().count("/.whl/") == 1  # the default WHEELS folder
 
 
