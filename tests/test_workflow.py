@@ -140,6 +140,8 @@ REPORT_ENTRIES = {
     "results/table_1_last_column.txt": ("table_1.rst", "Sparse Jacobians (Sec 3.4)"),
     "results/report.md": ("report_md.rst", "Claims and report"),
     "results/claims.md": ("claims_md.rst", "Claims and report"),
+    "results/fig_workers.png": ("fig_workers.rst", "CPU benchmarks"),
+    "results/fig_lbi.png": ("fig_lbi.rst", "Latent Bounded Interfaces"),
     # on a CPU machine (the folder `cpu`) only
     "results/cpu/fig_scaling_rnn.png": ("fig_scaling.rst", "CPU benchmarks"),
     "results/cpu/fig_scaling_gru.png": ("fig_scaling.rst", "CPU benchmarks"),
