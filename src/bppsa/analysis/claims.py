@@ -648,16 +648,10 @@ def lenet5_curve_claims(results: Path) -> list[Claim]:
 def vgg_scan_claims(results: Path) -> list[Claim]:
     """The pruned VGG-11 retrained through the scan (beside Fig 10): does the static FLOP of a scan step predict
     its time, and how long an iteration takes against autograd's (a GPU claim, judged on a GPU only)."""
-    from .cnn import flop_prediction, generation_share, step_table, timing_summary
+    from .cnn import flop_prediction, generation_share, retrain_scan_runs, step_table, timing_summary
 
     out = []
-    for label, folder in device_dirs(results):
-        it_path, st_path = folder / "vgg11" / "retrain_scan.csv", folder / "vgg11" / "retrain_scan_steps.csv"
-        if not (it_path.is_file() and st_path.is_file()):
-            continue
-        rows, steps = pd.read_csv(it_path), pd.read_csv(st_path)
-        if rows.empty or steps.empty:
-            continue
+    for label, rows, steps in retrain_scan_runs(results):
         first = rows.iloc[0]
         s = timing_summary(rows)
         share = generation_share(steps)
@@ -718,8 +712,10 @@ def worker_claims(results: Path) -> list[Claim]:
     from .workers import medians
 
     out = []
-    for label, t in _each(results, "workers/time.csv"):
-        folder = dict(device_dirs(results))[label]
+    for label, folder in device_dirs(results):
+        t = _load(folder, "workers/time.csv")
+        if t is None:
+            continue
         mem = _load(folder, "workers/memory.csv")
         s = _load(folder, "workers/summary.csv")
         med = medians(t)

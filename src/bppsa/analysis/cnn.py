@@ -13,8 +13,20 @@ import numpy as np
 import pandas as pd
 
 from ..stats import median_ci, ratio_ci
+from .results import device_dirs
 
 BACKWARD_PHASES = ("backward", "jacobian", "scan", "param_grads")
+
+
+def retrain_scan_runs(results):
+    """(device label, per-iteration rows, profiled steps) of every device folder holding both of
+    ``vgg11-retrain-scan``'s CSVs, neither empty."""
+    for label, folder in device_dirs(results):
+        paths = (folder / "vgg11" / "retrain_scan.csv", folder / "vgg11" / "retrain_scan_steps.csv")
+        if all(q.is_file() for q in paths):
+            rows, steps = (pd.read_csv(q) for q in paths)
+            if len(rows) and len(steps):
+                yield label, rows, steps
 
 
 def per_iteration(rows: pd.DataFrame) -> pd.DataFrame:

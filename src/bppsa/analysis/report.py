@@ -193,14 +193,10 @@ def _vgg(results: Path) -> str:
 def _vgg_scan(results: Path) -> str:
     """Per device: BPPSA's retraining iteration against autograd's, where its backward goes, and each tree level's
     measured time beside its static FLOP (bppsa vgg11-retrain-scan; docs/cnn.md)."""
-    from .cnn import per_iteration, timing_summary
+    from .cnn import per_iteration, retrain_scan_runs, timing_summary
 
     parts = []
-    for label, folder in device_dirs(results):
-        it_path, st_path = folder / "vgg11" / "retrain_scan.csv", folder / "vgg11" / "retrain_scan_steps.csv"
-        if not (it_path.is_file() and st_path.is_file()):
-            continue
-        rows, steps = pd.read_csv(it_path), pd.read_csv(st_path)
+    for label, rows, steps in retrain_scan_runs(results):
         s = timing_summary(rows)
         med = per_iteration(rows).groupby("method").median(numeric_only=True).drop(columns="iter")
         scan = steps[steps["what"] == "scan"]

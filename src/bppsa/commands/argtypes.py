@@ -10,23 +10,23 @@ import argparse
 __all__ = ["nonnegative_int", "positive_int"]
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (the ``type=`` of every size argument); argparse names the argument in its error."""
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+def _int_at_least(minimum: int, name: str, what: str, doc: str):
+    """An argparse ``type=`` taking integers >= ``minimum``; its error says "must be a <what> integer"."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be a {what} integer, got {text!r}")
+        return value
+
+    parse.__name__ = parse.__qualname__ = name
+    parse.__doc__ = doc
+    return parse
 
 
-def nonnegative_int(text: str) -> int:
-    """An integer >= 0 (a count where 0 means 'none' or 'all', as its help says)."""
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return value
+positive_int = _int_at_least(1, "positive_int", "positive",
+                             "An integer >= 1 (the ``type=`` of every size argument); argparse names the argument.")
+nonnegative_int = _int_at_least(0, "nonnegative_int", "non-negative",
+                                "An integer >= 0 (a count where 0 means 'none' or 'all', as its help says).")
