@@ -204,15 +204,51 @@ def test_split_layers_equal_autograd_on_the_whole_sequence(four_ranks, p):
     """bppsa.nn.RNN/GRU with process_group: every rank's outputs, the all-reduced weight gradients, its slice of
     ∇x and rank 0's ∇h0 equal torch.nn's autograd on the whole sequence (fp64 <= 1e-10, fp32 <= 1e-4) and the
     single-process layer's: T not divisible by p, lengths, two layers, a loss at every step and on h_n."""
-    members = [res[p] for res in four_ranks if p in res]
+    _check_layer_results([res[p]["layers"] for res in four_ranks if p in res], p)
+
+
+def _check_layer_results(members: list, p: int) -> None:
+    """Each of the p ranks' layer_suite results (in rank order) within the dtype's tolerance."""
     assert len(members) == p
-    for rank, res in enumerate(members):
-        assert len(res["layers"]) == len(LAYER_CASES)
-        for case, err in res["layers"]:
+    for rank, layers in enumerate(members):
+        assert len(layers) == len(LAYER_CASES)
+        for case, err in layers:
             tol = 1e-10 if case[-1] == "torch.float64" else 1e-4
             assert "weight_hh_l0" in err and ("h_n" in err) == (rank == p - 1)
             bad = {k: v for k, v in err.items() if not v <= tol}
             assert not bad, (p, rank, case, bad)
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from bppsa.distributed.launch import init_from_env
+from test_distributed import layer_suite
+info = init_from_env("gloo", timeout=120)
+torch.set_num_threads(1)
+res = layer_suite(info["rank"], info["world_size"], None)
+with open(f"{sys.argv[2]}/rank{info['rank']}.json", "w") as f:
+    json.dump(res, f)
+"""
+
+
+def test_split_layers_under_torchrun_equal_autograd(tmp_path):
+    """The same cases launched as users launch them: `torchrun --standalone --nproc-per-node 2`, each rank joining
+    the group through init_from_env (RANK, WORLD_SIZE, MASTER_ADDR/PORT), its gradients held to autograd's."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "ranks.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(script), str(Path(__file__).parent), str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    members = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
+    _check_layer_results([[(tuple(case), err) for case, err in m] for m in members], 2)
 
 
 FAULT_TIMEOUT = 4.0  # seconds: the group_timeout the fault test's layers run with
