@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import queue as _queue
@@ -67,14 +68,27 @@ def _first_node(nodelist: str) -> str:
 
 def init_from_env(backend: str = "gloo", timeout: float = 300.0) -> dict:
     """Join the process group the launcher describes (:func:`launcher_env`); a single process where none did.
-    Returns the launcher's description (``world_size`` 1 without one)."""
+    Returns the launcher's description (``world_size`` 1 without one).  The group it starts is destroyed when the
+    process exits (:func:`torch.distributed.destroy_process_group` earlier is fine too)."""
     info = launcher_env() or {"via": "local", "rank": 0, "world_size": 1, "local_rank": 0, "master_addr": "127.0.0.1",
                               "master_port": free_port()}
     if not dist.is_initialized():
         url = f"tcp://{info['master_addr']}:{info['master_port']}"
         dist.init_process_group(backend, init_method=url, rank=info["rank"], world_size=info["world_size"],
                                 timeout=datetime.timedelta(seconds=timeout))
+        # a group left for the interpreter's finalizer aborts the process (gloo's worker threads outlive Python:
+        # "terminate called without an active exception", SIGABRT), so the group this call made is destroyed at
+        # exit, while Python is still whole, unless the script destroyed it first
+        atexit.register(_destroy_at_exit)
     return info
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a peer already gone: nothing is left to tear down in order
+            pass
 
 
 def _child(rank, p, port, fn, args, results, threads, timeout):
