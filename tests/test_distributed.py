@@ -46,16 +46,20 @@ def scan_suite(rank: int, p: int, group) -> list[tuple]:
     return out
 
 
-# (cell, T, num_layers, lengths, h0, dx, backend, dtype): T not divisible by most p, a loss at every step and on h_n
-LAYER_CASES = [("rnn", 7, 1, False, True, True, "torch", torch.float64),
-               ("gru", 7, 1, False, False, True, "cpu", torch.float64),
-               ("rnn", 10, 2, True, True, True, "cpu", torch.float64),
-               ("gru", 10, 2, True, True, False, "torch", torch.float64),
-               ("rnn", 9, 1, True, False, False, "cpu", torch.float32),
-               ("gru", 11, 1, False, True, True, "cpu", torch.float32),
+# (cell, T, num_layers, lengths, h0, dx, steps, backend, dtype): T not divisible by most p; a loss on h_n, and with
+# ``steps`` on every step too (without: the single seed on every rank, the paper's loss)
+LAYER_CASES = [("rnn", 7, 1, False, True, True, True, "torch", torch.float64),
+               ("gru", 7, 1, False, False, True, True, "cpu", torch.float64),
+               ("rnn", 10, 2, True, True, True, True, "cpu", torch.float64),
+               ("gru", 10, 2, True, True, False, True, "torch", torch.float64),
+               ("rnn", 9, 1, True, False, False, True, "cpu", torch.float32),
+               ("gru", 11, 1, False, True, True, True, "cpu", torch.float32),
                # no lengths, h0 or ∇x: rank 0's weights' gradients summed by the CPU kernel as it scans
-               ("rnn", 10, 1, False, False, False, "cpu", torch.float64),
-               ("gru", 9, 1, False, False, False, "cpu", torch.float64)]
+               ("rnn", 10, 1, False, False, False, True, "cpu", torch.float64),
+               ("gru", 9, 1, False, False, False, True, "cpu", torch.float64),
+               ("rnn", 11, 1, False, False, False, False, "cpu", torch.float64),
+               ("gru", 10, 1, True, False, True, False, "cpu", torch.float64),
+               ("rnn", 9, 1, False, True, False, False, "torch", torch.float64)]
 
 
 def _reference(model, x, h0, lengths, w_out, w_hn):
@@ -79,9 +83,14 @@ def layer_suite(rank: int, p: int, group) -> list[tuple]:
     """Every LAYER_CASES case: this rank's slice through the split layer against torch.nn autograd on the whole
     sequence and against the single-process layer; (case, {what: relative error})."""
     import bppsa.nn as bnn
+    import bppsa.nn.backward as bw
+    import bppsa.nn.split as split_mod
 
     out = []
-    for i, (cell, T, layers, with_lengths, with_h0, with_dx, backend, dtype) in enumerate(LAYER_CASES):
+    blocks = bw.GRAD_BLOCK_VALUES, split_mod.SUMMARY_BLOCK_VALUES
+    for i, (cell, T, layers, with_lengths, with_h0, with_dx, steps, backend, dtype) in enumerate(LAYER_CASES):
+        # every other case: a slice's gradients and its map one step at a time (the blocks of long slices)
+        bw.GRAD_BLOCK_VALUES, split_mod.SUMMARY_BLOCK_VALUES = (1, 1) if i % 2 else blocks
         gen = torch.Generator().manual_seed(500 + i)
         B, I, H = 3, 2, 4
         cls = bnn.RNN if cell == "rnn" else bnn.GRU
@@ -93,7 +102,7 @@ def layer_suite(rank: int, p: int, group) -> list[tuple]:
         x = torch.randn(T, B, I, generator=gen, dtype=dtype)
         h0 = torch.randn(layers, B, H, generator=gen, dtype=dtype) if with_h0 else None
         lengths = torch.tensor([T, 1, max(1, T - 3)]) if with_lengths else None
-        w_out = torch.randn(T, B, H, generator=gen, dtype=dtype)
+        w_out = torch.randn(T, B, H, generator=gen, dtype=dtype) * steps
         w_hn = torch.randn(layers, B, H, generator=gen, dtype=dtype)
         # this rank's slice, torch.tensor_split order
         sl = torch.tensor_split(torch.arange(T), p)[rank]
@@ -118,7 +127,8 @@ def layer_suite(rank: int, p: int, group) -> list[tuple]:
         so, shn = single(x, h0, lengths=lengths)
         ((so * w_out).sum() + (shn * w_hn).sum()).backward()
         err["vs_single"] = max(_rel(q.grad, s.grad) for q, s in zip(split.parameters(), single.parameters()))
-        out.append(((cell, T, layers, with_lengths, with_h0, with_dx, backend, str(dtype)), err))
+        out.append(((cell, T, layers, with_lengths, with_h0, with_dx, steps, backend, str(dtype)), err))
+    bw.GRAD_BLOCK_VALUES, split_mod.SUMMARY_BLOCK_VALUES = blocks
     return out
 
 

@@ -284,6 +284,36 @@ def _direct(grad_h, h) -> torch.Tensor:
     return c
 
 
+GRAD_BLOCK_VALUES = 1 << 18  # values of one block's [steps, B, gates + inputs + hidden] rows (grads_from_scan)
+
+
+def grads_from_scan(cell, x, h0, w_ih, w_hh, b_ih, b_hh, h, valid, lam, need_x=False, need_h0=False):
+    """:func:`_grads` from the scan's own output ``lam`` (scan order: ``lam[k]`` is ∇h at step T - k), block by block
+    over time (``GRAD_BLOCK_VALUES``), the GRU's gates recomputed per block from the state before it: beside ``dx``
+    no temporary grows with T, so a slice of the sequence holds its states, ``lam`` and little else."""
+    T, B, H = h.shape
+    step = max(1, GRAD_BLOCK_VALUES // max(1, B * (GATES[cell] * H + x.shape[2] + H)))
+    dx = x.new_empty(x.shape) if need_x else None
+    dh0, total = None, None
+    cb = _gru_cell(w_ih, w_hh, b_ih, b_hh) if cell == "gru" else None
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        prev = h0 if t0 == 0 else h[t0 - 1]
+        gates = None
+        if cell == "gru":
+            g = gru_gates(x[t0:t1], h[t0:t1], w_ih, w_hh, cb.bias_ih_l0, cb.bias_hh_l0, prev)
+            gates = lambda g=g: g  # noqa: E731 - what _grads calls
+        dxb, dh0b, grads = _grads(cell, x[t0:t1], prev, w_ih, w_hh, h[t0:t1], gates,
+                                  None if valid is None else valid[t0:t1], lam[T - t1:T - t0].flip(0), "fused", None,
+                                  need_x, need_h0 and t0 == 0)
+        if dx is not None:
+            dx[t0:t1] = dxb
+        if t0 == 0:
+            dh0 = dh0b
+        total = grads if total is None else {k: total[k].add_(v) for k, v in grads.items()}
+    return dx, dh0, total
+
+
 def _grads(cell, x, h0, w_ih, w_hh, h, gates, valid, dh, layout, scan, need_x=False, need_h0=False):
     """``(dx, dh0, {weight: gradient})`` from the total ∇h_t: the gradients of the cell's pre-activations
     (∇a_t for the RNN, the gates' for the GRU; zero past a sequence's end), then GEMMs over the T·B rows."""

@@ -12,22 +12,28 @@ from ``h0`` (zero by default).
 running from the last rank down.  Rank r's slice maps the gradient that enters it from the right, v (its
 carry), to the one it passes left, ``J_{t0}ᵀ λ_{t0}``, by an affine map ``v -> M v + c``:
 
-1. *local up-sweep*: the composition of the slice's pairs ``(J_k, ∂l/∂h_k)`` (a tree of batched products),
-   giving ``(M, c)``; only the ranks between the first and the last compute it: the last rank's carry is zero,
-   so its ``c`` is its own (final) scan's output passed through its first step, and no rank reads its ``M``, nor
-   anything of rank 0's;
+1. *local up-sweep*: the composition of the slice's pairs ``(J_k, ∂l/∂h_k)`` (:func:`slice_map`: trees of batched
+   products over blocks of steps, composed block after block), giving ``(M, c)``; only the ranks between the first
+   and the last compute it: the last rank's carry is zero, so its ``c`` is its own (final) scan's output passed
+   through its first step, and no rank reads its ``M``, nor anything of rank 0's;
 2. *the ranks' scan*: :func:`bppsa.distributed.rank_scan` with ``reverse=True`` gives each rank its carry;
 3. *local down-sweep*: the slice's own affine scan, seeded with its last step's gradient plus the carry
    (:func:`bppsa.nn.backward.affine_prefixes`, the scan of the single-process layers), then the gradients of
-   the input and of the weights from the total ∇h_t (:func:`bppsa.nn.backward._grads`);
+   the input and of the weights from the total ∇h_t, block by block (:func:`bppsa.nn.backward.grads_from_scan`),
+   or, on rank 0 from a zero state, summed by the CPU kernel as it scans; a slice whose steps before its last
+   receive no gradient of their own (the paper's loss on h_T leaves every rank but the last so) takes the single
+   seed's scan;
 4. the weights' gradients are summed over the ranks (``all_reduce``); ∇h0 is rank 0's.
 
-Each rank keeps its slice's states and chain only: O(T/p) memory.  A group of one rank runs the single-process
-layer's backward.  Every rank must run the backward (a loss
-that reads its outputs); the exchanges wait at most ``timeout`` seconds for a peer and raise
+Each rank keeps its slice's states, its chain and its scan's output, beside blocks of bounded size: O(T/p)
+memory (at p = 2 each rank's peak is half the single process's: docs/measurements.md).  A group of one rank runs
+the single-process layer's backward.  Every rank must run the backward (a loss that reads its outputs); the
+exchanges wait at most ``timeout`` seconds for a peer and raise
 :class:`bppsa.distributed.RankFailure` naming it.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -142,54 +148,88 @@ class SplitLayer(torch.autograd.Function):
             be = _bw._step.backend if _bw._step.backend is not None else _bw.backend_for(backend, dev)
             ps = _bw.per_step_backend(be, dev)
             gates = None
-            if cell == "gru":
+            if cell == "gru":  # the twin's chain reads them; the CPU kernel's recomputes its own
                 cb = _bw._gru_cell(w_ih, w_hh, b_ih, b_hh)
-                g = _bw.gru_gates(x, h, w_ih, w_hh, cb.bias_ih_l0, cb.bias_hh_l0, h_in)
-                gates = lambda: g  # noqa: E731 - what layer_chain and _grads call
+                gates = functools.cache(lambda: _bw.gru_gates(x, h, w_ih, w_hh, cb.bias_ih_l0, cb.bias_hh_l0, h_in))
+            past = None if valid is None else ~valid.flip(0)
+            # the loss's gradients on the slice's states before its last (none: a single seed, as the paper's loss
+            # on h_T leaves every rank but the last; on a CPU a zero gradient is none)
+            steps = grad_h is not None and (dev.type != "cpu" or bool(grad_h[:-1].any()))
+            c = _bw._direct(grad_h, h) if steps or past is not None else None
             # rank 0 starting from zero, no lengths, no ∇x: the backend may accumulate the weights' gradients as it
-            # scans (the CPU kernel), as the single-process layer's per-step path does; its chain then keeps x
+            # scans (the CPU kernel), as the single-process layer's fast paths do; its chain then keeps x
             sums = r == 0 and valid is None and not need[1] and not has_h0
             J = _bw.layer_chain(ps, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused", with_x=sums)
-            c = _bw._direct(grad_h, h)
-            past = None if valid is None else ~valid.flip(0)
             # with the carry known a slice's scan needs no tree of its own (its products were the up-sweep's):
             # across ranks the local down-sweep is the linear scan (L_m = 0) unless L_m says otherwise
             local_L = L_m if L_m is not None else 0
-            twin = _summary_backend()
             if r == p - 1:
                 # first in the scan's order: its carry is zero, so its scan is final at once, and what it passes on
                 # is its first step's Jacobian applied to its first λ (its map's matrix is never read: zeros)
-                lam = _bw.affine_prefixes(ps, seed, J, c, local_L, past)
-                out = _first_step_t(twin, cell, x, h, h_in, w_ih, w_hh, b_ih, b_hh, valid, lam[-1])
+                lam = _prefixes(ps, seed, J, c, local_L, past)
+                out = _first_step_t(_summary_backend(), cell, x, h, h_in, w_ih, w_hh, b_ih, b_hh, valid, lam[-1])
                 _dist.rank_scan(torch.zeros(out.shape + out.shape[-1:], dtype=out.dtype, device=out.device), out,
                                 group, reverse=True, timeout=timeout)
             else:
-                P = q = None
-                if r > 0:
-                    # 1. a middle rank's local up-sweep: its slice's map of the carry, the composition of its pairs
-                    # (identities past a sequence's end), from the dense chain of the torch twin: the chain's last
-                    # Jacobian (the slice's first step) depends on h_in, which the factored chains take as zero
-                    Jd = _bw.layer_chain(twin, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused")
-                    if past is not None:
-                        eye = torch.eye(Jd.shape[-1], dtype=Jd.dtype, device=Jd.device)
-                        Jd = torch.where(past[..., None, None], eye, Jd)
-                    P, q = chain_summary(Jd, c)
-                    del Jd
-                    q = _mv(P, seed) + q
+                if r > 0:  # 1. a middle rank's local up-sweep: its slice's map of the carry
+                    P, q = slice_map(cell, x, h, h_in, w_ih, w_hh, b_ih, b_hh, c, past, seed)
                 else:  # last in the scan's order: no rank reads its map
                     P, q = seed.new_zeros(seed.shape + seed.shape[-1:]), seed.new_zeros(seed.shape)
                 # 2. the ranks' scan from the last rank down; 3. the slice's own scan, seeded with its carry
                 carry = _dist.rank_scan(P, q, group, reverse=True, timeout=timeout)
+                del P, q
+                g = (seed + carry).contiguous()
                 if sums:
-                    grads = ps.affine_cell_grads((seed + carry).contiguous(), J, c, local_L, lambda out: _bw._grads(
-                        cell, x, None, w_ih, w_hh, h, gates, None, _bw._dh(cell, out, "fused"), "fused", out)[2])
+                    def from_scan(out):
+                        return _bw.grads_from_scan(cell, x, None, w_ih, w_hh, b_ih, b_hh, h, None, out)[2]
+
+                    grads = (ps.cell_grads(g, J, local_L, from_scan) if c is None
+                             else ps.affine_cell_grads(g, J, c, local_L, from_scan))
                     return _reduced(grads, b_ih, group, timeout, None, None)
-                lam = _bw.affine_prefixes(ps, (seed + carry).contiguous(), J, c, local_L, past)
-            dh = lam.flip(0)
+                lam = _prefixes(ps, g, J, c, local_L, past)
+            del J, c
             need_h0 = r == 0 and has_h0 and bool(need[2])
-            dx, dh0, grads = _bw._grads(cell, x, h_in, w_ih, w_hh, h, gates, valid, dh, "fused", None,
-                                        bool(need[1]), need_h0)
+            dx, dh0, grads = _bw.grads_from_scan(cell, x, h_in, w_ih, w_hh, b_ih, b_hh, h, valid, lam,
+                                                 bool(need[1]), need_h0)
             return _reduced(grads, b_ih, group, timeout, dx if need[1] else None, dh0 if need_h0 else None)
+
+
+def _prefixes(ps, g, J, c, L_m, past):
+    """The slice's scan of λ (scan order) from its seed ``g``: the single seed's where no step has a gradient of its
+    own (``c`` None), else the affine one."""
+    return ps.scan(g, J, L_m) if c is None else _bw.affine_prefixes(ps, g, J, c, L_m, past)
+
+
+SUMMARY_BLOCK_VALUES = 1 << 20  # values of one block's dense chain [steps, B, H, H] (slice_map)
+
+
+def slice_map(cell, x, h, h_in, w_ih, w_hh, b_ih, b_hh, c, past, seed) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P, q)``: the slice's map of the gradient entering it from the right, ``v -> P v + q`` (``seed`` included),
+    composed block by block of ``SUMMARY_BLOCK_VALUES`` from the torch twin's dense chains (the factored chains take
+    the state before the slice as zero; a block's chain reads the state before it), identities past a sequence's
+    end: the middle ranks' up-sweep in O(block) memory beside the states."""
+    T, B, H = h.shape
+    twin = _summary_backend()
+    step = max(1, SUMMARY_BLOCK_VALUES // max(1, B * H * H))
+    cb = _bw._gru_cell(w_ih, w_hh, b_ih, b_hh) if cell == "gru" else None
+    P = q = None
+    for t1 in range(T, 0, -step):  # scan order: the slice's last steps first
+        t0 = max(0, t1 - step)
+        gates = None
+        if cell == "gru":
+            g = _bw.gru_gates(x[t0:t1], h[t0:t1], w_ih, w_hh, cb.bias_ih_l0, cb.bias_hh_l0,
+                              h_in if t0 == 0 else h[t0 - 1])
+            gates = lambda g=g: g  # noqa: E731 - what layer_chain calls
+        Jd = _bw.layer_chain(twin, cell, x[t0:t1], h[t0:t1], w_ih, w_hh, b_ih, b_hh, gates, "fused")
+        if past is not None:
+            eye = torch.eye(H, dtype=Jd.dtype, device=Jd.device)
+            Jd = torch.where(past[T - t1:T - t0, :, None, None], eye, Jd)
+        Pb, qb = chain_summary(Jd, c[T - t1:T - t0] if c is not None else h.new_zeros((t1 - t0, B, H)))
+        if P is None:
+            P, q = Pb.clone(), qb.clone()  # a one-step block's summary is a view of the twin's workspace
+        else:
+            P, q = torch.matmul(Pb, P), _mv(Pb, q) + qb
+    return P, _mv(P, seed) + q
 
 
 def _reduced(grads: dict, b_ih, group, timeout, dx, dh0) -> tuple:
