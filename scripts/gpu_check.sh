@@ -16,7 +16,7 @@
 #   5. the workflow itself: snakemake --cores all --configfile config/gpu-minutes.yaml, its results in RESULTS_DIR
 #      (the GPU panels of Fig 7, 8, 9, 13 and claims.md from the DAG)
 #   6. the host's CPU at its full width: bppsa scaling up to 16 threads (the claims rows of the workers at which
-#      BPPSA's backward overtakes the compiled sequential one)
+#      BPPSA's backward overtakes the compiled sequential one), and bppsa workers with p = 1 .. 16 processes
 # Usage: scripts/gpu_check.sh [RESULTS_DIR]   (default results/<device slug>)
 # env: PYTHON, DATA (a folder with T{1000,30000}.npz bitstreams and mfcc_l.npz; made here when absent, which needs
 #      librosa), DEADLINE (seconds from the start; default 540), SANITIZER=path|skip, DEVICE (default cuda), WHEELS
@@ -166,5 +166,11 @@ step scaling 60 bash -c "\"$PY\" -m bppsa scaling --model rnn --seq-lens 1000 --
   --max-threads \"${SCALING_THREADS:-16}\" --min-iters 5 --max-seconds 1 --out \"$HOST/rnn/scaling.csv\" \
   && \"$PY\" -m bppsa plot cpu_scaling --results \"$(dirname "$RES")\" --input \"$HOST/rnn/scaling.csv\" \
   --out \"$HOST/fig_scaling_rnn.png\" \"$HOST/rnn/scaling_crossover.csv\""
+# BPPSA with the sequence split over up to 16 processes on the host's cores (issue 43's figure at the issue's shape):
+# the split's backward against the pipeline's per p, their memory per rank, and the ranks' scan by both strategies
+# per p, which decides rank_scan's default (ALLGATHER_UP_TO)
+step workers 120 bash -c "\"$PY\" -m bppsa workers --ps 1 2 4 8 16 --seq-len 10000 --batch 16 --hidden 20 \
+  --rounds 5 --threads 16 --profile gpu-check --out \"$HOST/workers\" \
+  && \"$PY\" -m bppsa plot workers --results \"$(dirname "$RES")\" --out \"$HOST/fig_workers.png\""
 echo "[gpu_check] done in $(($(date +%s) - T0)) s"
 cat "$LOG/steps.tsv"

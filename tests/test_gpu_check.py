@@ -12,7 +12,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["install", "machine", "environment", "doctor", "data", "sanitizer", "gpu_tests", "graphed_rnn_T1000_B16",
          "graphed_gru_l_B16", "graphed_rnn_T30000_B16", "graphed_rnn_T1000_B256", "speedups_graphed", "jax_rival",
-         "profile", "workflow", "scaling"]
+         "profile", "workflow", "scaling", "workers"]
 
 
 def test_steps_past_the_deadline_are_skipped_and_listed(tmp_path):
@@ -32,7 +32,7 @@ def test_steps_past_the_deadline_are_skipped_and_listed(tmp_path):
 def test_the_sanitizers_cover_every_new_kernel_and_the_wheels_install_offline():
     """The script's text: memcheck, racecheck and synccheck each on a single-seed training step and a loss on every step
     of both cells in fp32 (the one-launch middle, the warp down kernels, the gradients' reduction); the install from the
-    wheel folder with no index; the workflow on the minutes-sized GPU profile; the scaling to 16 threads."""
+    wheel folder with no index; the workflow on the minutes-sized GPU profile; the scaling to 16 threads and the workers to 16 processes."""
     text = (ROOT / "scripts" / "gpu_check.sh").read_text()
     assert "for tool in memcheck racecheck synccheck; do" in text
     for name in ('"${tool}_rnn"', '"${tool}_gru"', '"${tool}_per_step_rnn"', '"${tool}_per_step_gru"'):
@@ -41,6 +41,9 @@ def test_the_sanitizers_cover_every_new_kernel_and_the_wheels_install_offline():
     assert "--configfile config/gpu-minutes.yaml" in text and '${SCALING_THREADS:-16}' in text
     # the scaling lands in the host CPU's own device folder, with the crossover claims.md reads
     assert 'HOST="$RES-host-cpu"' in text and "bppsa plot cpu_scaling" in text and "rnn/scaling_crossover.csv" in text
+    # so do the workers, at issue 43's shape, up to 16 processes
+    assert "bppsa workers --ps 1 2 4 8 16 --seq-len 10000 --batch 16 --hidden 20" in text
+    assert '--out \\"$HOST/workers\\"' in text and "bppsa plot workers" in text
     assert (ROOT / ".gitignore").read_text().splitlines().count("/.whl/") == 1  # the default WHEELS folder
 
 
