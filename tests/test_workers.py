@@ -27,7 +27,7 @@ def _time_df(n=8, bppsa2=0.5, seed=0):
                  {"round": r, "p": 2, "method": "pipeline", "rank": 0, "threads": 1, "backward_s": 1.1 * noise()},
                  {"round": r, "p": 2, "method": "pipeline", "rank": 1, "threads": 1, "backward_s": 0.6}]
     df = pd.DataFrame(rows)
-    return df.assign(seq_len=1000, batch=16, hidden=20, dtype="float32", loss="last", profile="test")
+    return df.assign(seq_len=1000, batch=16, hidden=20, dtype="float32", loss="last", micro_batches=4, profile="test")
 
 
 def _mem_df(b1=100e6, b2=45e6):
@@ -154,3 +154,15 @@ def test_the_pipelines_micro_batches_must_divide_the_batch():
     assert workers.default_micro_batches(2) == 2 and workers.default_micro_batches(5) == 1
     with pytest.raises(ValueError, match="--micro-batches 3 must divide --batch 16"):
         workers.time_rows([1, 2], T=8, B=16, H=2, micro_batches=3)
+
+
+def test_bppsa_workers_checks_its_micro_batches_before_any_work(tmp_path, capsys):
+    from bppsa.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["workers", "--micro-batches", "0", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "argument --micro-batches: must be a positive integer, got '0'" in capsys.readouterr().err
+    assert main(["workers", "--batch", "16", "--micro-batches", "3", "--out", str(tmp_path / "w")]) != 0
+    assert "--micro-batches 3 must divide --batch 16" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()

@@ -14,9 +14,10 @@ every stage, ``args`` to the first only).
 **What crosses the wire.** Per micro-batch and stage boundary: forward, the state h [b, H]; backward, ∇h [b, H].
 With ``loss="steps"`` also a per-sequence running loss [b] (the loss of the slices so far, so that the last
 stage's ``loss_fn`` sees the whole sum) and its gradient (ones): b values more each way.  In all, per step,
-m(p - 1) sends each way of (H + [loss = steps]) b values each, against the one send of [B, H] each way a
-pipeline without micro-batches makes: m times the messages (their latency), the same bytes.  The stages'
-shapes are declared up front (static metadata: no shape exchange, no metadata forward).
+m(p - 1) messages each way of b H values (b (H + 1) with ``steps``), against the p - 1 messages of [B, H] each
+way of a pipeline without micro-batches: the same bytes, m times the messages (and their latency).  The stages'
+shapes are declared up front (static stage metadata: no forward or backward runs at the first step to infer
+them).
 
 **The loss** is BPPSA's: ``Σ_t Σ_{b,h} g_t ⊙ h_t`` with the same ``g`` (``loss="last"``: g is zero but at the last
 step; ``"steps"``: every step), summed over micro-batches (``scale_grads=False``), so the weights' gradients,
