@@ -31,7 +31,11 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+from ..distributed import all_reduce_sum
 
 __all__ = ["GPipe", "SliceStage", "slice_loss"]
 
@@ -69,25 +73,18 @@ def slice_loss(output, g: torch.Tensor) -> torch.Tensor:
     return (output * g).sum()
 
 
-def _stage_class():
-    from torch.distributed.pipelining import PipelineStage
+class _TimedStage(PipelineStage):
+    """A :class:`PipelineStage` that marks where the schedule turns from forwards to backwards: at the first
+    backward's receive (every stage's forwards are done by then), a barrier of the stage's group, then the time
+    (``t_backward``)."""
 
-    class _TimedStage(PipelineStage):
-        """A :class:`PipelineStage` that marks where the schedule turns from forwards to backwards: on the first
-        backward's receive (every rank has finished its forwards by then), a barrier of the stage's group, then
-        the time (``t_backward``)."""
+    t_backward = float("nan")
 
-        t_backward = float("nan")
-
-        def get_bwd_recv_ops(self, bwd_chunk_id: int):
-            if bwd_chunk_id == 0:
-                import torch.distributed as dist
-
-                dist.barrier(self.group)
-                self.t_backward = time.perf_counter()
-            return super().get_bwd_recv_ops(bwd_chunk_id)
-
-    return _TimedStage
+    def get_bwd_recv_ops(self, bwd_chunk_id: int):
+        if bwd_chunk_id == 0:
+            dist.barrier(self.group)
+            self.t_backward = time.perf_counter()
+        return super().get_bwd_recv_ops(bwd_chunk_id)
 
 
 class GPipe:
@@ -113,8 +110,6 @@ class GPipe:
     def _schedule(self, T_r: int):
         """The stage and schedule for a slice of ``T_r`` steps (the last stage's declared output depends on it)."""
         if T_r not in self._schedules:
-            from torch.distributed.pipelining import ScheduleGPipe
-
             b, H = self.B // self.m, self.rnn.hidden_size
             dtype = self.rnn.weight_hh_l0.dtype
 
@@ -127,8 +122,8 @@ class GPipe:
                 outputs = carry()
             else:
                 outputs = (torch.zeros(b, T_r, H, dtype=dtype, requires_grad=True),) + inputs[1:]
-            stage = _stage_class()(self.module, self.r, self.p, torch.device("cpu"), input_args=inputs,
-                                   output_args=outputs, group=self.group)
+            stage = _TimedStage(self.module, self.r, self.p, torch.device("cpu"), input_args=inputs,
+                                output_args=outputs, group=self.group)
             self._schedules[T_r] = (stage, ScheduleGPipe(stage, self.m, loss_fn=slice_loss, scale_grads=False))
         return self._schedules[T_r]
 
@@ -137,10 +132,6 @@ class GPipe:
         (time-major, as BPPSA's), the weights' gradients all-reduced over the group.  ``timed``: ``backward_s``,
         from the barrier at the schedule's first backward to the all-reduce's end; ``fwd_bwd_s``, from a barrier
         before ``step()`` to the same end (both include the schedule's waits on the other stages)."""
-        import torch.distributed as dist
-
-        from ..distributed import all_reduce_sum
-
         stage, schedule = self._schedule(x.shape[0])
         xb, gb = x.transpose(0, 1).contiguous(), g.transpose(0, 1).contiguous()  # batch-first: split on dim 0
         for q in self.rnn.parameters():
