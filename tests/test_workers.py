@@ -27,7 +27,7 @@ def _time_df(n=8, bppsa2=0.5, seed=0):
                  {"round": r, "p": 2, "method": "pipeline", "rank": 0, "threads": 1, "backward_s": 1.1 * noise()},
                  {"round": r, "p": 2, "method": "pipeline", "rank": 1, "threads": 1, "backward_s": 0.6}]
     df = pd.DataFrame(rows)
-    return df.assign(seq_len=1000, batch=16, hidden=20, dtype="float32", loss="last", profile="test")
+    return df.assign(seq_len=1000, batch=16, hidden=20, dtype="float32", loss="last", micro_batches=4, profile="test")
 
 
 def _mem_df(b1=100e6, b2=45e6):
@@ -91,3 +91,78 @@ def test_the_figure_draws_from_the_csvs(tmp_path):
     out = tmp_path / "results" / "fig_workers.png"
     FIGURES["workers"].run(str(tmp_path / "results"), [], [str(out)])
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+# -- the pipeline baseline: torch.distributed.pipelining's GPipe schedule over the split (bppsa.bench.gpipe) ------
+
+# p -> the global ranks of its group in a spawn of 3 (p = 2 on ranks 1, 2: group ranks differ from global ones)
+GPIPE_GROUPS = {2: [1, 2], 3: None}
+GPIPE_T, GPIPE_B, GPIPE_H, GPIPE_I, GPIPE_M = 11, 6, 4, 3, 3  # T divisible by neither p; 3 micro-batches of 2
+
+
+def gpipe_worker(rank: int, world: int) -> dict:
+    """On each rank: for each group it belongs to and each loss, the GPipe step's all-reduced weight gradients
+    against autograd of the single-process torch.nn.RNN on the whole sequence (relative errors), and its times."""
+    import torch
+    import torch.distributed as dist
+
+    from bppsa.bench import workers
+    from bppsa.bench.gpipe import GPipe
+
+    out = {}
+    for p, ranks in GPIPE_GROUPS.items():
+        group = dist.new_group(ranks) if ranks is not None else None  # every rank creates every group
+        if ranks is not None and rank not in ranks:
+            continue
+        r = dist.get_rank(group)
+        for loss in ("last", "steps"):
+            torch.manual_seed(1)
+            ref = torch.nn.RNN(GPIPE_I, GPIPE_H, dtype=torch.float64)
+            x, g = workers._setup(GPIPE_T, GPIPE_B, GPIPE_H, GPIPE_I, torch.float64, 2, loss)
+            pipe = GPipe(ref, group, r, p, GPIPE_B, GPIPE_M, loss)
+            timed: dict = {}
+            for _ in range(2):  # a second step on the same schedule: the gradients are the step's, not summed
+                pipe.step(workers._slice(x, p, r), workers._slice(g, p, r), timed)
+            o, _ = ref(x)
+            torch.autograd.backward(o, g)
+            err = {name: ((q.grad - dict(ref.named_parameters())[name].grad).norm()
+                          / dict(ref.named_parameters())[name].grad.norm()).item()
+                   for name, q in pipe.rnn.named_parameters()}
+            out[(p, loss)] = (err, timed)
+    return out
+
+
+def test_the_gpipe_pipeline_gives_autograds_gradients():
+    from bppsa.distributed.launch import run_local
+
+    res = run_local(gpipe_worker, 3, (), timeout=300)
+    for p, ranks in GPIPE_GROUPS.items():
+        members = [res[k] for k in (ranks or range(3))]
+        for loss in ("last", "steps"):
+            for got in members:
+                err, timed = got[(p, loss)]
+                assert set(err) == {"weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0"}
+                assert max(err.values()) <= 1e-10, (p, loss, err)
+                assert 0 < timed["backward_s"] <= timed["fwd_bwd_s"], timed
+    assert (2, "last") not in res[0]  # rank 0 is outside p = 2's group
+
+
+def test_the_pipelines_micro_batches_must_divide_the_batch():
+    from bppsa.bench import workers
+
+    assert workers.default_micro_batches(16) == 4 and workers.default_micro_batches(6) == 3
+    assert workers.default_micro_batches(2) == 2 and workers.default_micro_batches(5) == 1
+    with pytest.raises(ValueError, match="--micro-batches 3 must divide --batch 16"):
+        workers.time_rows([1, 2], T=8, B=16, H=2, micro_batches=3)
+
+
+def test_bppsa_workers_checks_its_micro_batches_before_any_work(tmp_path, capsys):
+    from bppsa.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["workers", "--micro-batches", "0", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "argument --micro-batches: must be a positive integer, got '0'" in capsys.readouterr().err
+    assert main(["workers", "--batch", "16", "--micro-batches", "3", "--out", str(tmp_path / "w")]) != 0
+    assert "--micro-batches 3 must divide --batch 16" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()

@@ -7,12 +7,13 @@ rotated from round to round, so the methods are paired by round:
 
 * ``bppsa``: :class:`bppsa.nn.RNN` with ``process_group`` (backend ``cpu``): local up-sweeps, the ranks' scan,
   local down-sweeps, the weights' gradients all-reduced;
-* ``pipeline``: the same split run as a plain sequential pipeline: rank r waits for ∇h at the end of its slice
-  from rank r + 1, back-propagates its slice with torch's autograd and sends ∇h_in to rank r - 1, the weights'
-  gradients all-reduced.  (``torch.distributed.pipelining``'s GPipe schedule pipelines micro-batches through
-  stages that each take a whole sequence; a stage here holds a slice of every sequence's steps and must wait for
-  the state of the slice before it, so that schedule does not apply to this split: the baseline is the
-  send/recv pipeline it would reduce to with one micro-batch.)
+* ``pipeline``: the same split as the stages of ``torch.distributed.pipelining``'s GPipe schedule
+  (:mod:`bppsa.bench.gpipe`): stage r is ``torch.nn.RNN`` over rank r's slice of T, the ``micro_batches``
+  micro-batches split the batch (B / m sequences each), stage r runs micro-batch k while stage r + 1 runs k - 1;
+  the states (and their gradients) cross the wire, each rank's slice of x stays on it; autograd back-propagates
+  each stage, the weights' gradients all-reduced after the schedule's ``step()``.  ``backward_s``: from a barrier
+  the schedule reaches on every rank at its first backward (all forwards done) to the all-reduce's end;
+  ``fwd_bwd_s``: from a barrier before ``step()`` to the same end;
 * ``threads``: one process (rank 0) running the single-process layer on the CPU kernel with ``threads`` torch
   threads (recorded at p = 1): the in-process parallel BPPSA the split is compared with;
 * ``sequential``: one process, one thread, the single-process layer with ``L_m = 0``: the linear scan through the
@@ -21,7 +22,11 @@ rotated from round to round, so the methods are paired by round:
 * ``scan-rounds``, ``scan-allgather`` (p > 1): :func:`bppsa.distributed.rank_scan` alone with either strategy on
   one [B, H, H] summary per rank, to choose the default per p (``ALLGATHER_UP_TO``).
 
-Each rank records its own backward wall time; a step's time is the slowest rank's.
+Each rank records its own backward wall time, ``backward_s`` (``bppsa``: from a barrier of the group after the
+forward; ``pipeline``: as above; the one-process rivals: from the forward's end; each to the end of its backward,
+the weights' gradients all-reduced), and the whole step's, ``fwd_bwd_s`` (from a barrier before the forward, none
+for the one-process rivals, to the same end; a barrier between forward and backward included; none for
+``scan-*``); a step's time is the slowest rank's.
 
 **Memory** (:func:`memory_rows`): per (p, method), BPPSA's and the pipeline's, a fresh spawn (the kernels and plans
 already built and cached by the timing run); every rank resets its peak resident set (``/proc/self/clear_refs``),
@@ -35,9 +40,15 @@ import time
 
 import torch
 
-__all__ = ["METHODS", "memory_rows", "time_rows"]
+__all__ = ["METHODS", "MICRO_BATCHES", "default_micro_batches", "memory_rows", "time_rows"]
 
 METHODS = ("bppsa", "pipeline", "threads", "sequential")
+MICRO_BATCHES = 4  # the pipeline's micro-batches at B = 16: 4 sequences each
+
+
+def default_micro_batches(B: int) -> int:
+    """The pipeline's default number of micro-batches: the largest divisor of B not above :data:`MICRO_BATCHES`."""
+    return max(m for m in range(1, min(MICRO_BATCHES, B) + 1) if B % m == 0)
 
 
 def _jobs(ps, threads: int) -> list[tuple[int, str]]:
@@ -59,8 +70,11 @@ def _setup(T: int, B: int, H: int, I: int, dtype: torch.dtype, seed: int, loss: 
     return x, g_out
 
 
-def _models(H: int, I: int, dtype, seed: int, group):
+def _models(H: int, I: int, dtype, seed: int, group, r: int, p: int, B: int, micro_batches: int, loss: str):
+    """BPPSA's split layer, the one-process rivals, and this rank's GPipe stage, all with the same weights."""
     import bppsa.nn as bnn
+
+    from .gpipe import GPipe
 
     torch.manual_seed(seed)
     split = bnn.RNN(I, H, backend="cpu", dtype=dtype, process_group=group)
@@ -68,46 +82,23 @@ def _models(H: int, I: int, dtype, seed: int, group):
     single.load_state_dict(split.state_dict())
     sequential = bnn.RNN(I, H, backend="cpu", dtype=dtype, L_m=0)
     sequential.load_state_dict(split.state_dict())
-    ref = split.to_torch()
-    return split, {"threads": single, "sequential": sequential}, ref
-
-
-def _pipeline_step(ref, x, g_out, group, r: int, p: int, timed: dict) -> None:
-    """The sequential pipeline on the split: forward state rank to rank, backward ∇h rank to rank (torch autograd)."""
-    import torch.distributed as dist
-
-    from ..distributed import all_reduce_sum, recv_from, send_to
-
-    B, H = x.shape[1], ref.hidden_size
-    h_in = torch.zeros(B, H, dtype=x.dtype) if r == 0 else recv_from(torch.empty(B, H, dtype=x.dtype), r - 1, group)
-    h_in.requires_grad_(r > 0)
-    out, h_end = ref(x, h_in.unsqueeze(0))
-    if r < p - 1:
-        send_to(h_end[0].detach(), r + 1, group)
-    for q in ref.parameters():
-        q.grad = None
-    dist.barrier(group)
-    t0 = time.perf_counter()
-    like = torch.zeros(B, H, dtype=x.dtype)
-    g_end = like if r == p - 1 else recv_from(like, r + 1, group)
-    torch.autograd.backward([out, h_end[0]], [g_out, g_end])
-    if r > 0:
-        send_to(h_in.grad, r - 1, group)
-    flat = all_reduce_sum(torch.cat([q.grad.reshape(-1) for q in ref.parameters()]), group)
-    timed["backward_s"] = time.perf_counter() - t0
-    del flat
+    pipe = GPipe(split.to_torch(), group, r, p, B, micro_batches, loss)
+    return split, {"threads": single, "sequential": sequential}, pipe
 
 
 def _bppsa_step(split, x, g_out, group, timed: dict) -> None:
     import torch.distributed as dist
 
-    out, _ = split(x)
     for q in split.parameters():
         q.grad = None
     dist.barrier(group)
+    t_f = time.perf_counter()
+    out, _ = split(x)
+    dist.barrier(group)
     t0 = time.perf_counter()
     torch.autograd.backward(out, g_out)
-    timed["backward_s"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    timed["backward_s"], timed["fwd_bwd_s"] = t1 - t0, t1 - t_f
 
 
 def _scan_step(strategy: str, B: int, H: int, dtype, group, timed: dict) -> None:
@@ -127,12 +118,14 @@ def _threads_step(single, x, g_out, threads: int, timed: dict) -> None:
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out, _ = single(x)
         for q in single.parameters():
             q.grad = None
+        t_f = time.perf_counter()
+        out, _ = single(x)
         t0 = time.perf_counter()
         torch.autograd.backward(out, g_out)
-        timed["backward_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        timed["backward_s"], timed["fwd_bwd_s"] = t1 - t0, t1 - t_f
     finally:
         torch.set_num_threads(prev)
 
@@ -141,13 +134,14 @@ def _slice(t: torch.Tensor, p: int, r: int) -> torch.Tensor:
     return torch.tensor_split(t, p)[r].contiguous()
 
 
-def _time_worker(rank: int, world: int, ps, T, B, H, I, dtype, rounds, seed, loss, threads):
+def _time_worker(rank: int, world: int, ps, T, B, H, I, dtype, rounds, seed, loss, threads, micro_batches):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     x, g_out = _setup(T, B, H, I, dtype, seed, loss)
     groups = {p: (dist.new_group(list(range(p))) if p < world else dist.group.WORLD) for p in sorted(set(ps) | {1})}
-    models = {p: _models(H, I, dtype, seed, groups[p]) for p in set(ps) | {1} if rank < p}
+    models = {p: _models(H, I, dtype, seed, groups[p], rank, p, B, micro_batches, loss) for p in set(ps) | {1}
+              if rank < p}
     jobs = _jobs(ps, threads)
     rows = []
     for rnd in range(-1, rounds):  # round -1 warms up (kernels, plans, buffers) and is not recorded
@@ -157,32 +151,37 @@ def _time_worker(rank: int, world: int, ps, T, B, H, I, dtype, rounds, seed, los
             if rank >= p:
                 continue
             timed: dict = {}
-            split, singles, ref = models[p]
-            _run(method, split, singles, ref, _slice(x, p, rank), _slice(g_out, p, rank), groups[p], rank, p,
+            split, singles, pipe = models[p]
+            _run(method, split, singles, pipe, _slice(x, p, rank), _slice(g_out, p, rank), groups[p], rank, p,
                  threads, timed)
             if rnd >= 0:
                 rows.append({"round": rnd, "p": p, "method": method, "rank": rank,
-                             "threads": threads if method == "threads" else 1, "backward_s": timed["backward_s"]})
+                             "threads": threads if method == "threads" else 1, "backward_s": timed["backward_s"],
+                             "fwd_bwd_s": timed.get("fwd_bwd_s", float("nan"))})
     dist.barrier()
     return rows
 
 
 def time_rows(ps, T: int, B: int, H: int, I: int = 1, dtype=torch.float32, rounds: int = 10, seed: int = 0,
-              loss: str = "last", threads: int = 2, timeout: float = 3600) -> list[dict]:
+              loss: str = "last", threads: int = 2, timeout: float = 3600,
+              micro_batches: int = MICRO_BATCHES) -> list[dict]:
     """Every rank's backward time per (round, p, method): the module's docstring."""
     from ..distributed.launch import run_local
 
-    _check(ps, T)
-    out = run_local(_time_worker, max(ps), (tuple(ps), T, B, H, I, dtype, rounds, seed, loss, threads),
-                    timeout=timeout)
+    _check(ps, T, B, micro_batches)
+    out = run_local(_time_worker, max(ps), (tuple(ps), T, B, H, I, dtype, rounds, seed, loss, threads,
+                                            micro_batches), timeout=timeout)
     return [row for rank_rows in out for row in rank_rows]
 
 
-def _check(ps, T: int) -> None:
+def _check(ps, T: int, B: int, micro_batches: int) -> None:
     if not ps or min(ps) < 1:
         raise ValueError(f"--ps: every process count must be >= 1, got {list(ps)}")
     if T < max(ps):
         raise ValueError(f"--seq-len {T} is shorter than the largest p = {max(ps)}: every rank needs a step")
+    if micro_batches < 1 or B % micro_batches:
+        raise ValueError(f"--micro-batches {micro_batches} must divide --batch {B} (the pipeline's stages exchange "
+                         "micro-batches of one shape)")
 
 
 def _status_kb(field: str) -> int:
@@ -202,14 +201,14 @@ def _reset_peak() -> bool:
         return False
 
 
-def _memory_worker(rank: int, p: int, methods, T, B, H, I, dtype, seed, loss, threads):
+def _memory_worker(rank: int, p: int, methods, T, B, H, I, dtype, seed, loss, threads, micro_batches):
     import gc
 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     group = dist.group.WORLD
-    split, singles, ref = _models(H, I, dtype, seed, group)
+    split, singles, pipe = _models(H, I, dtype, seed, group, rank, p, B, micro_batches, loss)
     x, g_out = _setup(T, B, H, I, dtype, seed, loss)
     xs, gs = _slice(x, p, rank), _slice(g_out, p, rank)
     xw, gw = _setup(max(8, p), B, H, I, dtype, seed, loss)
@@ -218,64 +217,66 @@ def _memory_worker(rank: int, p: int, methods, T, B, H, I, dtype, seed, loss, th
     for method in methods:
         timed: dict = {}
         # warm up on a short sequence: libraries, kernels (the plan of the measured shape is cached on disk)
-        _run(method, split, singles, ref, _slice(xw, p, rank), _slice(gw, p, rank), group, rank, p, threads, timed)
+        _run(method, split, singles, pipe, _slice(xw, p, rank), _slice(gw, p, rank), group, rank, p, threads, timed)
         gc.collect()
         dist.barrier()
         ok = _reset_peak()
         rss0 = _status_kb("VmRSS")
-        _run(method, split, singles, ref, xs, gs, group, rank, p, threads, timed)
+        _run(method, split, singles, pipe, xs, gs, group, rank, p, threads, timed)
         peak = (_status_kb("VmHWM") - rss0) * 1024 if ok else float("nan")
         rows.append({"p": p, "method": method, "rank": rank, "threads": threads if method == "threads" else 1,
                      "peak_bytes": peak, "backward_s": timed["backward_s"]})
-        for q in list(split.parameters()) + list(ref.parameters()) + [q for m in singles.values()
-                                                                      for q in m.parameters()]:
+        for q in list(split.parameters()) + list(pipe.rnn.parameters()) + [q for m in singles.values()
+                                                                           for q in m.parameters()]:
             q.grad = None
         gc.collect()
         dist.barrier()
     return rows
 
 
-def _run(method, split, singles, ref, x, g, group, rank, p, threads, timed):
+def _run(method, split, singles, pipe, x, g, group, rank, p, threads, timed):
     """One forward and backward of ``method`` on this rank's slice (the one-process rivals: p = 1, the whole)."""
     if method.startswith("scan-"):
         _scan_step(method[len("scan-"):], x.shape[1], split.hidden_size, x.dtype, group, timed)
     elif method == "bppsa":
         _bppsa_step(split, x, g, group, timed)
     elif method == "pipeline":
-        _pipeline_step(ref, x, g, group, rank, p, timed)
+        pipe.step(x, g, timed)
     else:
         _threads_step(singles[method], x, g, threads if method == "threads" else 1, timed)
 
 
 def memory_rows(ps, T: int, B: int, H: int, I: int = 1, dtype=torch.float32, seed: int = 0, loss: str = "last",
-                threads: int = 2, timeout: float = 3600) -> list[dict]:
+                threads: int = 2, timeout: float = 3600, micro_batches: int = MICRO_BATCHES) -> list[dict]:
     """Every rank's peak memory growth over one forward and backward of BPPSA and of the pipeline at each p, each
     in a fresh spawn (a second step in the same process reuses what the first left mapped, and reads as nothing)."""
     from ..distributed.launch import run_local
 
-    _check(ps, T)
+    _check(ps, T, B, micro_batches)
     rows = []
     for p in ps:
         for method in ("bppsa", "pipeline"):
-            for rank_rows in run_local(_memory_worker, p, ((method,), T, B, H, I, dtype, seed, loss, threads),
-                                       timeout=timeout):
+            for rank_rows in run_local(_memory_worker, p, ((method,), T, B, H, I, dtype, seed, loss, threads,
+                                                           micro_batches), timeout=timeout):
                 rows += rank_rows
     return rows
 
 
 def launched_rows(ps, T: int, B: int, H: int, I: int = 1, dtype=torch.float32, rounds: int = 10, seed: int = 0,
-                  loss: str = "last", threads: int = 2, memory: bool = True) -> tuple[list[dict], list[dict]]:
+                  loss: str = "last", threads: int = 2, memory: bool = True,
+                  micro_batches: int = MICRO_BATCHES) -> tuple[list[dict], list[dict]]:
     """:func:`time_rows` and the memory of the largest p in processes a launcher started (torchrun, srun), in the
     default group, which must have max(ps) ranks: every rank's rows, gathered on every rank."""
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    _check(ps, T)
+    _check(ps, T, B, micro_batches)
     if max(ps) != world:
         raise ValueError(f"--ps: the largest process count ({max(ps)}) must be the launcher's ({world} processes)")
     # one method only: a second step in the same process reuses what the first left mapped
-    mem = _memory_worker(rank, world, ("bppsa",), T, B, H, I, dtype, seed, loss, threads) if memory else []
-    rows = _time_worker(rank, world, tuple(ps), T, B, H, I, dtype, rounds, seed, loss, threads)
+    mem = (_memory_worker(rank, world, ("bppsa",), T, B, H, I, dtype, seed, loss, threads, micro_batches)
+           if memory else [])
+    rows = _time_worker(rank, world, tuple(ps), T, B, H, I, dtype, rounds, seed, loss, threads, micro_batches)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (rows, mem))
     return [r for rr, _ in gathered for r in rr], [m for _, mm in gathered for m in mm]

@@ -13,7 +13,7 @@ from ..analysis.workers import medians
 from .common import finish, legend_below, plt, save
 
 STYLE = {"bppsa": dict(color="C1", marker="o", ls="-", label="BPPSA (split over p processes)"),
-         "pipeline": dict(color="C0", marker="s", ls="--", label="pipeline on the same split")}
+         "pipeline": dict(color="C0", marker="s", ls="--", label="pipeline on the same split (GPipe)")}
 
 
 def draw(results: str | Path, inputs: list, outputs: list) -> None:
@@ -36,6 +36,9 @@ def draw(results: str | Path, inputs: list, outputs: list) -> None:
     footer = (f"{', '.join(devices)} · profile {', '.join(sorted(set(map(str, time_df['profile']))))} · n = {n} "
               "paired rounds; a step's time is its slowest rank's; memory: peak resident-set growth over one "
               "forward and backward, the largest rank's. Grey: the paper's shapes through the p = 1 point.")
+    if "micro_batches" in time_df:  # the pipeline: torch.distributed.pipelining's GPipe schedule over the split
+        micro = ", ".join(sorted(set(map(str, time_df["micro_batches"]))))
+        footer += f" Pipeline: torch's GPipe schedule, {micro} micro-batches of the batch."
     finish(fig, title, footer)
     save(fig, out)
 
