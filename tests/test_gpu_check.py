@@ -32,7 +32,8 @@ def test_steps_past_the_deadline_are_skipped_and_listed(tmp_path):
 def test_the_sanitizers_cover_every_new_kernel_and_the_wheels_install_offline():
     """The script's text: memcheck, racecheck and synccheck each on a single-seed training step and a loss on every step
     of both cells in fp32 (the one-launch middle, the warp down kernels, the gradients' reduction); the install from the
-    wheel folder with no index; the workflow on the minutes-sized GPU profile; the scaling to 16 threads and the workers to 16 processes."""
+    wheel folder with no index; the workflow on the minutes-sized GPU profile; the scaling to 16 threads and the workers
+    to 16 processes."""
     text = (ROOT / "scripts" / "gpu_check.sh").read_text()
     assert "for tool in memcheck racecheck synccheck; do" in text
     for name in ('"${tool}_rnn"', '"${tool}_gru"', '"${tool}_per_step_rnn"', '"${tool}_per_step_gru"'):

@@ -40,15 +40,14 @@ import time
 
 import torch
 
-__all__ = ["METHODS", "MICRO_BATCHES", "default_micro_batches", "memory_rows", "time_rows"]
+__all__ = ["METHODS", "MICRO_BATCHES", "memory_rows", "time_rows"]
 
 METHODS = ("bppsa", "pipeline", "threads", "sequential")
-MICRO_BATCHES = 4  # the pipeline's micro-batches at B = 16: 4 sequences each
-
-
-def default_micro_batches(B: int) -> int:
-    """The pipeline's default number of micro-batches: the largest divisor of B not above :data:`MICRO_BATCHES`."""
-    return max(m for m in range(1, min(MICRO_BATCHES, B) + 1) if B % m == 0)
+# The pipeline's micro-batches by default: one.  On CPUs at B = 16, H = 20 a step's cost hardly depends on how many
+# sequences it carries, so m micro-batches cost ~m times one and the overlap never repays it (T = 10,000 at p = 2 on
+# a Zen 4: backward 0.39 s with m = 1 against 0.99 s with m = 4; docs/measurements.md): m = 1 is the stronger
+# baseline.  ``bppsa workers --micro-batches`` sets another.
+MICRO_BATCHES = 1
 
 
 def _jobs(ps, threads: int) -> list[tuple[int, str]]:

@@ -26,9 +26,9 @@ def register(sub) -> None:
                    help="a loss on the last state (the paper's RNN) or on every step")
     p.add_argument("--threads", type=positive_int, default=2,
                    help="the in-process rival's threads (one process, CPU kernel; 1: not run)")
-    p.add_argument("--micro-batches", type=positive_int, default=None,
-                   help="the pipeline baseline's micro-batches (GPipe; must divide --batch; default: the largest "
-                        "divisor of --batch up to 4)")
+    p.add_argument("--micro-batches", type=positive_int, default=1,
+                   help="the pipeline baseline's micro-batches (GPipe; must divide --batch; default 1, the faster "
+                        "on CPUs: bppsa.bench.workers.MICRO_BATCHES)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory spawns")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600, help="seconds before a rank is declared lost")
@@ -50,7 +50,7 @@ def _workers(args) -> int:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    micro = bench.default_micro_batches(args.batch) if args.micro_batches is None else args.micro_batches
+    micro = args.micro_batches
     if args.batch % micro:
         raise ValueError(f"--micro-batches {micro} must divide --batch {args.batch} (the pipeline's stages exchange "
                          "micro-batches of one shape)")
