@@ -261,6 +261,19 @@ def test_split_layers_under_torchrun_equal_autograd(tmp_path):
     _check_layer_results([[(tuple(case), err) for case, err in m] for m in members], 2)
 
 
+def tensor_worker(rank: int, p: int) -> dict:
+    return {"rank": rank, "t": torch.arange(3, dtype=torch.float64) + rank}
+
+
+def test_run_local_hands_back_tensors_by_value():
+    """A rank's tensors come back as plain memory (torch.save bytes), not as shared memory that the rank's exit
+    could take away before the parent reads it."""
+    out = run_local(tensor_worker, 2, timeout=120)
+    for r, res in enumerate(out):
+        assert res["rank"] == r and torch.equal(res["t"], torch.arange(3, dtype=torch.float64) + r)
+        assert not res["t"].is_shared()
+
+
 FAULT_TIMEOUT = 4.0  # seconds: the group_timeout the fault test's layers run with
 
 

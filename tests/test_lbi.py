@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from bppsa.backends import get_backend
+from bppsa.distributed.launch import run_local
 from bppsa.models.lbi import LBILM, DenseLM, lm_loss, prefix_cross_entropy
-from bppsa.models.lbi_dist import MODES, Traffic, expected_bytes, rank_worker, run_ranks, step
+from bppsa.models.lbi_dist import MODES, Traffic, expected_bytes, rank_worker, step
 from bppsa.models.lbi_scan import interface_jacobians_t, scan_backward
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
@@ -131,7 +132,7 @@ def _rank_case(K, r=4, B=3, T=6, seed=0):
 
 def _check_ranks(K, strategy=None):
     ref, sizes, x, y, loss = _rank_case(K, seed=K)
-    outs = run_ranks(rank_worker, K, (sizes, ref.state_dict(), x, y, MODES, "torch", 1, 0, strategy))
+    outs = run_local(rank_worker, K, (sizes, ref.state_dict(), x, y, MODES, "torch", 1, 0, strategy), timeout=300)
     emb = sum(p.numel() for p in ref.embed.parameters()) * 8
     for mode in MODES:
         per_rank = [o[mode] for o in outs]

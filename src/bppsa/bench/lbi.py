@@ -17,8 +17,9 @@ import time
 import torch
 
 from ..data import text
+from ..distributed.launch import run_local
 from ..models.lbi import LBILM, DenseLM, lm_loss, prefix_cross_entropy
-from ..models.lbi_dist import MODES, expected_bytes, rank_worker, run_ranks
+from ..models.lbi_dist import MODES, expected_bytes, rank_worker
 from ..models.lbi_scan import scan_backward
 
 __all__ = ["KINDS", "PAPER", "rank_rows", "train_run"]
@@ -116,8 +117,8 @@ def rank_rows(ranks: list[int], r: int, *, batch: int, seq: int, d: int, heads: 
         gen = torch.Generator().manual_seed(seed)
         x = torch.randint(0, text.VOCAB, (batch, seq), generator=gen)
         y = torch.randint(0, text.VOCAB, (batch, seq), generator=gen)
-        outs = run_ranks(rank_worker, p, (sizes, model.state_dict(), x, y, MODES, "torch", repeats, warmup),
-                         threads=threads)
+        outs = run_local(rank_worker, p, (sizes, model.state_dict(), x, y, MODES, "torch", repeats, warmup),
+                         timeout=300, threads=threads)
         for mode in MODES:
             want = expected_bytes(p, batch, r, item, mode)
             for k, o in enumerate(outs):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import io
 import os
 import queue as _queue
 import socket
@@ -96,8 +97,9 @@ def _child(rank, p, port, fn, args, results, threads, timeout):
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p,
                                 timeout=datetime.timedelta(seconds=timeout))
-        out = fn(rank, p, *args)
-        results.put((rank, True, out))
+        buf = io.BytesIO()  # by value: tensors put as they are cross as shared memory, gone when this rank exits
+        torch.save(fn(rank, p, *args), buf)
+        results.put((rank, True, buf.getvalue()))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises naming this rank
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         # a peer may be gone: tearing the group down could wait on it, so leave once the report is out
@@ -112,13 +114,18 @@ def _child(rank, p, port, fn, args, results, threads, timeout):
                 pass
 
 
+def _loaded(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)  # a rank of this run wrote it
+
+
 def run_local(fn, p: int, args: tuple = (), *, timeout: float = 120.0, threads: int = 1,
               group_timeout: float | None = None, allow_failure: bool = False) -> list:
     """``[fn(0, p, *args), ..., fn(p - 1, p, *args)]``, each in its own spawned process in one gloo group on
     127.0.0.1 (``threads`` torch threads each).  ``fn`` must be importable by the children (a module-level
-    function).  A rank that raises, exits without a result or outlives ``timeout`` seconds raises
-    :class:`LaunchError` naming it (the others are ended); ``allow_failure``: return the error text in its place
-    instead (a fault test).  ``group_timeout``: the process group's own timeout (default ``timeout``)."""
+    function); its result crosses back by value (``torch.save``), so it may hold tensors.  A rank that raises,
+    exits without a result or outlives ``timeout`` seconds raises :class:`LaunchError` naming it (the others are
+    ended); ``allow_failure``: return the error text in its place instead (a fault test).  ``group_timeout``: the
+    process group's own timeout (default ``timeout``)."""
     import torch.multiprocessing as mp
 
     if p < 1:
@@ -160,9 +167,9 @@ def run_local(fn, p: int, args: tuple = (), *, timeout: float = 120.0, threads: 
     for r in range(p):
         got.setdefault(r, (False, f"rank {r} gave no result within {timeout:g} s"))
     if allow_failure:
-        return [out for ok, out in (got[r] for r in range(p))]
+        return [_loaded(out) if ok else out for ok, out in (got[r] for r in range(p))]
     for r in range(p):
         ok, out = got[r]
         if not ok:
             raise LaunchError(f"rank {r} of {p} failed: {out}", r)
-    return [got[r][1] for r in range(p)]
+    return [_loaded(got[r][1]) for r in range(p)]

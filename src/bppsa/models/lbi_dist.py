@@ -28,7 +28,6 @@ bytes, a broadcast its tensor's bytes on the source rank, an all_reduce or an al
 from __future__ import annotations
 
 import contextlib
-import io
 import math
 import time
 from collections import defaultdict
@@ -42,7 +41,7 @@ from ..distributed import rank_scan
 from .lbi import LBILM, lm_loss
 from .lbi_scan import _accumulate, _params, interface_jacobians_t, region_forward, scan_operands
 
-__all__ = ["MODES", "Traffic", "expected_bytes", "interface_adjoints", "rank_worker", "run_ranks", "step"]
+__all__ = ["MODES", "Traffic", "expected_bytes", "interface_adjoints", "rank_worker", "step"]
 
 MODES = ("scan", "scan-allreduce", "pipeline")
 
@@ -278,23 +277,3 @@ def rank_worker(rank: int, p: int, sizes: dict, state: dict, x: torch.Tensor, y:
             out[mode].update(grads={n: q.grad for n, q in model.named_parameters() if q.grad is not None},
                              loss=loss, bytes=dict(traffic.bytes), calls=dict(traffic.calls))
     return out
-
-
-# -- running ranks as processes on this machine ------------------------------------------------------------------
-
-
-def _serialised(rank: int, p: int, fn, *args) -> bytes:
-    """``fn(rank, p, *args)`` as the bytes of ``torch.save``: tensors then cross the launcher's queue by value, not as
-    shared memory that the rank's exit would take away before the parent reads it."""
-    buf = io.BytesIO()
-    torch.save(fn(rank, p, *args), buf)
-    return buf.getvalue()
-
-
-def run_ranks(fn, p: int, args: tuple = (), timeout: float = 300.0, threads: int = 1) -> list:
-    """``[fn(0, p, *args), ..., fn(p-1, p, *args)]``, each rank a spawned process in one gloo group (``threads``
-    torch threads each): :func:`bppsa.distributed.launch.run_local`, which names a rank that fails or hangs."""
-    from ..distributed.launch import run_local
-
-    out = run_local(_serialised, p, (fn, *args), timeout=timeout, threads=threads)
-    return [torch.load(io.BytesIO(b), weights_only=False) for b in out]
