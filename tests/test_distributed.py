@@ -139,18 +139,20 @@ SUITES = {"scan": scan_suite, "layers": layer_suite}
 GROUPS = {1: [2], 2: [1, 3], 3: [1, 2, 3], 4: None}
 
 
-def worker(rank: int, world: int, suites: tuple[str, ...]) -> dict:
-    """On each of the 4 ranks: every suite in every group of GROUPS this rank belongs to, {p: {suite: result}}."""
+def member_groups(groups: dict, rank: int):
+    """``(p, group, rank in it)`` for each group of ``groups`` (p -> global ranks; None: the default group) that
+    ``rank`` belongs to; every rank creates every group, as torch.distributed requires."""
     import torch.distributed as dist
 
-    out = {}
-    for p, ranks in GROUPS.items():
-        group = dist.new_group(ranks) if ranks is not None else None  # every rank creates every group
-        if ranks is not None and rank not in ranks:
-            continue
-        r = dist.get_rank(group)
-        out[p] = {name: SUITES[name](r, p, group) for name in suites}
-    return out
+    for p, ranks in groups.items():
+        group = dist.new_group(ranks) if ranks is not None else None
+        if ranks is None or rank in ranks:
+            yield p, group, dist.get_rank(group)
+
+
+def worker(rank: int, world: int, suites: tuple[str, ...]) -> dict:
+    """On each of the 4 ranks: every suite in every group of GROUPS this rank belongs to, {p: {suite: result}}."""
+    return {p: {name: SUITES[name](r, p, group) for name in suites} for p, group, r in member_groups(GROUPS, rank)}
 
 
 @pytest.fixture(scope="module")

@@ -104,17 +104,13 @@ def gpipe_worker(rank: int, world: int) -> dict:
     """On each rank: for each group it belongs to and each loss, the GPipe step's all-reduced weight gradients
     against autograd of the single-process torch.nn.RNN on the whole sequence (relative errors), and its times."""
     import torch
-    import torch.distributed as dist
+    from test_distributed import member_groups
 
     from bppsa.bench import workers
     from bppsa.bench.gpipe import GPipe
 
     out = {}
-    for p, ranks in GPIPE_GROUPS.items():
-        group = dist.new_group(ranks) if ranks is not None else None  # every rank creates every group
-        if ranks is not None and rank not in ranks:
-            continue
-        r = dist.get_rank(group)
+    for p, group, r in member_groups(GPIPE_GROUPS, rank):
         for loss in ("last", "steps"):
             torch.manual_seed(1)
             ref = torch.nn.RNN(GPIPE_I, GPIPE_H, dtype=torch.float64)
