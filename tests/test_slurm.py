@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SLUG = "localhost-slurm"
 # rules that run on the measuring device ask for a GPU; the others must not
 GPU_RULES = {"environment_record", "rnn_verify", "rnn_bench", "rnn_train", "rnn_train_in_dtype", "gru_verify",
-             "gru_bench", "gru_train", "vgg11_train"}
+             "gru_bench", "gru_train", "vgg11_train", "lenet5_curves"}
 TIMING_RULES = {"rnn_bench", "gru_bench", "rnn_train", "rnn_train_in_dtype", "gru_train", "cpu_speed", "table1_bench",
-                "bitstream_bench", "cpu_roofline", "cpu_scaling", "workers_bench"}
+                "bitstream_bench", "cpu_roofline", "cpu_scaling", "workers_bench", "lbi_ranks"}
 # the downloads and the GPU cost model (seconds of arithmetic, no device) run on the submitting host
 LOCAL_RULES = {"all", "irmas_make", "cifar10_make", "gpu_model"}
 # CPU benchmarks are targets only when the folder is the CPU's (`cpu`); this run's slug is not

@@ -1,5 +1,6 @@
 # Latent Bounded Interfaces (docs/lbi.md): the LBI language model against its dense baseline (lbi_train, one job
-# per model and seed), and one region per rank over gloo (lbi_ranks: bytes per backward, backward time).
+# per model and seed), and one region per rank over gloo (lbi_ranks: bytes per backward, backward time; a timing
+# job, alone on its node or machine as every benchmark).
 # Figure: `bppsa plot lbi` (rule lbi_plot, figures.smk); claims: claims.md's LBI rows.
 
 
@@ -40,7 +41,7 @@ rule lbi_ranks:
         "logs/lbi_ranks.log",
     threads: max(config.get("lbi", {}).get("ranks") or [1])
     resources:
-        **job_resources("default"),
+        **job_resources("cpu_timing"),
     params:
         ranks=" ".join(map(str, config.get("lbi", {}).get("ranks", []))),
         lbi=config.get("lbi", {}),
