@@ -59,7 +59,8 @@ LAYER_CASES = [("rnn", 7, 1, False, True, True, True, "torch", torch.float64),
                ("gru", 9, 1, False, False, False, True, "cpu", torch.float64),
                ("rnn", 11, 1, False, False, False, False, "cpu", torch.float64),
                ("gru", 10, 1, True, False, True, False, "cpu", torch.float64),
-               ("rnn", 9, 1, False, True, False, False, "torch", torch.float64)]
+               ("rnn", 9, 1, False, True, False, False, "torch", torch.float64),
+               ("gru", 11, 1, False, False, False, False, "cpu", torch.float32)]
 
 
 def _reference(model, x, h0, lengths, w_out, w_hn):
