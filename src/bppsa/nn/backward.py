@@ -292,7 +292,8 @@ def grads_from_scan(cell, x, h0, w_ih, w_hh, b_ih, b_hh, h, valid, lam, need_x=F
     over time (``GRAD_BLOCK_VALUES``), the GRU's gates recomputed per block from the state before it: beside ``dx``
     no temporary grows with T, so a slice of the sequence holds its states, ``lam`` and little else."""
     T, B, H = h.shape
-    step = max(1, GRAD_BLOCK_VALUES // max(1, B * (GATES[cell] * H + x.shape[2] + H)))
+    # a block's temporaries stay a fraction of the states' own T x B x H, however short the slice
+    step = max(1, min(GRAD_BLOCK_VALUES // max(1, B * (GATES[cell] * H + x.shape[2] + H)), -(-T // 4)))
     dx = x.new_empty(x.shape) if need_x else None
     dh0, total = None, None
     cb = _gru_cell(w_ih, w_hh, b_ih, b_hh) if cell == "gru" else None

@@ -210,7 +210,8 @@ def slice_map(cell, x, h, h_in, w_ih, w_hh, b_ih, b_hh, c, past, seed) -> tuple[
     end: the middle ranks' up-sweep in O(block) memory beside the states."""
     T, B, H = h.shape
     twin = _summary_backend()
-    step = max(1, SUMMARY_BLOCK_VALUES // max(1, B * H * H))
+    # a block's dense chain (steps x B x H x H) no larger than the slice's states (T x B x H), however short the slice
+    step = max(1, min(SUMMARY_BLOCK_VALUES // max(1, B * H * H), -(-T // H)))
     cb = _bw._gru_cell(w_ih, w_hh, b_ih, b_hh) if cell == "gru" else None
     P = q = None
     for t1 in range(T, 0, -step):  # scan order: the slice's last steps first
