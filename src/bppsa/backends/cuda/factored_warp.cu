@@ -71,9 +71,10 @@ __device__ inline void stage_store(T* S, const T (&buf)[NS], unsigned lane) {
   }
 }
 
-// out = M v (+ o): M staged in S (STAGE) or read from global memory at Mg; o: nullptr or the offset
-template <typename T>
-__device__ inline void matvec(T (&out)[R], const T (&v)[R], const T* S, const T* Mg, const T* o, unsigned lane) {
+// out = M v (+ o): M's element (i, j) read as at(i, j); o: nullptr or the offset.  out may be v itself: every lane
+// reads all of v (shuffles) before any writes
+template <typename T, typename At>
+__device__ inline void matvec_at(T (&out)[R], const T (&v)[R], At at, const T* o, unsigned lane) {
   T a[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -86,11 +87,18 @@ __device__ inline void matvec(T (&out)[R], const T (&v)[R], const T* S, const T*
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const unsigned i = lane + 32 * r;
-      if (i < unsigned(H)) a[r] += (STAGE ? S[j * Layout<T>::P + i] : Mg[size_t(i) * H + j]) * vj;
+      if (i < unsigned(H)) a[r] += at(i, j) * vj;
     }
   }
 #pragma unroll
   for (int r = 0; r < R; ++r) out[r] = a[r];
+}
+
+// out = M v (+ o): M staged in S (STAGE) or read from global memory at Mg
+template <typename T>
+__device__ inline void matvec(T (&out)[R], const T (&v)[R], const T* S, const T* Mg, const T* o, unsigned lane) {
+  matvec_at(out, v, [&](unsigned i, int j) { return STAGE ? S[j * Layout<T>::P + i] : Mg[size_t(i) * H + j]; }, o,
+            lane);
 }
 
 // Transitions [t0, t1) of batch element b, one after the other: each one's aggregate staged into S (transposed),
@@ -186,23 +194,7 @@ __device__ void compose(T* A, const T* agg, const T* off, unsigned t0, unsigned 
 // v = A v + a: A a composed map, column by column (A[q][i], pitch H), its offset column a = A[H][.]
 template <typename T>
 __device__ inline void apply_map(T (&v)[R], const T* A, unsigned lane) {
-  T a[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const unsigned i = lane + 32 * r;
-    a[r] = i < unsigned(H) ? A[H * H + i] : T(0);
-  }
-#pragma unroll
-  for (int j = 0; j < H; ++j) {
-    const T vj = __shfl_sync(FULL, v[j / 32], j % 32);
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const unsigned i = lane + 32 * r;
-      if (i < unsigned(H)) a[r] += A[j * H + i] * vj;
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) v[r] = a[r];
+  matvec_at(v, v, [&](unsigned i, int j) { return A[j * H + i]; }, A + H * H, lane);
 }
 
 template <typename T>
