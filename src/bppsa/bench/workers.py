@@ -40,7 +40,7 @@ import time
 
 import torch
 
-__all__ = ["METHODS", "MICRO_BATCHES", "memory_rows", "time_rows"]
+__all__ = ["METHODS", "MICRO_BATCHES", "check_sizes", "memory_rows", "time_rows"]
 
 METHODS = ("bppsa", "pipeline", "threads", "sequential")
 # The pipeline's micro-batches by default: one.  On CPUs at B = 16, H = 20 a step's cost hardly depends on how many
@@ -167,13 +167,14 @@ def time_rows(ps, T: int, B: int, H: int, I: int = 1, dtype=torch.float32, round
     """Every rank's backward time per (round, p, method): the module's docstring."""
     from ..distributed.launch import run_local
 
-    _check(ps, T, B, micro_batches)
+    check_sizes(ps, T, B, micro_batches)
     out = run_local(_time_worker, max(ps), (tuple(ps), T, B, H, I, dtype, rounds, seed, loss, threads,
                                             micro_batches), timeout=timeout)
     return [row for rank_rows in out for row in rank_rows]
 
 
-def _check(ps, T: int, B: int, micro_batches: int) -> None:
+def check_sizes(ps, T: int, B: int, micro_batches: int) -> None:
+    """The run's sizes, refused with the option they came from before any process starts."""
     if not ps or min(ps) < 1:
         raise ValueError(f"--ps: every process count must be >= 1, got {list(ps)}")
     if T < max(ps):
@@ -251,7 +252,7 @@ def memory_rows(ps, T: int, B: int, H: int, I: int = 1, dtype=torch.float32, see
     in a fresh spawn (a second step in the same process reuses what the first left mapped, and reads as nothing)."""
     from ..distributed.launch import run_local
 
-    _check(ps, T, B, micro_batches)
+    check_sizes(ps, T, B, micro_batches)
     rows = []
     for p in ps:
         for method in ("bppsa", "pipeline"):
@@ -269,7 +270,7 @@ def launched_rows(ps, T: int, B: int, H: int, I: int = 1, dtype=torch.float32, r
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    _check(ps, T, B, micro_batches)
+    check_sizes(ps, T, B, micro_batches)
     if max(ps) != world:
         raise ValueError(f"--ps: the largest process count ({max(ps)}) must be the launcher's ({world} processes)")
     # one method only: a second step in the same process reuses what the first left mapped

@@ -46,14 +46,8 @@ def _workers(args) -> int:
     from ..bench import workers as bench
     from ..distributed.launch import init_from_env, launcher_env
 
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
-    if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     micro = args.micro_batches
-    if args.batch % micro:
-        raise ValueError(f"--micro-batches {micro} must divide --batch {args.batch} (the pipeline's stages exchange "
-                         "micro-batches of one shape)")
+    bench.check_sizes(args.ps, args.seq_len, args.batch, micro)  # before any process joins a group
     dtype = getattr(torch, args.dtype)
     shape = dict(T=args.seq_len, B=args.batch, H=args.hidden, micro_batches=micro)
     label = {"profile": args.profile, "dtype": args.dtype, "loss": args.loss, "seq_len": args.seq_len,
