@@ -50,9 +50,10 @@ def _device_folder():
 DEVICE = _device_folder()
 PROFILE = config["profile"]
 RESOURCES = config.get("resources", {"default": {"threads": 1}})
-# Jobs whose measurements are timings take one unit of this global resource; the default profile
-# (profiles/default) provides one, so locally no two timings ever share the machine. On SLURM they
-# ask for exclusive nodes instead (slurm_extra, set in job_resources).
+# Jobs whose measurements are timings take one unit of this global resource, and so does every job that runs on
+# the GPU: the default profile (profiles/default) provides one, so locally no two timings ever share the machine
+# and no job (a verify, VGG-11's training) shares the GPU with a measurement. On SLURM timings ask for exclusive
+# nodes too (slurm_extra, set in job_resources).
 TIMING_CLASSES = ("timing", "cpu_timing")
 
 RNN, GRU, IRMAS = config["rnn"], config["gru"], config["irmas"]
@@ -93,8 +94,10 @@ def job_resources(kind):
     res = {k: v for k, v in _job(kind).items() if k != "threads"}
     if config["device"] == "cpu" or not res.get("gpu"):
         res.pop("gpu", None)  # a CPU run asks the cluster for no GPU
-    if kind in TIMING_CLASSES:
+    # a CPU folder's GPU-class jobs run on the CPU: they share no GPU
+    if kind in TIMING_CLASSES or ("gpu" in res and DEVICE != "cpu"):
         res["timing"] = 1
+    if kind in TIMING_CLASSES:
         res["slurm_extra"] = (
             "'--exclusive'"  # on SLURM a node to itself; other executors ignore it
         )
