@@ -160,3 +160,29 @@ def test_bppsa_workers_checks_its_micro_batches_before_any_work(tmp_path, capsys
     assert main(["workers", "--batch", "16", "--micro-batches", "3", "--out", str(tmp_path / "w")]) != 0
     assert "--micro-batches 3 must divide --batch 16" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+
+
+def test_bppsa_workers_writes_its_timing_before_the_memory_spawns(tmp_path, monkeypatch):
+    """A run stopped during the memory spawns (gpu_check's time limit) keeps the whole timing: time.csv and its
+    summary are written before the first memory spawn, and rewritten with the memory once it is measured."""
+    from bppsa.bench import workers as bench
+    from bppsa.cli import main
+
+    t = _time_df(n=6)
+    monkeypatch.setattr(bench, "time_rows", lambda *a, **k: t.drop(columns=["seq_len", "batch", "hidden", "dtype",
+                                                                            "loss", "micro_batches", "profile"])
+                        .to_dict("records"))
+
+    def stopped(*a, **k):
+        assert pd.read_csv(tmp_path / "w" / "time.csv").shape[0] == len(t)
+        raise KeyboardInterrupt  # what a time limit's signal does mid-spawn
+
+    monkeypatch.setattr(bench, "memory_rows", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        main(["workers", "--seq-len", "1000", "--out", str(tmp_path / "w")])
+    summary = pd.read_csv(tmp_path / "w" / "summary.csv")
+    assert not summary.empty and pd.read_csv(tmp_path / "w" / "memory.csv").empty
+
+    monkeypatch.setattr(bench, "memory_rows", lambda *a, **k: _mem_df().to_dict("records"))
+    assert main(["workers", "--seq-len", "1000", "--out", str(tmp_path / "w")]) == 0
+    assert len(pd.read_csv(tmp_path / "w" / "memory.csv")) == len(_mem_df())

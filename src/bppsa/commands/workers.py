@@ -38,11 +38,8 @@ def register(sub) -> None:
 
 
 def _workers(args) -> int:
-    import pandas as pd
     import torch
 
-    from .. import io
-    from ..analysis import workers as analysis
     from ..bench import workers as bench
     from ..distributed.launch import init_from_env, launcher_env
 
@@ -65,16 +62,33 @@ def _workers(args) -> int:
     else:
         rows = bench.time_rows(args.ps, **shape, dtype=dtype, rounds=args.rounds, seed=args.seed, loss=args.loss,
                                threads=args.threads, timeout=args.timeout)
-        mem = [] if args.no_memory else bench.memory_rows(args.ps, **shape, dtype=dtype, seed=args.seed,
-                                                          loss=args.loss, threads=args.threads,
-                                                          timeout=args.timeout)
+        mem = []
+        if not args.no_memory:
+            # the timing written first, whole: a run stopped during the memory spawns (a time limit) keeps it
+            _write(args.out, rows, [], label, final=False)
+            mem = bench.memory_rows(args.ps, **shape, dtype=dtype, seed=args.seed, loss=args.loss,
+                                    threads=args.threads, timeout=args.timeout)
+    _write(args.out, rows, mem, label)
+    return 0
+
+
+def _write(folder, rows, mem, label, final: bool = True) -> None:
+    """time.csv, memory.csv and summary.csv in ``folder`` (each file whole: io.write_csv), the medians and the
+    summary printed when ``final``."""
+    import pandas as pd
+
+    from .. import io
+    from ..analysis import workers as analysis
+
     t = pd.DataFrame(rows)
     m = pd.DataFrame(mem, columns=["p", "method", "rank", "threads", "peak_bytes", "backward_s"])
     s = analysis.summary(t, m)
-    out = Path(args.out)
+    out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     for name, df in (("time", t), ("memory", m), ("summary", s)):
         io.write_csv(out / f"{name}.csv", df.assign(**label))
-    print(analysis.medians(t).to_string(index=False), file=sys.stderr)
-    print(s.to_string(index=False), file=sys.stderr)
-    return 0
+    if final:
+        print(analysis.medians(t).to_string(index=False), file=sys.stderr)
+        print(s.to_string(index=False), file=sys.stderr)
+    else:
+        print(f"bppsa workers: timing written to {out}; now the memory spawns", file=sys.stderr)
