@@ -126,6 +126,7 @@ def profile_case(spec: str, out: Path) -> str:
 def main() -> int:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
+    failed = []
     for spec in sys.argv[2:] or DEFAULT:
         try:
             print(profile_case(spec, out), flush=True)
@@ -134,7 +135,10 @@ def main() -> int:
 
             traceback.print_exc()
             print(f"{spec}: {type(exc).__name__}: {exc}", flush=True)
-    return 0
+            failed.append(spec)
+    if failed:
+        print(f"gpu_profile: {len(failed)} case(s) failed: {' '.join(failed)}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
