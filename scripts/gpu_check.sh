@@ -18,12 +18,16 @@
 #   6. the host's CPU at its full width: bppsa scaling up to 16 threads (the claims rows of the workers at which
 #      BPPSA's backward overtakes the compiled sequential one), and bppsa workers with p = 1 .. 16 processes
 # Usage: scripts/gpu_check.sh [RESULTS_DIR]   (default results/<device slug>)
-# env: PYTHON, DATA (a folder with T{1000,30000}.npz bitstreams and mfcc_l.npz; made here when absent, which needs
-#      librosa), DEADLINE (seconds from the start; default 540), SANITIZER=path|skip, DEVICE (default cuda), WHEELS
-#      (default .whl), SCALING_THREADS (default 16).
+# env: PYTHON, DATA (a folder with T{1000,30000}.npz bitstreams and mfcc_l.npz: default .gpu-data/ where
+#      scripts/gpu_data.sh made it beforehand, else made here by that script, which needs librosa), DEADLINE (seconds
+#      from the start; default 540), SANITIZER=path|skip, DEVICE (default cuda), WHEELS (default .whl),
+#      SCALING_THREADS (default 16), ONLY (names or shell patterns of the steps to run, e.g. ONLY="workflow scaling
+#      workers": a second call in the same lease for what the first skipped or failed; the first call's rows stay in
+#      steps.tsv), ARCHIVE (a .tgz written at exit, however the script ends, holding RESULTS_DIR and its -host-cpu
+#      folder without the data: the device tool's way back, ARCHIVE=$OUT/check.tgz).
 # Each step's log is RESULTS_DIR/check/<step>.log; RESULTS_DIR/check/steps.tsv lists step, exit status, seconds.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 DEADLINE=${DEADLINE:-540}
@@ -33,16 +37,38 @@ bppsa() { "$PY" -m bppsa "$@"; }
 
 SLUG=$("$PY" -m bppsa device --device "$DEVICE" 2>/dev/null) || SLUG=unknown-device
 RES=${1:-results/$SLUG}
+HOST="$RES-host-cpu"
 LOG=$RES/check
-mkdir -p "$LOG"
-printf 'step\trc\tseconds\n' > "$LOG/steps.tsv"
-echo "[gpu_check] device $SLUG, results in $RES, deadline ${DEADLINE}s"
+ONLY=${ONLY:-}
+mkdir -p "$LOG" "$HOST"
+[ -n "$ONLY" ] && [ -f "$LOG/steps.tsv" ] || printf 'step\trc\tseconds\n' > "$LOG/steps.tsv"
+echo "[gpu_check] device $SLUG, results in $RES, deadline ${DEADLINE}s${ONLY:+, only: $ONLY}"
+if [ -n "${ARCHIVE:-}" ]; then
+  archive() {
+    tar czf "$ARCHIVE" --exclude=check/data -C "$(dirname "$RES")" "$(basename "$RES")" "$(basename "$HOST")" \
+      && echo "[gpu_check] archived in $ARCHIVE ($(du -h "$ARCHIVE" | cut -f1))"
+  }
+  trap archive EXIT
+  trap 'exit 143' TERM INT
+fi
 
 left() { echo $((DEADLINE - ($(date +%s) - T0))); }
+# selected NAME: whether ONLY (unset: every step) names the step, by name or shell pattern
+selected() {
+  [ -z "$ONLY" ] && return 0
+  local pattern patterns
+  read -r -a patterns <<< "$ONLY"  # split on blanks, no file-name expansion
+  for pattern in "${patterns[@]}"; do
+    # shellcheck disable=SC2053
+    [[ $1 == $pattern ]] && return 0
+  done
+  return 1
+}
 # step NAME LIMIT_S CMD...: run CMD with a time limit (cut to what is left before the deadline), log it
 step() {
   local name=$1 limit=$2 t rc
   shift 2
+  selected "$name" || return 0
   if [ "$(left)" -lt $((limit / 3 + 5)) ]; then
     printf '%s\tskipped\t0\n' "$name" >> "$LOG/steps.tsv"
     echo "[gpu_check] $name: skipped, $(left) s left"
@@ -57,8 +83,11 @@ step() {
 }
 
 WHEELS=${WHEELS:-.whl}
-if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl > /dev/null 2>&1; then
-  step install 120 bash -c "\"$PY\" -m pip install -q --no-index --no-deps --find-links \"$WHEELS\" \"$WHEELS\"/*.whl && \
+# (under ONLY, also where a fresh machine lacks what the wheels hold)
+if ! selected install && "$PY" -c "import snakemake, librosa" 2> /dev/null; then
+  :
+elif [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+  ONLY='' step install 120 bash -c "\"$PY\" -m pip install -q --no-index --no-deps --find-links \"$WHEELS\" \"$WHEELS\"/*.whl && \
     \"$PY\" -m pip install -q --no-index --no-deps --no-build-isolation -e . && \"$PY\" -m snakemake --version"
 else
   printf 'install\tno wheels in %s\t0\n' "$WHEELS" >> "$LOG/steps.tsv"
@@ -72,14 +101,11 @@ step environment 30 bash -c "\"$PY\" -c \"import bppsa.device, json; print(json.
 step doctor 150 bash -c "\"$PY\" -m bppsa doctor --device $DEVICE; rc=\$?; \
   \"$PY\" -m bppsa doctor --device $DEVICE --json > $LOG/doctor.json; exit \$rc"
 
-# data: the prepared folder, or made here
+# data: the prepared folder (scripts/gpu_data.sh, run beforehand and carried), or made here by the same script
+if [ -z "${DATA:-}" ] && [ -f .gpu-data/T30000.npz ] && [ -f .gpu-data/mfcc_l.npz ]; then DATA=.gpu-data; fi
 DATA=${DATA:-$RES/check/data}
-if [ ! -f "$DATA/T30000.npz" ]; then
-  mkdir -p "$DATA"
-  step data 120 bash -c "set -e; for T in 1000 30000; do \"$PY\" -m bppsa make-bitstream --seq-len \$T \
-    --samples 512 --out $DATA/T\$T.npz; done; \"$PY\" -m bppsa make-irmas --source synthetic --root $DATA/irmas \
-    --clips 220 --threads 8 --out $DATA/irmas.json; for s in l; do \"$PY\" -m bppsa mfcc --corpus $DATA/irmas.json \
-    --set \$s --threads 8 --out $DATA/mfcc_\$s.npz; done"
+if [ ! -f "$DATA/T30000.npz" ] || [ ! -f "$DATA/mfcc_l.npz" ]; then
+  ONLY='' step data 120 env PYTHON="$PY" bash scripts/gpu_data.sh "$DATA"
 fi
 
 # a loss on every step of bppsa.nn on cupy-factored (T = 37) against torch.nn's gradients (fp32: the warp down kernel
@@ -124,7 +150,7 @@ if [ "$SANITIZER" != skip ] && [ -x "$SANITIZER" ]; then
   sanitize memcheck_gru_fp64 memcheck "$PY" -m bppsa verify --model gru --backend cupy-factored --layout fused \
     --device "$DEVICE" --seq-len 129 --batch 2 --dtype float64 &
   pids+=($!)
-else
+elif [ -z "$ONLY" ]; then
   printf 'sanitizer\tskipped\t0\n' >> "$LOG/steps.tsv"
 fi
 step gpu_tests 200 "$PY" -m pytest -m gpu -q -n 6 -p no:cacheprovider -o addopts="" --junitxml="$LOG/gpu_tests.xml" \
@@ -160,7 +186,6 @@ step workflow 240 "$PY" -m snakemake --cores all --configfile config/gpu-minutes
   --config device_slug="$SNAKE_SLUG" --rerun-incomplete --keep-going
 # the host's CPU at its full width: the CPU fast path's scaling to SCALING_THREADS threads (1 .. 16 on a GPU host)
 # in a device folder of its own beside the GPU's (the host's CPU), with the figure and the crossover claims.md reads
-HOST="$RES-host-cpu"
 mkdir -p "$HOST/rnn"
 step scaling 60 bash -c "\"$PY\" -m bppsa scaling --model rnn --seq-lens 1000 --batches 16 --device cpu \
   --max-threads \"${SCALING_THREADS:-16}\" --min-iters 5 --max-seconds 1 --out \"$HOST/rnn/scaling.csv\" \
@@ -169,8 +194,10 @@ step scaling 60 bash -c "\"$PY\" -m bppsa scaling --model rnn --seq-lens 1000 --
 # BPPSA with the sequence split over up to 16 processes on the host's cores (issue 43's figure at the issue's shape):
 # the split's backward against the pipeline's per p, their memory per rank, and the ranks' scan by both strategies
 # per p, which decides rank_scan's default (ALLGATHER_UP_TO)
-step workers 120 bash -c "\"$PY\" -m bppsa workers --ps 1 2 4 8 16 --seq-len 10000 --batch 16 --hidden 20 \
-  --rounds 5 --threads 16 --profile gpu-check --out \"$HOST/workers\" \
-  && \"$PY\" -m bppsa plot workers --results \"$(dirname "$RES")\" --out \"$HOST/fig_workers.png\""
+# (its figure a step of its own: the timing is written before the memory spawns, so a run cut there still draws)
+step workers 120 "$PY" -m bppsa workers --ps 1 2 4 8 16 --seq-len 10000 --batch 16 --hidden 20 --rounds 5 \
+  --threads 16 --profile gpu-check --out "$HOST/workers"
+step workers_plot 30 bash -c "test -f \"$HOST/workers/time.csv\" && \"$PY\" -m bppsa plot workers \
+  --results \"$(dirname "$RES")\" --out \"$HOST/fig_workers.png\""
 echo "[gpu_check] done in $(($(date +%s) - T0)) s"
 cat "$LOG/steps.tsv"
