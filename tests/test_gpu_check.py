@@ -93,11 +93,11 @@ def test_gpu_minutes_profile_dry_run(tmp_path):
     out = r.stdout + r.stderr
     jobs = {line.split()[0]: int(line.split()[1]) for line in out.splitlines()
             if len(line.split()) == 2 and line.split()[1].isdigit()}
-    # Fig 8: 5 lengths + 4 batches (T = 1000, B = 16 shared) = 8 RNN benchmarks; Fig 9: 2 sets x 2 batches
-    assert jobs["rnn_bench"] == 8 and jobs["gru_bench"] == 4
+    # Fig 8: 5 lengths + 2 batches (T = 1000, B = 16 shared) = 6 RNN benchmarks; Fig 9: 2 sets at B = 16
+    assert jobs["rnn_bench"] == 6 and jobs["gru_bench"] == 2
     for rule in ("rnn_train", "gru_train", "rnn_plot", "gru_plot", "report_render", "rnn_verify", "gru_verify"):
         assert jobs.get(rule, 0) >= 1, rule
-    assert jobs["total"] <= 70
+    assert jobs["total"] <= 50
     # the CPU experiments are left to the script's own host steps
     assert not {rule for rule in jobs if rule.startswith(("workers_", "lbi_"))}
     # no job shares the GPU with a measurement: every job on the GPU takes the one `timing` unit
