@@ -25,6 +25,7 @@
 #      workers": a second call in the same lease for what the first skipped or failed; the first call's rows stay in
 #      steps.tsv), ARCHIVE (a .tgz written at exit, however the script ends, holding RESULTS_DIR and its -host-cpu
 #      folder without the data: the device tool's way back, ARCHIVE=$OUT/check.tgz).
+# At exit the workflow's figures, claims.md and report.md this run wrote in results/ are copied to RESULTS_DIR/workflow.
 # Each step's log is RESULTS_DIR/check/<step>.log; RESULTS_DIR/check/steps.tsv lists step, exit status, seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -43,14 +44,19 @@ ONLY=${ONLY:-}
 mkdir -p "$LOG" "$HOST"
 [ -n "$ONLY" ] && [ -f "$LOG/steps.tsv" ] || printf 'step\trc\tseconds\n' > "$LOG/steps.tsv"
 echo "[gpu_check] device $SLUG, results in $RES, deadline ${DEADLINE}s${ONLY:+, only: $ONLY}"
-if [ -n "${ARCHIVE:-}" ]; then
-  archive() {
+touch "$LOG/started"
+# at exit, however the script ends: the workflow's own figures, claims and report (results/*, drawn over every device
+# folder) copied into RES/workflow/ where this run wrote them, so they are committed with the folder; then ARCHIVE
+finish() {
+  mkdir -p "$RES/workflow"
+  find results -maxdepth 1 -type f -newer "$LOG/started" ! -name README.md -exec cp -p {} "$RES/workflow/" \;
+  if [ -n "${ARCHIVE:-}" ]; then
     tar czf "$ARCHIVE" --exclude=check/data -C "$(dirname "$RES")" "$(basename "$RES")" "$(basename "$HOST")" \
       && echo "[gpu_check] archived in $ARCHIVE ($(du -h "$ARCHIVE" | cut -f1))"
-  }
-  trap archive EXIT
-  trap 'exit 143' TERM INT
-fi
+  fi
+}
+trap finish EXIT
+trap 'exit 143' TERM INT
 
 left() { echo $((DEADLINE - ($(date +%s) - T0))); }
 # selected NAME: whether ONLY (unset: every step) names the step, by name or shell pattern

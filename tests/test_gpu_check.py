@@ -5,6 +5,7 @@ folder it installs from is what scripts/gpu_wheels.sh fetches."""
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,8 @@ def test_steps_past_the_deadline_are_skipped_and_listed(tmp_path):
 
 def test_only_reruns_the_named_steps_and_the_archive_holds_both_folders(tmp_path):
     """A second call in the same lease (ONLY) runs just the steps it names, by name or pattern, and adds their rows to
-    the first call's steps.tsv; ARCHIVE, the device tool's way back, holds the results folder and the host CPU's
-    without the data."""
+    the first call's steps.tsv; at exit the workflow's outputs this run wrote in results/ are copied into the folder;
+    ARCHIVE, the device tool's way back, holds the results folder and the host CPU's without the data."""
     import tarfile
 
     data = tmp_path / "data"
@@ -51,14 +52,26 @@ def test_only_reruns_the_named_steps_and_the_archive_holds_both_folders(tmp_path
         assert r.returncode == 0, r.stdout + r.stderr
         return [line.split("\t")[0] for line in (res / "check" / "steps.tsv").read_text().splitlines()[1:]]
 
-    assert call("envir*", tmp_path / "first.tgz") == ["environment"]
+    # a figure the workflow draws in results/ during the run (a later mtime than the run's start; an older file, not)
+    drawn, stale = ROOT / "results" / f"fig_test_{os.getpid()}.png", ROOT / "results" / f"old_test_{os.getpid()}.md"
+    try:
+        drawn.write_bytes(b"png")
+        stale.write_text("earlier run")
+        os.utime(drawn, (time.time() + 600,) * 2)
+        os.utime(stale, (time.time() - 600,) * 2)
+        assert call("envir*", tmp_path / "first.tgz") == ["environment"]
+    finally:
+        drawn.unlink()
+        stale.unlink()
     assert (res / "environment.json").is_file()
+    assert (res / "workflow" / drawn.name).read_bytes() == b"png" and not (res / "workflow" / stale.name).exists()
     (res / "check" / "data").mkdir()
     (res / "check" / "data" / "T1000.npz").write_bytes(b"x")
     assert call("machine", tmp_path / "second.tgz") == ["environment", "machine"]
     with tarfile.open(tmp_path / "second.tgz") as tar:
         names = set(tar.getnames())
-    assert {"res/environment.json", "res/check/steps.tsv", "res/check/machine.log", "res-host-cpu"} <= names
+    assert {"res/environment.json", "res/check/steps.tsv", "res/check/machine.log", "res-host-cpu",
+            f"res/workflow/{drawn.name}"} <= names
     assert not [n for n in names if "check/data" in n]
 
 
