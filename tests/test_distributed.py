@@ -325,3 +325,45 @@ def test_a_rank_dying_or_hanging_mid_backward_stops_the_others_naming_it(tmp_pat
         assert got["rank_attr"] == 1
         assert got["after"] <= FAULT_TIMEOUT + NAMING_WINDOW_S + 1.0, (rank, got["after"])
     assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary
+
+
+@pytest.mark.parametrize("cell", ["rnn", "gru"])
+def test_a_slices_map_equals_its_dense_chains_composition(cell):
+    """slice_map (a middle rank's up-sweep: segments composed side by side, from the RNN's factors or the GRU's
+    dense chain, a tree over the segments, the steps left over one by one, block after block) against the whole
+    dense chain composed by chain_summary's tree, fp64, at lengths with and without whole segments and blocks, with
+    and without per-step gradients and ended sequences, the blocks as the code sizes them, of one step, and of 40."""
+    import bppsa.nn.backward as bw
+    import bppsa.nn.split as split_mod
+
+    dt, B, H, I = torch.float64, 3, 5, 2
+    G = 3 if cell == "gru" else 1
+    gen = torch.Generator().manual_seed(11)
+    worst = 0.0
+    for T in (1, 15, 16, 37, 333):
+        x = torch.randn(T, B, I, dtype=dt, generator=gen)
+        h = torch.randn(T, B, H, dtype=dt, generator=gen).tanh() * 0.9
+        h_in = torch.randn(B, H, dtype=dt, generator=gen) * 0.5
+        w_ih, w_hh = (torch.randn(G * H, k, dtype=dt, generator=gen) * 0.5 for k in (I, H))
+        b_ih, b_hh = (torch.randn(G * H, dtype=dt, generator=gen) * 0.1 for _ in range(2))
+        seed = torch.randn(B, H, dtype=dt, generator=gen)
+        gates = None
+        if cell == "gru":
+            cb = bw._gru_cell(w_ih, w_hh, b_ih, b_hh)
+            g = bw.gru_gates(x, h, w_ih, w_hh, cb.bias_ih_l0, cb.bias_hh_l0, h_in)
+            gates = lambda g=g: g  # noqa: E731
+        dense = bw.layer_chain(split_mod._summary_backend(), cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused").clone()
+        for c in (None, torch.randn(T, B, H, dtype=dt, generator=gen)):
+            for past in (None, torch.rand(T, B, generator=gen) < 0.3):
+                J = dense if past is None else torch.where(past[:, :, None, None], torch.eye(H, dtype=dt), dense)
+                P_ref, q_ref = split_mod.chain_summary(J, c if c is not None else torch.zeros(T, B, H, dtype=dt))
+                v_ref = split_mod._mv(P_ref, seed) + q_ref
+                for values in (split_mod.SUMMARY_BLOCK_VALUES, 1, 40 * B * H * (H if cell == "gru" else 2)):
+                    old, split_mod.SUMMARY_BLOCK_VALUES = split_mod.SUMMARY_BLOCK_VALUES, values
+                    try:
+                        P, v = split_mod.slice_map(cell, x, h, h_in, w_ih, w_hh, b_ih, b_hh, c, past, seed)
+                    finally:
+                        split_mod.SUMMARY_BLOCK_VALUES = old
+                    worst = max(worst, ((P - P_ref).abs().max() / P_ref.abs().max()).item(),
+                                ((v - v_ref).abs().max() / v_ref.abs().max()).item())
+    assert worst <= 1e-10, worst

@@ -12,10 +12,10 @@ from ``h0`` (zero by default).
 running from the last rank down.  Rank r's slice maps the gradient that enters it from the right, v (its
 carry), to the one it passes left, ``J_{t0}ᵀ λ_{t0}``, by an affine map ``v -> M v + c``:
 
-1. *local up-sweep*: the composition of the slice's pairs ``(J_k, ∂l/∂h_k)`` (:func:`slice_map`: trees of batched
-   products over blocks of steps, composed block after block), giving ``(M, c)``; only the ranks between the first
-   and the last compute it: the last rank's carry is zero, so its ``c`` is its own (final) scan's output passed
-   through its first step, and no rank reads its ``M``, nor anything of rank 0's;
+1. *local up-sweep*: the composition of the slice's pairs ``(J_k, ∂l/∂h_k)`` (:func:`slice_map`: from the chain's
+   factors, in segments composed side by side, then a tree, block after block), giving ``(M, c)``; only the ranks
+   between the first and the last compute it: the last rank's carry is zero, so its ``c`` is its own (final)
+   scan's output passed through its first step, and no rank reads its ``M``, nor anything of rank 0's;
 2. *the ranks' scan*: :func:`bppsa.distributed.rank_scan` with ``reverse=True`` gives each rank its carry;
 3. *local down-sweep*: the slice's own affine scan, seeded with its last step's gradient plus the carry
    (:func:`bppsa.nn.backward.affine_prefixes`, the scan of the single-process layers), then the gradients of
@@ -46,7 +46,8 @@ _summary: list = []
 
 
 def _summary_backend() -> TorchBackend:
-    """The torch twin that builds the dense chains the slices' maps are composed from (its own workspace)."""
+    """The torch twin that builds the GRU's dense chains of slice_map and a slice's first Jacobian (its own
+    workspace)."""
     if not _summary:
         _summary.append(TorchBackend())
     return _summary[0]
@@ -200,37 +201,101 @@ def _prefixes(ps, g, J, c, L_m, past):
     return ps.scan(g, J, L_m) if c is None else _bw.affine_prefixes(ps, g, J, c, L_m, past)
 
 
-SUMMARY_BLOCK_VALUES = 1 << 20  # values of one block's dense chain [steps, B, H, H] (slice_map)
+SUMMARY_BLOCK_VALUES = 1 << 20  # values of one block of slice_map at most (the RNN's factors, the GRU's dense chain)
+SEGMENTS = 32  # a block's segments, composed side by side (slice_map; its steps / SEGMENTS one after another each)
+
+
+def _block_chain(cell, x, h, h_prev, w_ih, w_hh, b_ih, b_hh):
+    """A block's transposed Jacobians in scan order, as ``(chain, step)``: ``step(chain, j, A)`` gives ``J_j A`` for
+    maps ``A`` [..., B, H, K] (``J_j`` itself, dense, for ``A`` None) from ``chain`` (or a view of it cut as
+    :func:`_block_map` cuts the steps).  The RNN's kept as factors, ``J_j = W_hhᵀ diag(d_j)`` (d = 1 - h²,
+    [n, B, H]): a product costs the dense one's H³ without the dense chain; the GRU's dense
+    (:func:`bppsa.nn.backward.layer_chain`: the torch twin, the gates from ``h_prev``, the state before the block),
+    whose factored form would cost 3 H³."""
+    if cell == "rnn":
+        Wt = w_hh.t()
+
+        def step(d, j, A):
+            return Wt * d[j].unsqueeze(-2) if A is None else torch.matmul(Wt, A * d[j].unsqueeze(-1))
+
+        return (1 - h * h).flip(0), step
+    cb = _bw._gru_cell(w_ih, w_hh, b_ih, b_hh)
+    g = _bw.gru_gates(x, h, w_ih, w_hh, cb.bias_ih_l0, cb.bias_hh_l0, h_prev)
+    J = _bw.layer_chain(_summary_backend(), cell, x, h, w_ih, w_hh, b_ih, b_hh, lambda: g, "fused")
+    return J, lambda J, j, A: J[j].clone() if A is None else torch.matmul(J[j], A)
+
+
+def _steps(A, chain, step, c, past):
+    """The maps ``A`` [S, B, H, K] (``(P | q)``, K = H + 1 with ``c``) each composed with its m steps, one after
+    another, all the maps at once: ``A <- J_j A`` (``step``), the lanes of ``past[j]`` left unchanged, ``c[j]`` added
+    to the last column.  ``chain``, ``c``: [m, S, B, ...]; ``past`` [m, S, B]."""
+    for j in range(chain.shape[0]):
+        new = step(chain, j, A)
+        if past is not None:
+            new = torch.where(past[j][..., None, None], A, new)
+        if c is not None:
+            new[..., -1] += c[j]
+        A = new
+    return A
+
+
+def _block_map(chain, step, c, past):
+    """``(P | q)`` [B, H, K] of a block's pairs in scan order (K = H + 1 with ``c``, else H): its steps cut into
+    ``SEGMENTS`` segments composed side by side (:func:`_steps`: one large product a step for all of them instead
+    of one small product a segment), the segments' maps then composed by :func:`chain_summary`'s tree, the steps
+    left over one after another."""
+    n, B, H = chain.shape[0], chain.shape[1], chain.shape[-1]
+    m = -(-n // SEGMENTS)
+    S = n // m
+
+    def seg(t, j0=0):  # the first S·m steps of t [n, ...] as [m, S, ...] (step j of segment s), from step j0
+        return None if t is None else t[:S * m].reshape(S, m, *t.shape[1:]).transpose(0, 1)[j0:]
+
+    # each segment's map starts as its first pair, (J | c), then takes the others (S >= 1: m <= n)
+    A = step(seg(chain), 0, None)
+    if past is not None:
+        A = torch.where(seg(past)[0][..., None, None], torch.eye(H, dtype=A.dtype, device=A.device), A)
+    if m == 1:  # one step a segment: the tree over the block's dense pairs as they are
+        P, q = chain_summary(A, seg(c)[0] if c is not None else A.new_zeros((S, B, H)))
+    else:
+        if c is not None:
+            A = torch.cat([A, seg(c)[0].unsqueeze(-1)], -1)
+        A = _steps(A, seg(chain, 1), step, seg(c, 1), seg(past, 1))
+        P, q = chain_summary(A[..., :H], A[..., H] if c is not None else A.new_zeros((S, B, H)))
+    A = torch.cat([P, q.unsqueeze(-1)], -1) if c is not None else P
+    if S * m < n:  # the steps left over, one after another
+
+        def one(t):
+            return None if t is None else t[S * m:].unsqueeze(1)
+
+        A = _steps(A.unsqueeze(0), one(chain), step, one(c), one(past))[0]
+    return A
 
 
 def slice_map(cell, x, h, h_in, w_ih, w_hh, b_ih, b_hh, c, past, seed) -> tuple[torch.Tensor, torch.Tensor]:
     """``(P, q)``: the slice's map of the gradient entering it from the right, ``v -> P v + q`` (``seed`` included),
-    composed block by block of ``SUMMARY_BLOCK_VALUES`` from the torch twin's dense chains (the factored chains take
-    the state before the slice as zero; a block's chain reads the state before it), identities past a sequence's
-    end: the middle ranks' up-sweep in O(block) memory beside the states."""
+    composed block by block (:func:`_block_map`), identities past a sequence's end: the middle ranks' up-sweep in
+    O(block) memory beside the states."""
     T, B, H = h.shape
-    twin = _summary_backend()
-    # a block's dense chain (steps x B x H x H) no larger than the slice's states (T x B x H), however short the slice
-    step = max(1, min(SUMMARY_BLOCK_VALUES // max(1, B * H * H), -(-T // H)))
-    cb = _bw._gru_cell(w_ih, w_hh, b_ih, b_hh) if cell == "gru" else None
+    # a block's chain (the RNN's: factors and their flip, 2 H a step; the GRU's: dense, H²) no larger than the
+    # slice's states (T x B x H), however short the slice, nor SUMMARY_BLOCK_VALUES
+    per_step = B * (H * H if cell == "gru" else 2 * H)
+    step = max(1, min(SUMMARY_BLOCK_VALUES, T * B * H) // per_step)
     P = q = None
     for t1 in range(T, 0, -step):  # scan order: the slice's last steps first
         t0 = max(0, t1 - step)
-        gates = None
-        if cell == "gru":
-            g = _bw.gru_gates(x[t0:t1], h[t0:t1], w_ih, w_hh, cb.bias_ih_l0, cb.bias_hh_l0,
-                              h_in if t0 == 0 else h[t0 - 1])
-            gates = lambda g=g: g  # noqa: E731 - what layer_chain calls
-        Jd = _bw.layer_chain(twin, cell, x[t0:t1], h[t0:t1], w_ih, w_hh, b_ih, b_hh, gates, "fused")
-        if past is not None:
-            eye = torch.eye(H, dtype=Jd.dtype, device=Jd.device)
-            Jd = torch.where(past[T - t1:T - t0, :, None, None], eye, Jd)
-        Pb, qb = chain_summary(Jd, c[T - t1:T - t0] if c is not None else h.new_zeros((t1 - t0, B, H)))
+        chain, apply = _block_chain(cell, x[t0:t1], h[t0:t1], h_in if t0 == 0 else h[t0 - 1], w_ih, w_hh, b_ih,
+                                    b_hh)
+        A = _block_map(chain, apply, None if c is None else c[T - t1:T - t0],
+                       None if past is None else past[T - t1:T - t0])
+        Pb, qb = A[..., :H], (A[..., H] if c is not None else None)
         if P is None:
-            P, q = Pb.clone(), qb.clone()  # a one-step block's summary is a view of the twin's workspace
+            P, q = Pb, qb
         else:
-            P, q = torch.matmul(Pb, P), _mv(Pb, q) + qb
-    return P, _mv(P, seed) + q
+            P, q = torch.matmul(Pb, P), _mv(Pb, q) if q is not None else None
+            if qb is not None:
+                q = qb if q is None else q + qb
+    return P, _mv(P, seed) + (q if q is not None else 0)
 
 
 def _reduced(grads: dict, b_ih, group, timeout, dx, dh0) -> tuple:
