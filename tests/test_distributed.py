@@ -327,14 +327,25 @@ def test_a_rank_dying_or_hanging_mid_backward_stops_the_others_naming_it(tmp_pat
     assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary
 
 
-@pytest.mark.parametrize("cell", ["rnn", "gru"])
-def test_a_slices_map_equals_its_dense_chains_composition(cell):
-    """slice_map (a middle rank's up-sweep: segments composed side by side, from the RNN's factors or the GRU's
-    dense chain, a tree over the segments, the steps left over one by one, block after block) against the whole
-    dense chain composed by chain_summary's tree, fp64, at lengths with and without whole segments and blocks, with
-    and without per-step gradients and ended sequences, the blocks as the code sizes them, of one step, and of 40."""
+@pytest.mark.parametrize("cell, kernel", [("rnn", True), ("rnn", False), ("gru", False)])
+def test_a_slices_map_equals_its_dense_chains_composition(cell, kernel, monkeypatch):
+    """slice_map (a middle rank's up-sweep: the RNN's by the compiled kernel's product of the whole slice where its
+    sequences all run, else torch: segments composed side by side, from the RNN's factors or the GRU's dense chain,
+    a tree over the segments, the steps left over one by one, block after block) against the whole dense chain
+    composed by chain_summary's tree, fp64, at lengths with and without whole segments and blocks, with and without
+    per-step gradients and ended sequences, the blocks as the code sizes them, of one step, and of 40."""
     import bppsa.nn.backward as bw
     import bppsa.nn.split as split_mod
+    from bppsa.backends.cpu import native
+
+    calls = []
+    if kernel:
+        if not native.available():
+            pytest.skip(f"the CPU kernel is unavailable: {native.unavailable_reason()}")
+        product = split_mod.rnn_chain_product
+        monkeypatch.setattr(split_mod, "rnn_chain_product", lambda *a: calls.append(1) or product(*a))
+    else:
+        monkeypatch.setattr(split_mod, "rnn_chain_product", lambda *a: None)  # the torch twin
 
     dt, B, H, I = torch.float64, 3, 5, 2
     G = 3 if cell == "gru" else 1
@@ -367,3 +378,34 @@ def test_a_slices_map_equals_its_dense_chains_composition(cell):
                     worst = max(worst, ((P - P_ref).abs().max() / P_ref.abs().max()).item(),
                                 ((v - v_ref).abs().max() / v_ref.abs().max()).item())
     assert worst <= 1e-10, worst
+    assert bool(calls) == kernel  # the kernel ran where it was asked for
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+def test_the_kernels_slice_product_equals_the_dense_chains(dtype, tol):
+    """rnn_chain_product (chain_scan.c's chain_product: a middle rank's whole map from the states) against the dense
+    chain composed by chain_summary's tree: batches of a vector register's lanes and of fewer (17, 3: the lanes a call
+    takes are powers of two), odd and one-step slices, with and without per-step gradients."""
+    from bppsa.backends.cpu import native
+    from bppsa.backends.cpu.chain import rnn_chain_product
+    from bppsa.nn.split import chain_summary
+
+    if not native.available():
+        pytest.skip(f"the CPU kernel is unavailable: {native.unavailable_reason()}")
+    H, I = 20, 2
+    worst = 0.0
+    for B in (3, 17):
+        for T in (1, 37, 300):
+            gen = torch.Generator().manual_seed(T + B)
+            h = torch.randn(T, B, H, dtype=dtype, generator=gen).tanh() * 0.9
+            x = torch.randn(T, B, I, dtype=dtype, generator=gen)
+            W = torch.randn(H, H, dtype=dtype, generator=gen) * (1.2 / H ** 0.5)
+            J = W.t() * (1 - h * h).flip(0).unsqueeze(-2)
+            for c in (None, torch.randn(T, B, H, dtype=dtype, generator=gen)):
+                P, q = rnn_chain_product(h, W, x, c)
+                P_ref, q_ref = chain_summary(J, c if c is not None else torch.zeros(T, B, H, dtype=dtype))
+                worst = max(worst, ((P - P_ref).abs().max() / P_ref.abs().max()).item())
+                assert (q is None) == (c is None)
+                if c is not None:
+                    worst = max(worst, ((q - q_ref).abs().max() / q_ref.abs().max()).item())
+    assert worst <= tol, worst

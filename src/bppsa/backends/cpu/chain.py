@@ -61,6 +61,40 @@ def gru_chain(x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor | None =
     return GruChain(cell.weight_hh_l0, f, I, _GruFill(x.detach().contiguous(), h.detach().contiguous(), cell, f))
 
 
+def rnn_chain_product(h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor,
+                      c: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The RNN's whole fused chain over the states ``h`` [T, B, H] (inputs ``x`` [T, B, I]) as one map, by the
+    compiled kernel (``chain_scan.c``'s ``chain_product``, one thread; a call per slice of batch lanes):
+    ``P`` [B, H, H] = J_{T-1} ... J_0 (scan order, J_k = W_hhᵀ diag(1 - h_{T-1-k}²)) and, with ``c`` [T, B, H]
+    (scan order, c[k] entering after J_k), the offset ``q`` [B, H] with which the affine recurrence maps v to
+    ``P v + q``.  None where the kernel is not at hand (no compiler, or tensors off the CPU)."""
+    T, B, H = h.shape
+    I = x.shape[2]
+    if T == 0 or not _kernel_has("rnn", h, I):
+        return None
+    dtype = h.dtype
+    Wt = W_hh.detach().t().contiguous()
+    h, x = h.detach().contiguous(), x.detach().contiguous()
+    c = None if c is None else c.detach().contiguous()
+    P = torch.empty((B, H, H), dtype=dtype)
+    q = None if c is None else torch.empty((B, H), dtype=dtype)
+    vl, b0 = native.lane_width("rnn", dtype), 0
+    while b0 < B:
+        w = min(vl, 1 << (B - b0).bit_length() - 1)  # a kernel's lanes are a power of two
+        lib = native.library("rnn", H, I, w, dtype)
+        if lib is None:
+            return None
+        M = torch.empty((H, H, w), dtype=dtype)
+        qv = None if c is None else torch.empty((H, w), dtype=dtype)
+        lib.chain_product(Wt.data_ptr(), None, h.data_ptr(), x.data_ptr(), None if c is None else c.data_ptr(), T, B,
+                          b0, 0, T, M.data_ptr(), None if qv is None else qv.data_ptr())
+        P[b0:b0 + w] = M.permute(2, 0, 1)
+        if qv is not None:
+            q[b0:b0 + w] = qv.t()
+        b0 += w
+    return P, q
+
+
 def synthetic(kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype):
     """A chain of ``kind`` (n Jacobians, batch B, hidden H, input I) with well-scaled random values (no subnormals
     in its products), built with x as the fast path builds it, and ∇h_T: what a plan is measured on (:mod:`.plan`)."""

@@ -740,6 +740,35 @@ void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int L
     }
 }
 
+/* The map of positions s0 .. s1 - 1 (s0 < s1 <= n) for lanes b0 .. b0 + NL - 1, whole: M = J_{s1-1} ... J_{s0}
+ * ([H][H][NL], accumulated in cache from the factors as chain_up's blocks are) and, where c is given, its offset q
+ * ([H][NL]: the positions replayed from 0 with the direct gradients injected), so that the (affine) recurrence
+ * takes out[s0] to out[s1] = M out[s0] + q.  One thread; the middle ranks' up-sweep of bppsa.nn.split. */
+void chain_product(const real *Wt, const real *f, const real *h, const real *x, const real *c, long n, long B,
+                   long b0, long s0, long s1, real *M, real *q) {
+    chain_src src = {f, h, x, c}, *S = &src;
+    TILE;
+    WCOLS(wc);
+    const real *fs = ROWS(s1 - 1, H);
+    jac_set(Wt, s1 - 1, fs, ld, M);
+    for (long s = s1 - 2; s >= s0; --s) {
+        fs = ROWS(s, H);
+        mul_jac(M, Wt, s, fs, ld);
+    }
+    if (c) {
+        real vu[2][H * NL] __attribute__((aligned(64))), *v = vu[0], *u = vu[1], *t;
+        memset(v, 0, sizeof(real) * VEC);
+        add_direct(S, B, b0, s0, v);
+        for (long s = s0 + 1; s < s1; ++s) {
+            fs = ROWS(s, H);
+            jac_vec(Wt, wc, s, fs, ld, v, u);
+            add_direct(S, B, b0, s, u);
+            t = v, v = u, u = t;
+        }
+        memcpy(q, v, sizeof(real) * VEC);
+    }
+}
+
 /* Middle: positions 0 .. 2^c - 1 (g, then the spine's mat-vecs) and the tree above level c over the blocks'
  * products A (and offsets Bo): Q[j], the prefix at each block's first position; twork: the spine's prefix and
  * the tree's scratch (chain_scan_work's layout puts them after Bo).  Without blocks the spine is the whole

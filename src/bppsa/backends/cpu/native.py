@@ -227,10 +227,11 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
     factors = ({"gru_factors": [p, p, p, p, p, p, l, l, l, l, p]} if kind == KINDS["gru"]
                else {"rnn_factors": [p, p, l, l, l, l, p]})
     for name, args in {"team_go": [p], "team_drain": [p], "team_scratch": [l, i, i],
-                       "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i], "fma_chain": [l], **factors}.items():
+                       "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i], "fma_chain": [l],
+                       "chain_product": [p, p, p, p, p, l, l, l, l, l, p, p], **factors}.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, {"chain_scan_work": l, "chain_blocks": l, "team_go": i,
-                                       "team_scratch": l, "team_drain": None,
+                                       "team_scratch": l, "team_drain": None, "chain_product": None,
                                        "fma_chain": ctypes.c_float if real == "float" else ctypes.c_double}.get(name)
     return lib
 
