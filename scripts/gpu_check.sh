@@ -90,13 +90,13 @@ step() {
 
 WHEELS=${WHEELS:-.whl}
 # (under ONLY, also where a fresh machine lacks what the wheels hold)
-if ! selected install && "$PY" -c "import snakemake, librosa" 2> /dev/null; then
-  :
-elif [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl > /dev/null 2>&1; then
-  ONLY='' step install 120 bash -c "\"$PY\" -m pip install -q --no-index --no-deps --find-links \"$WHEELS\" \"$WHEELS\"/*.whl && \
-    \"$PY\" -m pip install -q --no-index --no-deps --no-build-isolation -e . && \"$PY\" -m snakemake --version"
-else
-  printf 'install\tno wheels in %s\t0\n' "$WHEELS" >> "$LOG/steps.tsv"
+if selected install || ! "$PY" -c "import snakemake, librosa" 2> /dev/null; then
+  if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+    ONLY='' step install 120 bash -c "\"$PY\" -m pip install -q --no-index --no-deps --find-links \"$WHEELS\" \"$WHEELS\"/*.whl && \
+      \"$PY\" -m pip install -q --no-index --no-deps --no-build-isolation -e . && \"$PY\" -m snakemake --version"
+  else
+    printf 'install\tno wheels in %s\t0\n' "$WHEELS" >> "$LOG/steps.tsv"
+  fi
 fi
 step machine 60 bash -c "nvidia-smi; nvidia-smi -q -d CLOCK,POWER | head -60; \"$PY\" -c '
 import torch, platform; print(\"python\", platform.python_version(), \"torch\", torch.__version__, \"cuda\", torch.version.cuda,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import gc
 import io
 import os
 import queue as _queue
@@ -87,12 +86,10 @@ def init_from_env(backend: str = "gloo", timeout: float = 300.0) -> dict:
 
 def _destroy_at_exit() -> None:
     if dist.is_initialized():
-        gc.collect()  # objects in reference cycles that hold the group or its work go first, while Python is whole
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a peer already gone: nothing is left to tear down in order
             pass
-        gc.collect()
 
 
 def _child(rank, p, port, fn, args, results, threads, timeout):

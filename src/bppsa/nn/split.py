@@ -224,6 +224,7 @@ def _block_chain(cell, x, h, h_prev, w_ih, w_hh, b_ih, b_hh):
     cb = _bw._gru_cell(w_ih, w_hh, b_ih, b_hh)
     g = _bw.gru_gates(x, h, w_ih, w_hh, cb.bias_ih_l0, cb.bias_hh_l0, h_prev)
     J = _bw.layer_chain(_summary_backend(), cell, x, h, w_ih, w_hh, b_ih, b_hh, lambda: g, "fused")
+    # (J_j itself copied: the twin's workspace holds the chain, and the next block's overwrites it)
     return J, lambda J, j, A: J[j].clone() if A is None else torch.matmul(J[j], A)
 
 
@@ -242,7 +243,7 @@ def _steps(A, chain, step, c, past):
 
 
 def _block_map(chain, step, c, past):
-    """``(P | q)`` [B, H, K] of a block's pairs in scan order (K = H + 1 with ``c``, else H): its steps cut into
+    """``(P, q)`` ([B, H, H], [B, H] or None without ``c``) of a block's pairs in scan order: its steps cut into
     ``SEGMENTS`` segments composed side by side (:func:`_steps`: one large product a step for all of them instead
     of one small product a segment), the segments' maps then composed by :func:`chain_summary`'s tree, the steps
     left over one after another."""
@@ -271,7 +272,7 @@ def _block_map(chain, step, c, past):
             return None if t is None else t[S * m:].unsqueeze(1)
 
         A = _steps(A.unsqueeze(0), one(chain), step, one(c), one(past))[0]
-    return A
+    return A[..., :H], (A[..., H] if c is not None else None)
 
 
 def slice_map(cell, x, h, h_in, w_ih, w_hh, b_ih, b_hh, c, past, seed) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,15 +296,12 @@ def slice_map(cell, x, h, h_in, w_ih, w_hh, b_ih, b_hh, c, past, seed) -> tuple[
         t0 = max(0, t1 - step)
         chain, apply = _block_chain(cell, x[t0:t1], h[t0:t1], h_in if t0 == 0 else h[t0 - 1], w_ih, w_hh, b_ih,
                                     b_hh)
-        A = _block_map(chain, apply, None if c is None else c[T - t1:T - t0],
-                       None if past is None else past[T - t1:T - t0])
-        Pb, qb = A[..., :H], (A[..., H] if c is not None else None)
+        Pb, qb = _block_map(chain, apply, None if c is None else c[T - t1:T - t0],
+                            None if past is None else past[T - t1:T - t0])
         if P is None:
             P, q = Pb, qb
-        else:
-            P, q = torch.matmul(Pb, P), _mv(Pb, q) if q is not None else None
-            if qb is not None:
-                q = qb if q is None else q + qb
+        else:  # this block after the blocks before it (q and qb: both None without c, else both set)
+            P, q = torch.matmul(Pb, P), None if qb is None else _mv(Pb, q) + qb
     return P, _mv(P, seed) + (q if q is not None else 0)
 
 
