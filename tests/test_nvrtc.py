@@ -147,7 +147,7 @@ def _recorded_launches(monkeypatch) -> list[tuple[str, tuple, int]]:
             fb.scan(g, chain)
             fb.cell_grads(g, chain, None, None)
             fb.affine_scan(g, chain, c)  # the per-step gradients: the offsets, the middle kernel, the down kernel
-            fb.affine_cell_grads(g, chain, c, None, None)
+            fb.cell_grads(g, chain, None, None, c=c)
         # an H too large for the register up kernel (plan.up_columns) and the warp down kernel (H > 32): factored.cu's
         # shared-memory up and down kernels
         H = 41 if dtype == torch.float32 else 33

@@ -11,31 +11,45 @@ from ..scan import Workspace
 
 @runtime_checkable
 class Backend(Protocol):
-    """A backend of the BPPSA backward, on torch tensors in the layout of :mod:`bppsa.scan`.
+    """A backend of the BPPSA backward, on torch tensors in the layout of :mod:`bppsa.scan`: every method the
+    layers of :mod:`bppsa.nn` call.
 
     * ``name``: what results and logs call it ("torch", "cpu", "cpu-sequential", "cupy", "cupy-factored");
     * ``workspace``: scratch buffers reused across iterations, into which a model may build Jacobians that
       the same step's scan consumes;
-    * :meth:`scan`: the exclusive scan (a backend may overwrite ``J`` as workspace);
-    * :meth:`rnn_jacobians_t`, :meth:`gru_jacobians_t`: the transposed Jacobians of a tanh RNN or a GRU in
-      scan order (dense ``[n, B, H, H]``, or a chain kept as its factors, which also keeps the inputs ``x``
-      for the parameter gradients; ``gates()`` gives the GRU's recomputed gates to a backend that builds
-      from them);
-    * :meth:`cell_grads`: the cell's parameter gradients, ``from_scan(scan(g, J, L_m))`` unless the backend
-      accumulates them as it scans.
+    * :meth:`scanner`: the backend that scans a chain of ``kind`` ("rnn", "paper", "gru", "lstm"), and with
+      ``per_step`` the affine recurrence of a loss on every state or of sequences of several lengths: itself,
+      or the torch twin on the same device where it has no kernel for it;
+    * :meth:`scan`: the exclusive scan (a backend may overwrite ``J`` as workspace); :meth:`affine_scan`: the
+      per-step-gradient scan ``out[k+1] = J[k] out[k] + c[k]``, identities at the steps ``past`` a sequence's end;
+    * :meth:`rnn_jacobians_t`, :meth:`gru_jacobians_t`, :meth:`lstm_jacobians_t`: the transposed Jacobians of an
+      Elman RNN (``act`` "tanh" or "relu"), a GRU or an LSTM in scan order (dense ``[n, B, S, S]``, or a chain kept
+      as its factors, which also keeps the inputs ``x`` for the parameter gradients; ``gates()`` gives the
+      recomputed gates to a backend that builds from them);
+    * :meth:`cell_grads`: the cell's parameter gradients, ``from_scan(scan)`` of the single seed's scan (``c``
+      None) or of the affine one, unless the backend accumulates them as it scans.
     """
 
     name: str
     workspace: Workspace
 
+    def scanner(self, kind: str, per_step: bool = False) -> Backend: ...
+
     def scan(self, g: torch.Tensor, J: Any, L_m: int | None = None) -> torch.Tensor: ...
 
-    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x: torch.Tensor | None = None): ...
+    def affine_scan(self, g: torch.Tensor, J: Any, c: torch.Tensor, L_m: int | None = None,
+                    past: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x: torch.Tensor | None = None,
+                        act: str = "tanh"): ...
 
     def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates: Callable | None = None): ...
 
-    def cell_grads(self, g: torch.Tensor, J: Any, L_m: int | None,
-                   from_scan: Callable[[torch.Tensor], dict]) -> dict[str, torch.Tensor]: ...
+    def lstm_jacobians_t(self, x: torch.Tensor | None, h: torch.Tensor, gates: Callable, W_hh: torch.Tensor,
+                         W_hr: torch.Tensor | None = None): ...
+
+    def cell_grads(self, g: torch.Tensor, J: Any, L_m: int | None, from_scan: Callable[[torch.Tensor], dict],
+                   c: torch.Tensor | None = None) -> dict[str, torch.Tensor]: ...
 
 
 def check_operands(g: torch.Tensor, J) -> None:

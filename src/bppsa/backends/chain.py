@@ -14,6 +14,7 @@ import functools
 import torch
 
 from ..jacobians.gru import gru_gates
+from ..jacobians.recurrent import derivative
 
 
 class FactoredChain:
@@ -122,15 +123,20 @@ def factor_buffer(h: torch.Tensor, rows: int, out) -> torch.Tensor:
     return out if out is not None and tuple(out.shape) == (T, rows, B) else h.new_empty((T, rows, B))
 
 
-def rnn_factors(h: torch.Tensor, x: torch.Tensor | None, out=None) -> torch.Tensor:
-    """The RNN's factors d_k = 1 - h_{T-k}², then x and h' in scan order and lane order, [T, 2H + I, B],
-    written by torch into ``out`` where its shape fits (or a callable that returns a buffer for a shape)."""
+def rnn_factors(h: torch.Tensor, x: torch.Tensor | None, out=None, act: str = "tanh") -> torch.Tensor:
+    """The RNN's factors d_k = 1 - h_{T-k}² (relu: 1[h_{T-k} > 0]), then x and h' in scan order and lane order,
+    [T, 2H + I, B], written by torch into ``out`` where its shape fits (or a callable that returns a buffer for a
+    shape)."""
     T, B, H = h.shape
     I = 0 if x is None else x.shape[2]
     f = factor_buffer(h, 2 * H + I, out)
     h = h.detach()
     hf = h.flip(0)
-    torch.sub(torch.ones((), dtype=h.dtype), hf * hf, out=f[:, :H].permute(0, 2, 1))  # as 1 - h * h, bit for bit
+    d = f[:, :H].permute(0, 2, 1)
+    if act == "tanh":
+        torch.sub(torch.ones((), dtype=h.dtype), hf * hf, out=d)  # as 1 - h * h, bit for bit
+    else:
+        d.copy_(derivative(hf, act))
     FactoredChain._fill(f, 1, H, x, h)
     return f
 
@@ -143,9 +149,11 @@ class _RnnParams:
     """The tanh RNN's factors, written from its states where something reads them, and its parameter gradients
     from a kernel's sums: rows ∇a, columns (x, 1, h')."""
 
+    act = "tanh"  # the nonlinearity whose derivative the factors d hold ("relu": 1[h > 0])
+
     def _written_f(self) -> torch.Tensor:
         h, x = self.states
-        return rnn_factors(h, x)
+        return rnn_factors(h, x, act=self.act)
 
     def grad_layout(self):
         H, I = self.shape[2], self.I
@@ -161,8 +169,9 @@ class RnnChain(_RnnParams, FactoredChain):
 
     kind, NF = "rnn", 1
 
-    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor | None, I: int = 0, states=None):
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor | None, I: int = 0, states=None, act: str = "tanh"):
         super().__init__(W_hh, f, _steps(f, states), I, states=states)
+        self.act = act
 
     @property
     def d_lanes(self) -> torch.Tensor:
@@ -174,11 +183,11 @@ class RnnChain(_RnnParams, FactoredChain):
 
     @classmethod
     def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor | None = None,
-                    out=None) -> RnnChain:
+                    out=None, act: str = "tanh") -> RnnChain:
         """From the forward's states ``h`` [T, B, H] and inputs ``x`` [T, B, I] (None: the scan only), the
         factors written by torch (:func:`rnn_factors`; ``out``: their buffer where its shape fits, or a callable
         that returns one for a shape).  A backend whose kernel reads the states itself passes ``states``."""
-        return cls(W_hh, rnn_factors(h, x, out), 0 if x is None else x.shape[2])
+        return cls(W_hh, rnn_factors(h, x, out, act), 0 if x is None else x.shape[2], act=act)
 
     def dense(self) -> torch.Tensor:
         return self.W_hh.t() * self.d.unsqueeze(-2)  # as rnn_jacobians_t(h, W_hh, "fused")
@@ -190,13 +199,14 @@ class PaperChain(_RnnParams, FactoredChain):
 
     kind, NF = "paper", 1
 
-    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor | None, I: int = 0, states=None):
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor | None, I: int = 0, states=None, act: str = "tanh"):
         super().__init__(W_hh, f, 2 * _steps(f, states), I, states=states)
+        self.act = act
 
     @classmethod
     def from_states(cls, h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor | None = None,
-                    out=None) -> PaperChain:
-        return cls(W_hh, rnn_factors(h, x, out), 0 if x is None else x.shape[2])
+                    out=None, act: str = "tanh") -> PaperChain:
+        return cls(W_hh, rnn_factors(h, x, out, act), 0 if x is None else x.shape[2], act=act)
 
     def dense(self) -> torch.Tensor:
         n, B, H, _ = self.shape

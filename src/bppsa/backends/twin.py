@@ -5,6 +5,7 @@ import torch
 
 from .. import scan as _scan
 from ..jacobians import gru as _gru
+from ..jacobians import lstm as _lstm
 from ..jacobians import recurrent as _rec
 from .base import check_operands
 
@@ -16,6 +17,10 @@ class TorchBackend:
 
     def __init__(self):
         self.workspace = _scan.Workspace()
+
+    def scanner(self, kind: str, per_step: bool = False) -> TorchBackend:
+        """Itself: the twin scans every chain, dense."""
+        return self
 
     def scan(self, g: torch.Tensor, J: torch.Tensor, L_m: int | None = None) -> torch.Tensor:
         check_operands(g, J)
@@ -32,11 +37,12 @@ class TorchBackend:
             J = torch.where(past[..., None, None], eye, J)
         return _scan.affine_blelloch_scan(g, J, c, L_m, self.workspace)
 
-    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x=None) -> torch.Tensor:
+    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x=None,
+                        act: str = "tanh") -> torch.Tensor:
         # the Jacobians are consumed by the scan of the same step, so their buffer can be reused
         T, B, H = h.shape
         shape = (_rec.num_jacobians(T, layout), B, H, H)
-        return _rec.rnn_jacobians_t(h, W_hh, layout, out=self.workspace.get(("jacobians", layout), shape, h))
+        return _rec.rnn_jacobians_t(h, W_hh, layout, out=self.workspace.get(("jacobians", layout), shape, h), act=act)
 
     def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates=None) -> torch.Tensor:
         g = gates() if gates is not None else _gru.gru_gates(x, h, cell.weight_ih_l0, cell.weight_hh_l0,
@@ -44,10 +50,13 @@ class TorchBackend:
         T, B, H = h.shape
         return _gru.gru_jacobians_t(g, cell.weight_hh_l0, out=self.workspace.get(("jacobians", "gru"), (T, B, H, H), h))
 
-    def cell_grads(self, g, J: torch.Tensor, L_m: int | None, from_scan) -> dict:
-        return from_scan(self.scan(g, J, L_m))
+    def lstm_jacobians_t(self, x, h: torch.Tensor, gates, W_hh: torch.Tensor, W_hr=None) -> torch.Tensor:
+        g = gates()
+        T, B, P = h.shape
+        S = P + g.f.shape[-1]
+        return _lstm.lstm_jacobians_t(g, W_hh, W_hr, out=self.workspace.get(("jacobians", "lstm"), (T, B, S, S), h))
 
-    def affine_cell_grads(self, g: torch.Tensor, J, c: torch.Tensor, L_m: int | None, from_scan) -> dict:
-        """The cell's parameter gradients where the loss reads every state (:meth:`affine_scan`'s ``c``), from that
-        scan's output; a backend may accumulate them as it scans instead (the CPU kernel)."""
-        return from_scan(self.affine_scan(g, J, c, L_m))
+    def cell_grads(self, g, J, L_m: int | None, from_scan, c: torch.Tensor | None = None) -> dict:
+        """The cell's parameter gradients, ``from_scan`` of the single seed's scan or (``c``: the loss's gradients
+        at every step, in scan order) of the affine one; a backend may accumulate them as it scans instead."""
+        return from_scan(self.scan(g, J, L_m) if c is None else self.affine_scan(g, J, c, L_m))

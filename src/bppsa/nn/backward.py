@@ -76,19 +76,10 @@ def backend_for(name: str, device: torch.device):
     return _backends[key]
 
 
-def per_step_backend(backend, device: torch.device) -> TorchBackend:
-    """THE place that says which backend scans the per-step-gradient (affine) recurrence and the chains with
-    identity steps (variable lengths): ``backend.affine_scan(g, J, c, L_m, past)`` over ``backend``'s own chain
-    (:func:`per_step_scan`).  The torch twin (dense Jacobians), the CPU fast path (its compiled kernel over
-    the factored chain) and the factored CUDA kernels have it, each sending chains with identity steps to the twin;
-    the faithful CUDA kernels (dense Jacobians in the paper's layout) send it to the twin on the same device.  When
-    a kernel gains it, return its backend here."""
-    from ..backends.cpu import CpuBackend
-
-    factored_cuda = getattr(backend, "name", "") == "cupy-factored"  # by name: a CPU run loads no CUDA module
-    if type(backend) is TorchBackend or isinstance(backend, CpuBackend) or factored_cuda:
-        return backend
-    return backend_for("torch", device)
+def per_step_backend(backend, device: torch.device):
+    """The backend that scans the per-step-gradient (affine) recurrence and the chains with identity steps: the
+    backend's own answer (:meth:`~bppsa.backends.base.Backend.scanner`)."""
+    return backend.scanner("rnn", per_step=True)
 
 
 def no_autocast(device: torch.device):
@@ -222,8 +213,8 @@ def layer_backward(cell: str, x, h0, w_ih, w_hh, b_ih, b_hh, lengths, h, grad_h,
         ps = per_step_backend(be, dev)
         with _jacobian_phase():
             J = layer_chain(ps, cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused", with_x=True)
-        grads = ps.affine_cell_grads(seed, J, _direct(grad_h, h), L_m, lambda out: _grads(
-            cell, x, h0, w_ih, w_hh, h, gates, None, _dh(cell, out, "fused"), "fused", out)[2])
+        grads = ps.cell_grads(seed, J, L_m, lambda out: _grads(
+            cell, x, h0, w_ih, w_hh, h, gates, None, _dh(cell, out, "fused"), "fused", out)[2], c=_direct(grad_h, h))
         return None, None, *_weights(grads, b_ih is not None)
     else:
         layout, scan = "fused", None

@@ -186,8 +186,7 @@ class SplitLayer(torch.autograd.Function):
                     def from_scan(out):
                         return _bw.grads_from_scan(cell, x, None, w_ih, w_hh, b_ih, b_hh, h, None, out)[2]
 
-                    grads = (ps.cell_grads(g, J, local_L, from_scan) if c is None
-                             else ps.affine_cell_grads(g, J, c, local_L, from_scan))
+                    grads = ps.cell_grads(g, J, local_L, from_scan, c=c)
                     return _reduced(grads, b_ih, group, timeout, None, None)
                 lam = _prefixes(ps, g, J, c, local_L, past)
             del J, c

@@ -95,11 +95,12 @@ class CpuBackend(TorchBackend):
     def _L_m(self, L_m):
         return 0 if self.sequential else L_m
 
-    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x: torch.Tensor | None = None):
+    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x: torch.Tensor | None = None,
+                        act: str = "tanh"):
         if h.device.type != "cpu" or layout not in ("fused", "paper"):
-            return super().rnn_jacobians_t(h, W_hh, layout, x)  # its error names the layouts
+            return super().rnn_jacobians_t(h, W_hh, layout, x, act)  # its error names the layouts
         cls = RnnChain if layout == "fused" else PaperChain
-        return rnn_chain(cls, h, W_hh, x, out=lambda shape: self.workspace.get(("factors", "rnn"), shape, h))
+        return rnn_chain(cls, h, W_hh, x, out=lambda shape: self.workspace.get(("factors", "rnn"), shape, h), act=act)
 
     def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates=None):
         if h.device.type != "cpu":
@@ -126,12 +127,7 @@ class CpuBackend(TorchBackend):
                 return out
         return super().affine_scan(g, J.dense() if isinstance(J, FactoredChain) else J, c, L_m, past)
 
-    def affine_cell_grads(self, g, J, c, L_m, from_scan) -> dict[str, torch.Tensor]:
+    def cell_grads(self, g, J, L_m, from_scan, c: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         if isinstance(J, FactoredChain):
             return param_grads(g, J, self._L_m(L_m), self.workspace, from_scan, self._split, c=c)
-        return from_scan(self.affine_scan(g, J, c, L_m))
-
-    def cell_grads(self, g, J, L_m, from_scan) -> dict[str, torch.Tensor]:
-        if isinstance(J, FactoredChain):
-            return param_grads(g, J, self._L_m(L_m), self.workspace, from_scan, self._split)
-        return from_scan(self.scan(g, J, L_m))
+        return from_scan(self.scan(g, J, L_m) if c is None else self.affine_scan(g, J, c, L_m))

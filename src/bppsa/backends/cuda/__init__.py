@@ -48,6 +48,7 @@ class CupyBackend(TorchBackend):
     GRU's Jacobians are built by torch, on the GPU)."""
 
     name = "cupy"
+    KINDS = ("rnn", "paper", "gru")  # the chains its kernels scan (dense)
 
     def __init__(self):
         runtime.import_cupy()
@@ -78,7 +79,24 @@ class CupyBackend(TorchBackend):
             runtime.launch("blelloch.cu", launch, g.dtype, dev, ptrs, s)
         return P
 
-    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x=None) -> torch.Tensor:
+    def scanner(self, kind: str, per_step: bool = False) -> TorchBackend:
+        """Itself for the dense chains of the RNN and the GRU; the torch twin on the same device for the affine
+        recurrence (no kernel of this backend scans it) and for the LSTM's chain (no CUDA kernel has its state
+        yet: the twin's dense scan)."""
+        if per_step or kind not in self.KINDS:
+            return self.twin
+        return self
+
+    @functools.cached_property
+    def twin(self) -> TorchBackend:
+        """The torch twin this backend hands what it has no kernel for (its own workspace, kept from step to
+        step: a CUDA graph may capture the backward)."""
+        return TorchBackend()
+
+    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x=None,
+                        act: str = "tanh") -> torch.Tensor:
+        if act != "tanh":  # the fill kernel writes tanh's derivative: the twin's chain, scanned by this backend
+            return super().rnn_jacobians_t(h, W_hh, layout, x, act)
         if h.dim() != 3 or W_hh.shape != (h.shape[2], h.shape[2]):
             raise ValueError(f"expected h [T, B, H] and W_hh [H, H], got {tuple(h.shape)} and {tuple(W_hh.shape)}")
         T, B, H = h.shape
@@ -108,16 +126,23 @@ class CupyFactoredBackend(CupyBackend):
     :class:`CupyBackend`."""
 
     name = "cupy-factored"
+    KINDS = ("rnn", "gru")  # the chains its factored kernels scan (plan.FACTORED_KINDS)
 
-    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x=None):
+    def scanner(self, kind: str, per_step: bool = False) -> TorchBackend:
+        """Itself for the RNN's and the GRU's chains, the affine recurrence included (identity steps, dense chains
+        and the paper layout go to the twin inside :meth:`affine_scan` and the faithful kernels); the twin for the
+        LSTM's."""
+        return self if kind in self.KINDS else self.twin
+
+    def rnn_jacobians_t(self, h: torch.Tensor, W_hh: torch.Tensor, layout: str, x=None, act: str = "tanh"):
         if layout != "fused":
-            return super().rnn_jacobians_t(h, W_hh, layout, x)
+            return super().rnn_jacobians_t(h, W_hh, layout, x, act)
         if h.dim() != 3 or W_hh.shape != (h.shape[2], h.shape[2]):
             raise ValueError(f"expected h [T, B, H] and W_hh [H, H], got {tuple(h.shape)} and {tuple(W_hh.shape)}")
         runtime.check_cuda(h.dtype, h, W_hh, *(() if x is None else (x,)))
         T, B, H = h.shape
         rows = 2 * H + (0 if x is None else x.shape[2])
-        return RnnChain.from_states(h, W_hh, x, out=self.workspace.get(("factors", "rnn"), (T, rows, B), h))
+        return RnnChain.from_states(h, W_hh, x, out=self.workspace.get(("factors", "rnn"), (T, rows, B), h), act=act)
 
     def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates=None):
         """The GRU's chain, its factors written by one kernel from the forward's states (``bppsa_gru_factors``, in
@@ -144,12 +169,12 @@ class CupyFactoredBackend(CupyBackend):
             return super().scan(g, J.dense() if isinstance(J, FactoredChain) else J, L_m)
         return self._factored(g, J, L_m, grads=False)
 
-    def cell_grads(self, g, J, L_m, from_scan) -> dict[str, torch.Tensor]:
+    def cell_grads(self, g, J, L_m, from_scan, c: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         if not _factored(J) or not J.I or not self.sums_fit(J, g.dtype, g.device):
             # the scan's output, then the parameter gradients as GEMMs: also where the sums' block would not fit
             # this GPU's shared memory (the GRU at H = 64 in fp64 on an H100/H200: 259 KiB of 227)
-            return from_scan(self.scan(g, J, L_m))
-        return plan.grad_views(self._factored(g, J, L_m, grads=True), J.grad_layout(), J.I + 1 + J.shape[2])
+            return from_scan(self.scan(g, J, L_m) if c is None else self.affine_scan(g, J, c, L_m))
+        return plan.grad_views(self._factored(g, J, L_m, grads=True, c=c), J.grad_layout(), J.I + 1 + J.shape[2])
 
     def affine_scan(self, g: torch.Tensor, J, c: torch.Tensor, L_m: int | None = None,
                     past: torch.Tensor | None = None) -> torch.Tensor:
@@ -158,11 +183,6 @@ class CupyFactoredBackend(CupyBackend):
         if _factored(J) and past is None:
             return self._factored(g, J, L_m, grads=False, c=c)
         return super().affine_scan(g, J.dense() if isinstance(J, FactoredChain) else J, c, L_m, past)
-
-    def affine_cell_grads(self, g, J, c, L_m, from_scan) -> dict[str, torch.Tensor]:
-        if not _factored(J) or not J.I or not self.sums_fit(J, g.dtype, g.device):
-            return from_scan(self.affine_scan(g, J, c, L_m))
-        return plan.grad_views(self._factored(g, J, L_m, grads=True, c=c), J.grad_layout(), J.I + 1 + J.shape[2])
 
     @staticmethod
     def sums_fit(chain, dtype: torch.dtype, device: torch.device) -> bool:
