@@ -60,7 +60,18 @@ LAYER_CASES = [("rnn", 7, 1, False, True, True, True, "torch", torch.float64),
                ("rnn", 11, 1, False, False, False, False, "cpu", torch.float64),
                ("gru", 10, 1, True, False, True, False, "cpu", torch.float64),
                ("rnn", 9, 1, False, True, False, False, "torch", torch.float64),
-               ("gru", 11, 1, False, False, False, False, "cpu", torch.float32)]
+               ("gru", 11, 1, False, False, False, False, "cpu", torch.float32),
+               # the LSTM's state (h, c) crosses the ranks; relu's Jacobians
+               ("lstm", 10, 2, True, True, True, True, "cpu", torch.float64),
+               ("lstm", 11, 1, False, False, False, True, "cpu", torch.float64),
+               ("lstm", 9, 1, False, True, True, False, "torch", torch.float32),
+               ("rnn_relu", 10, 1, True, True, True, True, "cpu", torch.float64)]
+LAYERS = {"rnn": ("RNN", {}), "rnn_relu": ("RNN", {"nonlinearity": "relu"}), "gru": ("GRU", {}), "lstm": ("LSTM", {})}
+
+
+def _finals(h_n):
+    """h_n, or an LSTM's (h_n, c_n) as one tensor [2 num_layers, B, H] (what the loss weighs)."""
+    return torch.cat(list(h_n)) if isinstance(h_n, tuple) else h_n
 
 
 def _reference(model, x, h0, lengths, w_out, w_hn):
@@ -70,14 +81,15 @@ def _reference(model, x, h0, lengths, w_out, w_hn):
     ref = model.to_torch()
     x = x.detach().requires_grad_()
     h0 = None if h0 is None else h0.detach().requires_grad_()
+    hx = h0 if h0 is None or model.cell.cell_state is False else (h0[:h0.shape[0] // 2], h0[h0.shape[0] // 2:])
     if lengths is None:
-        out, h_n = ref(x, h0)
+        out, h_n = ref(x, hx)
     else:
-        out, h_n = ref(pack_padded_sequence(x, lengths, enforce_sorted=False), h0)
+        out, h_n = ref(pack_padded_sequence(x, lengths, enforce_sorted=False), hx)
         out, _ = pad_packed_sequence(out, total_length=x.shape[0])
-    ((out * w_out).sum() + (h_n * w_hn).sum()).backward()
+    ((out * w_out).sum() + (_finals(h_n) * w_hn).sum()).backward()
     grads = {n: q.grad for n, q in ref.named_parameters()}
-    return out.detach(), h_n.detach(), grads, x.grad, (h0.grad if h0 is not None else None)
+    return out.detach(), _finals(h_n).detach(), grads, x.grad, (h0.grad if h0 is not None else None)
 
 
 def layer_suite(rank: int, p: int, group) -> list[tuple]:
@@ -94,22 +106,29 @@ def layer_suite(rank: int, p: int, group) -> list[tuple]:
         bw.GRAD_BLOCK_VALUES, split_mod.SUMMARY_BLOCK_VALUES = (1, 1) if i % 2 else blocks
         gen = torch.Generator().manual_seed(500 + i)
         B, I, H = 3, 2, 4
-        cls = bnn.RNN if cell == "rnn" else bnn.GRU
+        name, kw = LAYERS[cell]
+        cls = getattr(bnn, name)
         torch.manual_seed(7 + i)
-        single = cls(I, H, num_layers=layers, backend=backend, dtype=dtype)
+        single = cls(I, H, num_layers=layers, backend=backend, dtype=dtype, **kw)
         pg = group if group is not None else torch.distributed.group.WORLD
-        split = cls(I, H, num_layers=layers, backend=backend, dtype=dtype, process_group=pg, group_timeout=60)
+        split = cls(I, H, num_layers=layers, backend=backend, dtype=dtype, process_group=pg, group_timeout=60, **kw)
         split.load_state_dict(single.state_dict())
+        n = 2 if single.cell.cell_state else 1  # h0 (and c0), stacked
         x = torch.randn(T, B, I, generator=gen, dtype=dtype)
-        h0 = torch.randn(layers, B, H, generator=gen, dtype=dtype) if with_h0 else None
+        h0 = torch.randn(n * layers, B, H, generator=gen, dtype=dtype) if with_h0 else None
         lengths = torch.tensor([T, 1, max(1, T - 3)]) if with_lengths else None
         w_out = torch.randn(T, B, H, generator=gen, dtype=dtype) * steps
-        w_hn = torch.randn(layers, B, H, generator=gen, dtype=dtype)
+        w_hn = torch.randn(n * layers, B, H, generator=gen, dtype=dtype)
+
+        def states(t, n=n, layers=layers):
+            return t if t is None or n == 1 else (t[:layers], t[layers:])
+
         # this rank's slice, torch.tensor_split order
         sl = torch.tensor_split(torch.arange(T), p)[rank]
         xs = x[sl].clone().requires_grad_(with_dx)
         hs = h0.clone().requires_grad_() if h0 is not None else None
-        o, hn = split(xs, hs, lengths=lengths)
+        o, hn = split(xs, states(hs), lengths=lengths)
+        hn = _finals(hn)
         loss = (o * w_out[sl]).sum() + ((hn * w_hn).sum() if rank == p - 1 else 0)
         loss.backward()
         r_out, r_hn, r_grads, r_dx, r_dh0 = _reference(single, x, h0, lengths, w_out, w_hn)
@@ -125,8 +144,8 @@ def layer_suite(rank: int, p: int, group) -> list[tuple]:
         # the single-process layer, the same loss
         for q in single.parameters():
             q.grad = None
-        so, shn = single(x, h0, lengths=lengths)
-        ((so * w_out).sum() + (shn * w_hn).sum()).backward()
+        so, shn = single(x, states(h0), lengths=lengths)
+        ((so * w_out).sum() + (_finals(shn) * w_hn).sum()).backward()
         err["vs_single"] = max(_rel(q.grad, s.grad) for q, s in zip(split.parameters(), single.parameters()))
         out.append(((cell, T, layers, with_lengths, with_h0, with_dx, steps, backend, str(dtype)), err))
     bw.GRAD_BLOCK_VALUES, split_mod.SUMMARY_BLOCK_VALUES = blocks
@@ -214,9 +233,10 @@ def test_launcher_env_reads_torchrun_and_slurm():
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 def test_split_layers_equal_autograd_on_the_whole_sequence(four_ranks, p):
-    """bppsa.nn.RNN/GRU with process_group: every rank's outputs, the all-reduced weight gradients, its slice of
-    ∇x and rank 0's ∇h0 equal torch.nn's autograd on the whole sequence (fp64 <= 1e-10, fp32 <= 1e-4) and the
-    single-process layer's: T not divisible by p, lengths, two layers, a loss at every step and on h_n."""
+    """bppsa.nn.RNN/GRU/LSTM with process_group: every rank's outputs, the all-reduced weight gradients, its slice
+    of ∇x and rank 0's ∇h0 (and ∇c0) equal torch.nn's autograd on the whole sequence (fp64 <= 1e-10, fp32 <= 1e-4)
+    and the single-process layer's: T not divisible by p, lengths, two layers, a loss at every step and on h_n
+    (and c_n)."""
     _check_layer_results([res[p]["layers"] for res in four_ranks if p in res], p)
 
 
@@ -344,52 +364,55 @@ def test_a_rank_dying_or_hanging_mid_backward_stops_the_others_naming_it(tmp_pat
     assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary
 
 
-@pytest.mark.parametrize("cell, kernel", [("rnn", True), ("rnn", False), ("gru", False)])
+@pytest.mark.parametrize("cell, kernel", [("rnn", True), ("rnn", False), ("rnn_relu", False), ("gru", False),
+                                          ("lstm", False)])
 def test_a_slices_map_equals_its_dense_chains_composition(cell, kernel, monkeypatch):
     """slice_map (a middle rank's up-sweep: the RNN's by the compiled kernel's product of the whole slice where its
-    sequences all run, else torch: segments composed side by side, from the RNN's factors or the GRU's dense chain,
-    a tree over the segments, the steps left over one by one, block after block) against the whole dense chain
-    composed by chain_summary's tree, fp64, at lengths with and without whole segments and blocks, with and without
-    per-step gradients and ended sequences, the blocks as the code sizes them, of one step, and of 40."""
-    import bppsa.nn.backward as bw
+    sequences all run, else torch: segments composed side by side, from the RNN's factors or the dense chain of the
+    GRU and the LSTM, a tree over the segments, the steps left over one by one, block after block) against the
+    whole dense chain composed by chain_summary's tree, fp64, at lengths with and without whole segments and blocks,
+    with and without per-step gradients and ended sequences, the blocks as the code sizes them, of one step, and of
+    40."""
     import bppsa.nn.split as split_mod
-    from bppsa.backends.cpu import native
+    from bppsa.backends.cpu import CpuBackend, native
+    from bppsa.nn.backward import Plan
+    from bppsa.nn.cells import CELLS, Saved, Weights
 
     calls = []
+    cpu = CpuBackend()
     if kernel:
         if not native.available():
             pytest.skip(f"the CPU kernel is unavailable: {native.unavailable_reason()}")
-        product = split_mod.rnn_chain_product
-        monkeypatch.setattr(split_mod, "rnn_chain_product", lambda *a: calls.append(1) or product(*a))
+        product = cpu.chain_product
+        monkeypatch.setattr(cpu, "chain_product", lambda *a: calls.append(1) or product(*a))
     else:
-        monkeypatch.setattr(split_mod, "rnn_chain_product", lambda *a: None)  # the torch twin
+        monkeypatch.setattr(cpu, "chain_product", lambda *a: None)  # the torch twin
 
+    c_ = CELLS[cell]
     dt, B, H, I = torch.float64, 3, 5, 2
-    G = 3 if cell == "gru" else 1
+    S = c_.state_size(Weights(torch.zeros(c_.gates * H, I), torch.zeros(c_.gates * H, H)))
     gen = torch.Generator().manual_seed(11)
     worst = 0.0
     for T in (1, 15, 16, 37, 333):
         x = torch.randn(T, B, I, dtype=dt, generator=gen)
-        h = torch.randn(T, B, H, dtype=dt, generator=gen).tanh() * 0.9
-        h_in = torch.randn(B, H, dtype=dt, generator=gen) * 0.5
-        w_ih, w_hh = (torch.randn(G * H, k, dtype=dt, generator=gen) * 0.5 for k in (I, H))
-        b_ih, b_hh = (torch.randn(G * H, dtype=dt, generator=gen) * 0.1 for _ in range(2))
-        seed = torch.randn(B, H, dtype=dt, generator=gen)
-        gates = None
-        if cell == "gru":
-            cb = bw._gru_cell(w_ih, w_hh, b_ih, b_hh)
-            g = bw.gru_gates(x, h, w_ih, w_hh, cb.bias_ih_l0, cb.bias_hh_l0, h_in)
-            gates = lambda g=g: g  # noqa: E731
-        dense = bw.layer_chain(split_mod._summary_backend(), cell, x, h, w_ih, w_hh, b_ih, b_hh, gates, "fused").clone()
-        for c in (None, torch.randn(T, B, H, dtype=dt, generator=gen)):
+        w = Weights(*(torch.randn(c_.gates * H, k, dtype=dt, generator=gen) * 0.5 for k in (I, H)),
+                    *(torch.randn(c_.gates * H, dtype=dt, generator=gen) * 0.1 for _ in range(2)))
+        h_in = torch.randn(B, S, dtype=dt, generator=gen) * 0.5
+        with torch.no_grad():
+            h, cs = c_.forward(x, *c_.split_state(h_in, w), w, None)
+        s = Saved(x, h, cs, *c_.split_state(h_in, w))
+        seed = torch.randn(B, S, dtype=dt, generator=gen)
+        dense = c_.chain(split_mod._summary_backend(), s, w).clone()
+        J = c_.chain(cpu, s, w)
+        for c in (None, torch.randn(T, B, S, dtype=dt, generator=gen)):
             for past in (None, torch.rand(T, B, generator=gen) < 0.3):
-                J = dense if past is None else torch.where(past[:, :, None, None], torch.eye(H, dtype=dt), dense)
-                P_ref, q_ref = split_mod.chain_summary(J, c if c is not None else torch.zeros(T, B, H, dtype=dt))
+                Jd = dense if past is None else torch.where(past[:, :, None, None], torch.eye(S, dtype=dt), dense)
+                P_ref, q_ref = split_mod.chain_summary(Jd, c if c is not None else torch.zeros(T, B, S, dtype=dt))
                 v_ref = split_mod._mv(P_ref, seed) + q_ref
-                for values in (split_mod.SUMMARY_BLOCK_VALUES, 1, 40 * B * H * (H if cell == "gru" else 2)):
+                for values in (split_mod.SUMMARY_BLOCK_VALUES, 1, 40 * c_.block_values(s, w)):
                     old, split_mod.SUMMARY_BLOCK_VALUES = split_mod.SUMMARY_BLOCK_VALUES, values
                     try:
-                        P, v = split_mod.slice_map(cell, x, h, h_in, w_ih, w_hh, b_ih, b_hh, c, past, seed)
+                        P, v = split_mod.slice_map(c_, s, w, cpu, J, Plan(seed, c, past, False))
                     finally:
                         split_mod.SUMMARY_BLOCK_VALUES = old
                     worst = max(worst, ((P - P_ref).abs().max() / P_ref.abs().max()).item(),

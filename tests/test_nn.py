@@ -1,4 +1,4 @@
-"""bppsa.nn.RNN/GRU against torch.nn.RNN/GRU: the same state dict, the same gradients (issue 33's "Done when")."""
+"""bppsa.nn.RNN/GRU/LSTM against torch.nn.RNN/GRU/LSTM: the same state dict, the same gradients (issues 33, 48)."""
 import copy
 import re
 import subprocess
@@ -12,10 +12,14 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import bppsa.nn as bnn
 from bppsa.nn import backward as nn_backward
 from bppsa.nn import ops
+from bppsa.nn.cells import CELLS, Weights
 from bppsa.precision import TOLERANCE
 
 ROOT = Path(__file__).resolve().parents[1]
-CLASSES = {"rnn": (bnn.RNN, torch.nn.RNN), "gru": (bnn.GRU, torch.nn.GRU)}
+# name -> (ours, torch's, constructor options)
+CLASSES = {"rnn": (bnn.RNN, torch.nn.RNN, {}), "rnn_relu": (bnn.RNN, torch.nn.RNN, {"nonlinearity": "relu"}),
+           "gru": (bnn.GRU, torch.nn.GRU, {}), "lstm": (bnn.LSTM, torch.nn.LSTM, {}),
+           "lstm_proj": (bnn.LSTM, torch.nn.LSTM, {"proj_size": 4})}
 I, H = 3, 6  # one input and hidden size throughout: the CPU kernel builds once per shape
 TOL = {torch.float64: TOLERANCE["float64"], torch.float32: TOLERANCE["float32"]}
 
@@ -34,12 +38,21 @@ def _lengths(T: int, B: int, gen: torch.Generator) -> torch.Tensor:
     return out[torch.randperm(B, generator=gen)]
 
 
+def _finals(h_n) -> torch.Tensor:
+    """h_n, or an LSTM's (h_n, c_n) as one flat tensor (what the loss weighs)."""
+    return torch.cat([h_n[0].flatten(), h_n[1].flatten()]) if isinstance(h_n, tuple) else h_n.flatten()
+
+
 def _run(model, x, h0, lengths, loss_kind, batch_first, w_out, w_hn, ours: bool):
-    """One forward and backward; returns the loss's gradients (x, h0, every parameter) and the outputs."""
+    """One forward and backward; returns the loss's gradients (x, h0 (and c0), every parameter) and the outputs.
+    ``h0``: a tensor, or an LSTM's (h0, c0)."""
     for p in model.parameters():
         p.grad = None
     x = x.detach().requires_grad_(x.requires_grad)
-    h0 = None if h0 is None else h0.detach().requires_grad_()
+    if isinstance(h0, tuple):
+        h0 = tuple(t.detach().requires_grad_() for t in h0)
+    elif h0 is not None:
+        h0 = h0.detach().requires_grad_()
     T = x.shape[1] if batch_first else x.shape[0]
     if lengths is None or ours:
         out, h_n = model(x, h0, lengths=lengths) if ours else model(x, h0)
@@ -51,51 +64,65 @@ def _run(model, x, h0, lengths, loss_kind, batch_first, w_out, w_hn, ours: bool)
     if loss_kind in ("steps", "both"):
         loss = loss + (out * w_out).sum()
     if loss_kind in ("hn", "both"):
-        loss = loss + (h_n * w_hn).sum()
+        loss = loss + (_finals(h_n) * w_hn).sum()
     loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
     if x.requires_grad:
         grads["input"] = x.grad
-    if h0 is not None:
-        grads["h0"] = h0.grad
-    return grads, out.detach(), h_n.detach()
+    for i, t in enumerate(h0 if isinstance(h0, tuple) else (h0,)):
+        if t is not None:
+            grads[f"state0_{i}"] = t.grad
+    return grads, out.detach(), _finals(h_n).detach()
 
 
-# (T, B, bias, batch_first, num_layers, h0, lengths, loss, input needs grad)
+# (T, B, bias, batch_first, num_layers, h0, lengths, loss, input needs grad, bidirectional)
 CASES = [
-    (1, 1, True, False, 1, False, False, "hn", False),
-    (1, 3, True, True, 2, True, True, "both", True),
-    (2, 3, False, True, 1, True, False, "steps", True),
-    (7, 17, True, False, 2, True, True, "both", True),
-    (9, 3, False, False, 2, False, True, "steps", False),
-    (9, 17, True, True, 1, False, False, "hn", False),  # the harness's step: the CPU kernel sums the gradients
-    (7, 1, True, False, 1, True, True, "hn", True),
-    (2, 17, True, True, 2, False, True, "hn", True),
-    (9, 1, False, False, 2, True, False, "both", False),
-    (9, 17, True, False, 2, True, False, "hn", True),  # layer 2: the single seed with h0; layer 1: per step
+    (1, 1, True, False, 1, False, False, "hn", False, False),
+    (1, 3, True, True, 2, True, True, "both", True, False),
+    (2, 3, False, True, 1, True, False, "steps", True, False),
+    (7, 17, True, False, 2, True, True, "both", True, False),
+    (9, 3, False, False, 2, False, True, "steps", False, False),
+    (9, 17, True, True, 1, False, False, "hn", False, False),  # the harness's step: the CPU kernel sums the gradients
+    (7, 1, True, False, 1, True, True, "hn", True, False),
+    (2, 17, True, True, 2, False, True, "hn", True, False),
+    (9, 1, False, False, 2, True, False, "both", False, False),
+    (9, 17, True, False, 2, True, False, "hn", True, False),  # layer 2: the single seed with h0; layer 1: per step
+    (9, 3, True, False, 2, True, True, "both", True, True),  # bidirectional, each direction from its own end
+    (7, 17, True, True, 1, False, False, "hn", False, True),
 ]
 # T = 1000 in fp32 only, the harder bound (torch's own CPU GRU backward takes seconds there)
 LONG = [
-    (1000, 3, True, False, 1, False, False, "hn", False),
-    (1000, 17, False, True, 1, True, True, "both", True),
+    (1000, 3, True, False, 1, False, False, "hn", False, False),
+    (1000, 17, False, True, 1, True, True, "both", True, False),
 ]
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
-GRID = [pytest.param(case, cell, backend, dtype, id="T{}-B{}-bias{}-bf{}-L{}-h0{}-len{}-{}-dx{}".format(*case)
-                     + f"-{cell}-{backend}-{dtype}")
-        for case in CASES + LONG for cell in ("rnn", "gru") for backend in ("torch", "cpu")
-        for dtype in (("fp64", "fp32") if case[0] < 1000 else ("fp32",))]
+MAIN = ("rnn", "gru", "lstm")  # every case; relu's and the projected LSTM's on a share of them (their own paths)
+SHARE = [CASES[i] for i in (1, 3, 5, 9, 10)]
 
 
-@pytest.mark.parametrize("case, cell, backend, dtype", GRID)
+def _grid(backends):
+    out = []
+    for case in CASES + LONG:
+        cells = MAIN + (("rnn_relu", "lstm_proj") if case in SHARE or case is LONG[1] else ())
+        for cell in cells:
+            for backend in backends:
+                for dtype in (("fp64", "fp32") if case[0] < 1000 else ("fp32",)):
+                    name = "T{}-B{}-bias{}-bf{}-L{}-h0{}-len{}-{}-dx{}-bi{}".format(*case)
+                    out.append(pytest.param(case, cell, backend, dtype, id=f"{name}-{cell}-{backend}-{dtype}"))
+    return out
+
+
+@pytest.mark.parametrize("case, cell, backend, dtype", _grid(("torch", "cpu")))
 def test_gradients_equal_torch_autograd(case, cell, backend, dtype):
     _check_gradients(case, cell, backend, DTYPES[dtype], torch.device("cpu"))
 
 
 def _check_gradients(case, cell, backend, dtype, device):
-    T, B, bias, batch_first, layers, with_h0, with_lengths, loss_kind, dx = case
-    ours_cls, torch_cls = CLASSES[cell]
+    T, B, bias, batch_first, layers, with_h0, with_lengths, loss_kind, dx, bi = case
+    ours_cls, torch_cls, kw = CLASSES[cell]
     torch.manual_seed(T * 100 + B)
-    ref = torch_cls(I, H, num_layers=layers, bias=bias, batch_first=batch_first, dtype=dtype).to(device)
+    ref = torch_cls(I, H, num_layers=layers, bias=bias, batch_first=batch_first, bidirectional=bi, dtype=dtype,
+                    **kw).to(device)
     got = ours_cls.from_torch(ref, backend=backend)
     gen = torch.Generator().manual_seed(T + B)
     shape = (B, T, I) if batch_first else (T, B, I)
@@ -103,11 +130,15 @@ def _check_gradients(case, cell, backend, dtype, device):
     def randn(*size):
         return torch.randn(size, generator=gen, dtype=dtype).to(device)
 
+    D, P = (2 if bi else 1), kw.get("proj_size") or H
     x = randn(*shape).requires_grad_(dx)
-    h0 = randn(layers, B, H) if with_h0 else None
+    h0 = None
+    if with_h0:
+        h0 = randn(layers * D, B, P)
+        h0 = (h0, randn(layers * D, B, H)) if torch_cls is torch.nn.LSTM else h0
     lengths = _lengths(T, B, gen) if with_lengths else None
-    w_out = randn(*shape[:2], H)
-    w_hn = randn(layers, B, H)
+    w_out = randn(*shape[:2], D * P)
+    w_hn = randn(layers * D * B * (P + H if torch_cls is torch.nn.LSTM else H))
     want, out_ref, hn_ref = _run(ref, x, h0, lengths, loss_kind, batch_first, w_out, w_hn, ours=False)
     have, out, hn = _run(got, x, h0, lengths, loss_kind, batch_first, w_out, w_hn, ours=True)
     assert set(have) == set(want)
@@ -117,151 +148,181 @@ def _check_gradients(case, cell, backend, dtype, device):
     assert max(errs.values()) <= tol, errs
 
 
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("L_m", [None, 0, 2])
 @pytest.mark.parametrize("layout", ["fused", "paper"])
-def test_rnn_layouts_and_heterogeneous_scans(layout, L_m, backend):
+def test_rnn_layouts_and_heterogeneous_scans(layout, L_m, backend, nonlinearity):
     """The harness's scan options (the paper's two Jacobians per step, L_m up-sweep levels) give the same
-    gradients, on the single-seed scan and the per-step one."""
+    gradients, on the single-seed scan and the per-step one, for either nonlinearity."""
     torch.manual_seed(1)
-    ref = torch.nn.RNN(I, H, dtype=torch.float64)
+    ref = torch.nn.RNN(I, H, nonlinearity=nonlinearity, dtype=torch.float64)
     got = bnn.RNN.from_torch(ref, backend=backend, layout=layout, L_m=L_m)
     x = torch.randn(37, 5, I, dtype=torch.float64)
     for loss_kind in ("hn", "both"):
-        w_out, w_hn = torch.randn(37, 5, H, dtype=torch.float64), torch.randn(1, 5, H, dtype=torch.float64)
+        w_out, w_hn = torch.randn(37, 5, H, dtype=torch.float64), torch.randn(5 * H, dtype=torch.float64)
         want = _run(ref, x, None, None, loss_kind, False, w_out, w_hn, ours=False)[0]
         have = _run(got, x, None, None, loss_kind, False, w_out, w_hn, ours=True)[0]
         assert max(_rel(have[k], want[k]) for k in want) <= 1e-10
 
 
-def test_routing_single_seed_and_per_step(monkeypatch):
+@pytest.mark.parametrize("cls", [bnn.GRU, bnn.LSTM])
+def test_routing_single_seed_and_per_step(cls, monkeypatch):
     """A loss on h_n alone runs each backend's own scan (on the CPU: the kernel that sums the weights'
-    gradients as it scans); a gradient at every step or sequences of several lengths go to per_step_backend."""
-    calls = []
-    real = nn_backward.per_step_backend
-    monkeypatch.setattr(nn_backward, "per_step_backend", lambda be, dev: calls.append(be.name) or real(be, dev))
+    gradients as it scans); a gradient at every step or sequences of several lengths ask the backend for its
+    per-step scanner (the plan: bppsa.nn.backward.plan)."""
     cpu = nn_backward.backend_for("cpu", torch.device("cpu"))
-    sums = []
-    real_cell_grads = type(cpu).cell_grads
-    monkeypatch.setattr(type(cpu), "cell_grads", lambda self, *a, c=None: (c is None and sums.append(1))
+    calls, sums = [], []
+    real_scanner, real_cell_grads = type(cpu).scanner, type(cpu).cell_grads
+    monkeypatch.setattr(type(cpu), "scanner", lambda self, kind, per_step=False: calls.append((kind, per_step))
+                        or real_scanner(self, kind, per_step))
+    monkeypatch.setattr(type(cpu), "cell_grads", lambda self, *a, c=None: sums.append(c is None)
                         or real_cell_grads(self, *a, c=c))
-    gru = bnn.GRU(I, H, backend="cpu")
+    layer = cls(I, H, backend="cpu")
+    kind = layer.cell.kind
     x = torch.randn(9, 4, I)
-    out, h_n = gru(x)
-    h_n.sum().backward()
-    assert calls == [] and sums == [1]
-    out, h_n = gru(x)
-    (out.sum() + h_n.sum()).backward()
-    assert calls == ["cpu"]
-    out, h_n = gru(x, lengths=[9, 2, 9, 5])
-    h_n.sum().backward()
-    assert calls == ["cpu", "cpu"]
-    out, h_n = gru(x, lengths=[9, 9, 9, 9])  # every sequence full: the single seed again
-    h_n.sum().backward()
-    assert calls == ["cpu", "cpu"] and sums == [1, 1]
+
+    def finals(h_n):
+        return h_n[0] if isinstance(h_n, tuple) else h_n
+
+    out, h_n = layer(x)
+    finals(h_n).sum().backward()
+    assert calls == [(kind, False)] and sums == [True]
+    out, h_n = layer(x)
+    (out.sum() + finals(h_n).sum()).backward()  # every step, full lengths: the affine scan, gradients summed
+    assert calls[-1] == (kind, True) and sums == [True, False]
+    out, h_n = layer(x, lengths=[9, 2, 9, 5])
+    finals(h_n).sum().backward()  # identity steps: the affine scan, the gradients from its output
+    assert calls[-1] == (kind, True) and sums == [True, False]
+    out, h_n = layer(x, lengths=[9, 9, 9, 9])  # every sequence full: the single seed again
+    finals(h_n).sum().backward()
+    assert calls[-1] == (kind, False) and sums == [True, False, True]
 
 
 def test_packed_sequence_is_a_drop_in():
     """A PackedSequence in, a PackedSequence out: the same data, batch sizes and order as torch's, h_n in the
     batch's own order, and the same gradients."""
-    torch.manual_seed(2)
-    ref = torch.nn.GRU(I, H, num_layers=2, dtype=torch.float64)
-    got = bnn.GRU.from_torch(ref, backend="cpu")
-    x = torch.randn(8, 5, I, dtype=torch.float64, requires_grad=True)
-    results = []
-    for model in (ref, got):
-        x.grad = None
-        packed = pack_padded_sequence(x, torch.tensor([3, 8, 1, 8, 5]), enforce_sorted=False)
-        out, h_n = model(packed)
-        (out.data.square().sum() + h_n[-1].sum()).backward()
-        results.append((out, h_n.detach(), x.grad.clone()))
-    (o_ref, hn_ref, gx_ref), (o, hn, gx) = results
-    assert torch.equal(o.batch_sizes, o_ref.batch_sizes) and torch.equal(o.sorted_indices, o_ref.sorted_indices)
-    assert _rel(o.data, o_ref.data) <= 1e-10 and _rel(hn, hn_ref) <= 1e-10 and _rel(gx, gx_ref) <= 1e-10
+    for cell, bi in (("gru", False), ("lstm", True)):
+        ours_cls, torch_cls, kw = CLASSES[cell]
+        torch.manual_seed(2)
+        ref = torch_cls(I, H, num_layers=2, bidirectional=bi, dtype=torch.float64, **kw)
+        got = ours_cls.from_torch(ref, backend="cpu")
+        x = torch.randn(8, 5, I, dtype=torch.float64, requires_grad=True)
+        results = []
+        for model in (ref, got):
+            x.grad = None
+            packed = pack_padded_sequence(x, torch.tensor([3, 8, 1, 8, 5]), enforce_sorted=False)
+            out, h_n = model(packed)
+            (out.data.square().sum() + _finals(h_n)[-1].sum()).backward()
+            results.append((out, _finals(h_n).detach(), x.grad.clone()))
+        (o_ref, hn_ref, gx_ref), (o, hn, gx) = results
+        assert torch.equal(o.batch_sizes, o_ref.batch_sizes) and torch.equal(o.sorted_indices, o_ref.sorted_indices)
+        assert _rel(o.data, o_ref.data) <= 1e-10 and _rel(hn, hn_ref) <= 1e-10 and _rel(gx, gx_ref) <= 1e-10
 
 
-def test_unbatched_input():
+@pytest.mark.parametrize("cell", ["rnn", "lstm_proj"])
+def test_unbatched_input(cell):
+    ours_cls, torch_cls, kw = CLASSES[cell]
     torch.manual_seed(3)
-    ref = torch.nn.RNN(I, H, num_layers=2, dtype=torch.float64)
-    got = bnn.RNN.from_torch(ref, backend="torch")
-    x, h0 = torch.randn(6, I, dtype=torch.float64), torch.randn(2, H, dtype=torch.float64)
-    (o_ref, hn_ref), (o, hn) = ref(x, h0), got(x, h0)
-    assert o.shape == o_ref.shape and hn.shape == hn_ref.shape
-    assert _rel(o, o_ref) <= 1e-12 and _rel(hn, hn_ref) <= 1e-12
+    ref = torch_cls(I, H, num_layers=2, bidirectional=True, dtype=torch.float64, **kw)
+    got = ours_cls.from_torch(ref, backend="torch")
+    x, h0 = torch.randn(6, I, dtype=torch.float64), torch.randn(4, kw.get("proj_size", H), dtype=torch.float64)
+    hx = (h0, torch.randn(4, H, dtype=torch.float64)) if torch_cls is torch.nn.LSTM else h0
+    (o_ref, hn_ref), (o, hn) = ref(x, hx), got(x, hx)
+    assert o.shape == o_ref.shape and _finals(hn).shape == _finals(hn_ref).shape
+    assert _rel(o, o_ref) <= 1e-12 and _rel(_finals(hn), _finals(hn_ref)) <= 1e-12
 
 
 def test_torch_layer_is_in_training_mode_where_autograd_records(monkeypatch):
     """cuDNN refuses a backward through a forward run in inference mode (every GPU baseline failed so on the H200);
     on the CPU the flag changes no number, so only the call can show it."""
     seen = []
-    for name in ("rnn_tanh", "gru"):
+    for name in ("rnn_tanh", "gru", "lstm"):
         real = getattr(torch, name)
-        monkeypatch.setattr(torch, name, lambda *a, real=real: seen.append(a[6] if len(a) == 9 else a[7]) or real(*a))
-    x, h0, w_ih, w_hh, b_ih, b_hh, lengths = _op_args("rnn", torch.float64, False)
-    hx = h0.detach()[None]
-    nn_backward.torch_layer("rnn", x, hx, w_ih, w_hh, b_ih, b_hh)[1].sum().backward()  # the harness's baseline
+        # train is the 7th argument, the 8th in the packed form (data, batch_sizes, hx, params, ...)
+        monkeypatch.setattr(torch, name, lambda *a, real=real: seen.append(a[7] if isinstance(a[3], (list, tuple))
+                                                                           else a[6]) or real(*a))
+    x, h0, c0, *w, lengths = _op_args("rnn", torch.float64, False)
+    CELLS["rnn"].torch_run(x, (h0.detach()[None],), Weights(*w))[1][0].sum().backward()  # the harness's baseline
     bnn.RNN(I, H, dtype=torch.float64)(x.detach())  # the layer's forward, under no_grad
     packed = pack_padded_sequence(x.detach(), torch.tensor([5, 1, 3]), enforce_sorted=False)
     bnn.GRU(I, H, dtype=torch.float64)(packed)
-    assert seen == [True, False, False], seen
+    bnn.LSTM(I, H, dtype=torch.float64)(packed)
+    assert seen == [True, False, False, False] and all(type(t) is bool for t in seen), seen
 
 
 # -- the ops --------------------------------------------------------------------------------------
 
 
 def _op_args(cell, dtype, with_lengths, grad=True):
+    """The forward op's tensors: (x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, lengths); c0 and w_hr where the cell has
+    them (``lstm_proj``: the LSTM's op with a projection)."""
     gen = torch.Generator().manual_seed(4)
-    G = 3 if cell == "gru" else 1
-    T, B = 5, 3
+    c = CELLS["lstm" if cell == "lstm_proj" else cell]
+    G, P, T, B = c.gates, (4 if cell == "lstm_proj" else H), 5, 3
 
     def r(*shape):
         return torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_(grad)
 
     lengths = torch.tensor([5, 1, 3]) if with_lengths else None
-    return (r(T, B, I), r(B, H), r(G * H, I), r(G * H, H), r(G * H), r(G * H), lengths)
+    c0 = r(B, H) if c.cell_state else None
+    w_hr = r(P, H) if cell == "lstm_proj" else None
+    return (r(T, B, I), r(B, P), c0, r(G * H, I), r(G * H, P), r(G * H), r(G * H), w_hr, lengths)
+
+
+OP_CELLS = ["rnn", "rnn_relu", "gru", "lstm", "lstm_proj"]
+
+
+def _op_name(cell):
+    return "lstm" if cell == "lstm_proj" else cell
 
 
 @pytest.mark.parametrize("with_lengths", [False, True], ids=["full", "lengths"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-@pytest.mark.parametrize("cell", ["rnn", "gru"])
+@pytest.mark.parametrize("cell", OP_CELLS)
 def test_opcheck(cell, dtype, with_lengths):
     """torch.library.opcheck on the forward op (its fake, its autograd formula, AOT dispatch) and the backward op."""
     args = _op_args(cell, dtype, with_lengths)
     backend = "torch" if dtype == torch.float64 else "cpu"  # the forward's autograd formula runs the backward op
-    torch.library.opcheck(ops.OPS[cell], args + (backend, "fused", None))
-    x, h0, *w, lengths = (t.detach() if t is not None else None for t in args)
-    h = ops.OPS[cell](x, h0, *w, lengths, "cpu", "fused", None)[0]
+    name = _op_name(cell)
+    torch.library.opcheck(ops.OPS[name], args + (backend, "fused", None))
+    x, h0, c0, *w, lengths = (t.detach() if t is not None else None for t in args)
+    h, _, c, _ = ops.OPS[name](x, h0, c0, *w, lengths, "cpu", "fused", None)
     gen = torch.Generator().manual_seed(5)
-    grads = (torch.randn(h.shape, generator=gen, dtype=dtype), torch.randn(h.shape[1:], generator=gen, dtype=dtype))
-    bwd = ops.rnn_backward if cell == "rnn" else ops.gru_backward
-    torch.library.opcheck(bwd, (x, h0, *w, lengths, h, *grads, True, True, "cpu", "fused", None))
+    grads = (torch.randn(h.shape, generator=gen, dtype=dtype), torch.randn(h.shape[1:], generator=gen, dtype=dtype),
+             torch.randn(c.shape[1:], generator=gen, dtype=dtype) if c0 is not None else None)
+    torch.library.opcheck(ops.BACKWARD_OPS[name], (x, h0, c0, *w, lengths, h, c, *grads, True, True, "cpu", "fused",
+                                                   None))
 
 
 @pytest.mark.parametrize("with_lengths", [False, True], ids=["full", "lengths"])
-@pytest.mark.parametrize("cell", ["rnn", "gru"])
+@pytest.mark.parametrize("cell", OP_CELLS)
 def test_gradcheck_fp64(cell, with_lengths):
-    x, h0, w_ih, w_hh, b_ih, b_hh, lengths = _op_args(cell, torch.float64, with_lengths)
+    x, h0, c0, *w, lengths = _op_args(cell, torch.float64, with_lengths)
+    c = CELLS[_op_name(cell)]
     for backend in ("torch", "cpu"):
-        def f(*a, backend=backend):
-            return ops.layer(cell, *a, lengths, backend)
+        def f(x, h0, c0, *w, backend=backend):
+            out = ops.layer(c, x, (h0, c0), Weights(*w), lengths, nn_backward.Options(backend))
+            return tuple(t for t in out if t is not None)
 
-        assert torch.autograd.gradcheck(f, (x, h0, w_ih, w_hh, b_ih, b_hh))
+        assert torch.autograd.gradcheck(f, (x, h0, c0, *w))
 
 
 def test_every_op_has_a_cuda_kernel():
     """The CUDA registration (the tensors' device made current, then the backends resolve on it) exists even
     where this torch cannot run it."""
-    for name in ("rnn", "gru", "rnn_backward", "gru_backward"):
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"bppsa::{name}", "CUDA"), name
+    for cell in CELLS:
+        for name in (cell, f"{cell}_backward"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"bppsa::{name}", "CUDA"), name
 
 
 def test_eager_mode_does_not_import_the_compiler():
     """A custom op's first call imports torch._dynamo (~2 s a process on two vCPUs, paid by every workflow job);
     eager mode runs the op's functions as an autograd.Function instead."""
     code = ("import sys, torch, bppsa.nn as bnn\n"
-            "for cls in (bnn.RNN, bnn.GRU):\n"
+            "for cls in (bnn.RNN, bnn.GRU, bnn.LSTM):\n"
             f"    out, h_n = cls({I}, {H}, backend='cpu')(torch.randn(9, 4, {I}))\n"  # kernels built
-            "    (out.sum() + h_n.sum()).backward()\n"
+            "    (out.sum() + (h_n[0] if isinstance(h_n, tuple) else h_n).sum()).backward()\n"
             "print('torch._dynamo' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -269,9 +330,10 @@ def test_eager_mode_does_not_import_the_compiler():
     assert "Exception ignored" not in r.stderr, r.stderr[-2000:]  # nothing left to fail at the interpreter's exit
 
 
-def test_double_backward_raises():
-    x, h0, *w, lengths = _op_args("gru", torch.float64, False)
-    h, h_n = ops.layer("gru", x, h0, *w, lengths, "torch")
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_double_backward_raises(cell):
+    x, h0, c0, *w, lengths = _op_args(cell, torch.float64, False)
+    h, h_n, _ = ops.layer(CELLS[cell], x, (h0, c0), Weights(*w), lengths, nn_backward.Options("torch"))
     (gx,) = torch.autograd.grad(h_n.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward is not supported"):
         gx.sum().backward()
@@ -281,16 +343,17 @@ def test_double_backward_raises():
 
 
 class _Tagger(torch.nn.Module):
-    """A sequence labeller on padded batches: a loss at every valid step and on h_n."""
+    """A sequence labeller on padded batches: a loss at every valid step and on h_n (and an LSTM's c_n)."""
 
-    def __init__(self, backend: str):
+    def __init__(self, backend: str, cls=bnn.GRU):
         super().__init__()
-        self.gru = bnn.GRU(I, H, num_layers=2, batch_first=True, backend=backend)
+        self.gru = cls(I, H, num_layers=2, batch_first=True, backend=backend)
         self.head = torch.nn.Linear(H, 4)
 
     def forward(self, x, lengths, y):
         out, h_n = self.gru(x, lengths=lengths)
-        return torch.nn.functional.cross_entropy(self.head(out).flatten(0, 1), y.flatten()) + h_n.square().mean()
+        loss = torch.nn.functional.cross_entropy(self.head(out).flatten(0, 1), y.flatten())
+        return loss + _finals(h_n).square().mean()
 
 
 def _step(model, fn, batch):
@@ -306,12 +369,12 @@ def _batch():
     return torch.randn(4, 7, I, generator=gen), torch.tensor([7, 2, 5, 1]), torch.randint(0, 4, (4, 7), generator=gen)
 
 
-def _compiled_step(compile_backend: str, device: str | torch.device = "cpu", backend: str = "cpu"):
+def _compiled_step(compile_backend: str, device: str | torch.device = "cpu", backend: str = "cpu", cls=bnn.GRU):
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
     torch.manual_seed(7)
-    eager = _Tagger(backend).to(device)
+    eager = _Tagger(backend, cls).to(device)
     model = copy.deepcopy(eager)
     torch._dynamo.reset()
     counters.clear()
@@ -322,14 +385,16 @@ def _compiled_step(compile_backend: str, device: str | torch.device = "cpu", bac
     got = _step(model, compiled, batch)
     assert not counters["graph_break"], dict(counters["graph_break"])
     # the trace went through the custom op (its fake formula), not the eager autograd.Function
-    assert any("torch.ops.bppsa.gru" in g.code for g in seen.graphs), [g.code for g in seen.graphs]
+    op = f"torch.ops.bppsa.{eager.gru.cell.name}"
+    assert any(op in g.code for g in seen.graphs), [g.code for g in seen.graphs]
     return got, _step(eager, eager, batch)
 
 
-def test_compiled_training_step_has_no_graph_break_and_equals_eager():
+@pytest.mark.parametrize("cls", [bnn.GRU, bnn.LSTM])
+def test_compiled_training_step_has_no_graph_break_and_equals_eager(cls):
     """fullgraph=True through dynamo and AOTAutograd (the ops' fake and autograd formulas); the graph runs
     eagerly, so the numbers are eager's bit for bit."""
-    (loss, grads), (loss_ref, grads_ref) = _compiled_step("aot_eager")
+    (loss, grads), (loss_ref, grads_ref) = _compiled_step("aot_eager", cls=cls)
     assert torch.equal(loss, loss_ref) and all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
 
 
@@ -339,14 +404,15 @@ def test_inductor_training_step_equals_eager():
     assert _rel(loss, loss_ref) <= 1e-4 and max(_rel(a, b) for a, b in zip(grads, grads_ref)) <= 1e-4
 
 
+@pytest.mark.parametrize("cls", [bnn.GRU, bnn.LSTM])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_two_backward_runs_are_bitwise_equal(backend):
-    _two_backward_runs_are_bitwise_equal(backend, torch.device("cpu"))
+def test_two_backward_runs_are_bitwise_equal(backend, cls):
+    _two_backward_runs_are_bitwise_equal(backend, torch.device("cpu"), cls)
 
 
-def _two_backward_runs_are_bitwise_equal(backend: str, device: torch.device):
+def _two_backward_runs_are_bitwise_equal(backend: str, device: torch.device, cls=bnn.GRU):
     torch.manual_seed(8)
-    model = _Tagger(backend).to(device)
+    model = _Tagger(backend, cls).to(device)
     model.gru.L_m = None
     x, lengths, y = _batch()
     x, y = x.to(device), y.to(device)
@@ -355,12 +421,12 @@ def _two_backward_runs_are_bitwise_equal(backend: str, device: torch.device):
         first = _step(model, model, (x, lens, y))[1]
         second = _step(model, model, (x, lens, y))[1]
         assert all(torch.equal(a, b) for a, b in zip(first, second))
-    rnn = bnn.RNN(I, H, backend=backend, device=device)
+    rnn = (bnn.RNN if cls is bnn.GRU else cls)(I, H, backend=backend, device=device)
     xs = torch.randn(1000, 16, I).to(device)
     runs = []
     for _ in range(2):
         rnn.zero_grad()
-        rnn(xs)[1].sum().backward()
+        _finals(rnn(xs)[1]).sum().backward()
         runs.append([p.grad.clone() for p in rnn.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
@@ -392,19 +458,28 @@ def test_dropout_between_layers():
 # -- state dicts and conversions ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cell", ["rnn", "gru"])
+@pytest.mark.parametrize("cell", ["rnn", "rnn_relu", "gru", "lstm", "lstm_proj"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_state_dict_round_trips_with_torch(cell, bias):
-    ours_cls, torch_cls = CLASSES[cell]
-    t = torch_cls(I, H, num_layers=2, bias=bias, batch_first=True)
-    ours = ours_cls(I, H, 2, **({"nonlinearity": "tanh"} if cell == "rnn" else {}), bias=bias, batch_first=True)
+@pytest.mark.parametrize("bi", [False, True], ids=["uni", "bi"])
+def test_state_dict_round_trips_with_torch(cell, bias, bi):
+    """torch's parameter names in torch's order (``_reverse``, ``weight_hr``), its initialisation's bounds,
+    load_state_dict(strict=True) both ways, from_torch and to_torch."""
+    ours_cls, torch_cls, kw = CLASSES[cell]
+    t = torch_cls(I, H, num_layers=2, bias=bias, batch_first=True, bidirectional=bi, **kw)
+    ours = ours_cls(I, H, 2, **({"nonlinearity": kw.get("nonlinearity", "tanh")} if torch_cls is torch.nn.RNN else {}),
+                    bias=bias, batch_first=True, bidirectional=bi, **{k: v for k, v in kw.items() if k == "proj_size"})
     assert list(ours.state_dict()) == list(t.state_dict())
+    assert [p.shape for p in ours.parameters()] == [p.shape for p in t.parameters()]
+    bound = 1 / H ** 0.5
+    assert all(p.abs().max() <= bound for p in ours.parameters())
     ours.load_state_dict(t.state_dict(), strict=True)
-    back = torch_cls(I, H, num_layers=2, bias=bias, batch_first=True)
+    back = torch_cls(I, H, num_layers=2, bias=bias, batch_first=True, bidirectional=bi, **kw)
     back.load_state_dict(ours.state_dict(), strict=True)
     assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), t.state_dict().values()))
     conv = ours_cls.from_torch(t).to_torch()
     assert type(conv) is torch_cls and conv.batch_first and conv.num_layers == 2 and conv.bias == bias
+    assert conv.bidirectional == bi and conv.proj_size == kw.get("proj_size", 0)
+    assert getattr(conv, "nonlinearity", None) == getattr(t, "nonlinearity", None)
     assert all(torch.equal(a, b) for a, b in zip(conv.state_dict().values(), t.state_dict().values()))
 
 
@@ -412,18 +487,19 @@ def test_state_dict_round_trips_with_torch(cell, bias):
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda: bnn.RNN(I, H, bidirectional=True), "bidirectional=True"),
-    (lambda: bnn.GRU(I, H, 1, True, False, 0.0, True), "bidirectional=True"),
-    (lambda: bnn.RNN(I, H, nonlinearity="relu"), "nonlinearity='relu'"),
-    (lambda: bnn.RNN(I, H, 1, "relu"), "nonlinearity='relu'"),
+    (lambda: bnn.RNN(I, H, nonlinearity="sigmoid"), "nonlinearity='sigmoid'"),
     (lambda: bnn.GRU(I, H, proj_size=2), "proj_size"),
+    (lambda: bnn.LSTM(I, H, proj_size=H), "proj_size"),
+    (lambda: bnn.LSTM(I, H, proj_size=-1), "proj_size"),
     (lambda: bnn.GRU(I, H, dtype=torch.float16), "half precision"),
     (lambda: bnn.RNN(I, H, dtype=torch.bfloat16), "half precision"),
-    (lambda: bnn.GRU.from_torch(torch.nn.GRU(I, H, bidirectional=True)), "bidirectional=True"),
-    (lambda: bnn.RNN.from_torch(torch.nn.RNN(I, H, nonlinearity="relu")), "nonlinearity='relu'"),
+    (lambda: bnn.LSTM(I, H, dtype=torch.bfloat16), "half precision"),
     (lambda: bnn.GRU(I, H, backend="tpu"), "unknown backend 'tpu'"),
     (lambda: bnn.GRU(I, H, layout="paper"), "unknown layout 'paper'"),
+    (lambda: bnn.LSTM(I, H, layout="paper"), "unknown layout 'paper'"),
     (lambda: bnn.RNN(I, H, L_m=-1), "L_m"),
+    (lambda: bnn.GRU(I, H, bidirectional=True, process_group=object()), "bidirectional=True with a process_group"),
+    (lambda: bnn.LSTM.from_torch(torch.nn.GRU(I, H)), "takes a LSTM"),
 ])
 def test_refused_options_name_themselves(make, match):
     with pytest.raises((ValueError, TypeError), match=re.escape(match)):
@@ -441,8 +517,15 @@ def test_refused_inputs():
         gru(x, lengths=[5, 0])
     with pytest.raises(ValueError, match=re.escape("every length must lie in [1, T = 5]")):
         gru(x, lengths=[6, 1])
-    with pytest.raises(ValueError, match="hx must be"):
+    with pytest.raises(ValueError, match="h_0 must be"):
         gru(x, torch.zeros(2, 2, H))
+    with pytest.raises(ValueError, match="hx must be one tensor"):
+        gru(x, (torch.zeros(1, 2, H), torch.zeros(1, 2, H)))
+    lstm = bnn.LSTM(I, H, backend="torch")
+    with pytest.raises(ValueError, match=re.escape("hx must be a tuple (h_0, c_0)")):
+        lstm(x, torch.zeros(1, 2, H))
+    with pytest.raises(ValueError, match="c_0 must be"):
+        lstm(x, (torch.zeros(1, 2, H), torch.zeros(1, 2, H + 1)))
     packed = pack_padded_sequence(x, torch.tensor([5, 2]))
     with pytest.raises(ValueError, match="carries its lengths"):
         gru(packed, lengths=[5, 2])
@@ -511,43 +594,47 @@ def emulated_cupy_factored(tmp_path_factory):
 
 
 @pytest.mark.slow  # one g++ build of the emulator (~20 s)
-@pytest.mark.parametrize("cell", ["rnn", "gru"])
+@pytest.mark.parametrize("cell", ["rnn", "rnn_relu", "gru", "lstm"])
 def test_cupy_factored_backend_emulated(cell, emulated_cupy_factored):
     """The layers on the factored CUDA kernels: the harness's step (the kernels sum the weights' gradients),
     the single seed with h0 and ∇x (the kernels' scan), per-step gradients (the kernels' affine sums; with ∇x their
-    affine scan; variable lengths: the twin)."""
+    affine scan; variable lengths: the twin).  The relu RNN's factors are torch's, scanned by the same kernels; the
+    LSTM's chain has no CUDA kernel: the twin's dense scan, on the same device."""
     calls = emulated_cupy_factored
     calls.clear()
-    ours_cls, torch_cls = CLASSES[cell]
+    ours_cls, torch_cls, kw = CLASSES[cell]
     for case in [(9, 17, True, False, 1, False, False, "hn", False), (7, 3, False, True, 2, True, False, "hn", True),
                  (37, 5, True, False, 1, False, False, "both", False),
                  (9, 3, False, True, 1, True, False, "steps", True),
                  (7, 3, True, False, 1, True, True, "both", True)]:
         T, B, bias, batch_first, layers, with_h0, with_lengths, loss_kind, dx = case
         torch.manual_seed(T + B)
-        ref = torch_cls(I, H, num_layers=layers, bias=bias, batch_first=batch_first, dtype=torch.float64)
+        ref = torch_cls(I, H, num_layers=layers, bias=bias, batch_first=batch_first, dtype=torch.float64, **kw)
         got = ours_cls.from_torch(ref, backend="cupy-factored")
         gen = torch.Generator().manual_seed(T)
         shape = (B, T, I) if batch_first else (T, B, I)
         x = torch.randn(shape, generator=gen, dtype=torch.float64).requires_grad_(dx)
-        h0 = torch.randn(layers, B, H, generator=gen, dtype=torch.float64) if with_h0 else None
+        S = 2 * H if torch_cls is torch.nn.LSTM else H
+        h0 = None
+        if with_h0:
+            h0 = torch.randn(layers, B, H, generator=gen, dtype=torch.float64)
+            h0 = (h0, torch.randn(layers, B, H, generator=gen, dtype=torch.float64)) if S > H else h0
         lengths = _lengths(T, B, gen) if with_lengths else None
-        w_out, w_hn = torch.randn(shape[:2] + (H,), dtype=torch.float64), torch.randn(layers, B, H, dtype=torch.float64)
+        w_out = torch.randn(shape[:2] + (H,), dtype=torch.float64)
+        w_hn = torch.randn(layers * B * S, dtype=torch.float64)
         want = _run(ref, x, h0, lengths, loss_kind, batch_first, w_out, w_hn, ours=False)[0]
         have = _run(got, x, h0, lengths, loss_kind, batch_first, w_out, w_hn, ours=True)[0]
         assert max(_rel(have[k], want[k]) for k in want) <= 1e-10, case
     # case 2's first layer takes the second's ∇x at every step; variable lengths (the last case) go to the twin
-    assert [c for c in calls if c != "gru factors"] == ["sums", "scan", "affine scan", "affine sums", "affine scan"]
+    expected = [] if cell == "lstm" else ["sums", "scan", "affine scan", "affine sums", "affine scan"]
+    assert [c for c in calls if c != "gru factors"] == expected
     assert ("gru factors" in calls) == (cell == "gru")  # the GRU's factors by their kernel
 
 
 # -- on a GPU (skipped without one): the CuPy backends, torch's current stream, CUDA graphs --------------------
 
 GPU_BACKENDS = ("cupy-factored", "cupy")  # 'auto' on a GPU is cupy-factored
-GPU_GRID = [pytest.param(case, cell, backend, dtype, id="T{}-B{}-bias{}-bf{}-L{}-h0{}-len{}-{}-dx{}".format(*case)
-                         + f"-{cell}-{backend}-{dtype}")
-            for case in CASES + LONG for cell in ("rnn", "gru") for backend in GPU_BACKENDS
-            for dtype in (("fp64", "fp32") if case[0] < 1000 else ("fp32",))]
+GPU_GRID = _grid(GPU_BACKENDS)
 
 
 @pytest.fixture
@@ -571,22 +658,23 @@ def test_gpu_gradients_equal_torch_autograd(case, cell, backend, dtype, cuda_fp3
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("with_lengths", [False, True], ids=["full", "lengths"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-@pytest.mark.parametrize("cell", ["rnn", "gru"])
+@pytest.mark.parametrize("cell", OP_CELLS)
 def test_gpu_opcheck(cell, dtype, with_lengths, backend, cuda_fp32):
-    x, h0, *w, lengths = (t.detach().to(cuda_fp32).requires_grad_() if t is not None and t.is_floating_point()
-                          else t for t in _op_args(cell, dtype, with_lengths))
-    torch.library.opcheck(ops.OPS[cell], (x, h0, *w, lengths, backend, "fused", None))
+    args = tuple(t.detach().to(cuda_fp32).requires_grad_() if t is not None and t.is_floating_point() else t
+                 for t in _op_args(cell, dtype, with_lengths))
+    torch.library.opcheck(ops.OPS[_op_name(cell)], args + (backend, "fused", None))
 
 
 def _graph_loss(model, x, w, loss_kind):
     out, h_n = model(x)
+    h_n = h_n[0] + h_n[1] if isinstance(h_n, tuple) else h_n  # an LSTM's (h_n, c_n): both read
     loss = (h_n * w[-1]).sum()
     return loss + (out * w[:-1]).sum() if loss_kind == "both" else loss
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("loss_kind", ["hn", "both"])  # the single seed (the factored kernels); every step (twin)
-@pytest.mark.parametrize("cell", ["rnn", "gru"])
+@pytest.mark.parametrize("cell", ["rnn", "gru", "lstm"])
 def test_gpu_training_step_captured_in_a_cuda_graph(cell, loss_kind, cuda_fp32):
     """A whole forward and backward captured in one CUDA graph (the launches on torch's current stream,
     nothing synchronising) and replayed on new inputs gives eager mode's gradients bit for bit, also after
@@ -594,7 +682,7 @@ def test_gpu_training_step_captured_in_a_cuda_graph(cell, loss_kind, cuda_fp32):
     dev = cuda_fp32
     T, B = 37, 16
     torch.manual_seed(9)
-    model = CLASSES[cell][0](I, H, num_layers=2, backend="cupy-factored", device=dev)
+    model = CLASSES[cell][0](I, H, num_layers=2, backend="cupy-factored", device=dev, **CLASSES[cell][2])
     eager = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(10)
     static_x = torch.randn(T, B, I, generator=gen).to(dev)

@@ -26,6 +26,8 @@ class Backend(Protocol):
       Elman RNN (``act`` "tanh" or "relu"), a GRU or an LSTM in scan order (dense ``[n, B, S, S]``, or a chain kept
       as its factors, which also keeps the inputs ``x`` for the parameter gradients; ``gates()`` gives the
       recomputed gates to a backend that builds from them);
+    * :meth:`chain_product`: the whole chain as one affine map ``(P, q)`` by a kernel of the backend, or None where
+      it has none (a middle rank's up-sweep, :func:`bppsa.nn.split.slice_map`);
     * :meth:`cell_grads`: the cell's parameter gradients, ``from_scan(scan)`` of the single seed's scan (``c``
       None) or of the affine one, unless the backend accumulates them as it scans.
     """
@@ -47,6 +49,9 @@ class Backend(Protocol):
 
     def lstm_jacobians_t(self, x: torch.Tensor | None, h: torch.Tensor, gates: Callable, W_hh: torch.Tensor,
                          W_hr: torch.Tensor | None = None): ...
+
+    def chain_product(self, J: Any, c: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        ...
 
     def cell_grads(self, g: torch.Tensor, J: Any, L_m: int | None, from_scan: Callable[[torch.Tensor], dict],
                    c: torch.Tensor | None = None) -> dict[str, torch.Tensor]: ...

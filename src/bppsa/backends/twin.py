@@ -56,6 +56,11 @@ class TorchBackend:
         S = P + g.f.shape[-1]
         return _lstm.lstm_jacobians_t(g, W_hh, W_hr, out=self.workspace.get(("jacobians", "lstm"), (T, B, S, S), h))
 
+    def chain_product(self, J, c: torch.Tensor | None = None):
+        """The whole chain as one map ``(P, q)`` by a kernel of this backend (``P = J[n-1] ... J[0]``, ``q`` the affine
+        recurrence's offset with ``c``), or None where it has none: the caller composes it (the twin has none)."""
+        return None
+
     def cell_grads(self, g, J, L_m: int | None, from_scan, c: torch.Tensor | None = None) -> dict:
         """The cell's parameter gradients, ``from_scan`` of the single seed's scan or (``c``: the loss's gradients
         at every step, in scan order) of the affine one; a backend may accumulate them as it scans instead."""

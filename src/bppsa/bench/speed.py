@@ -1,10 +1,14 @@
-"""The CPU speed benchmark of the recurrent backward (RNN or GRU), on the shared timing protocol (:mod:`.protocol`).
+"""The CPU speed benchmark of the recurrent backward (RNN, GRU or LSTM), on the shared timing protocol
+(:mod:`.protocol`).
 
 Per batch size, on the same weights, batch and chain, two interleaved groups of methods (every method
 one iteration per round, so each ratio is a median of *paired* iterations):
 
 ``backward`` group (metric: Jacobian generation + backward, what BPPSA replaces):
-* ``autograd``: ``loss.backward()`` of the baseline nn.RNN / nn.GRU (eager autograd);
+* ``autograd``: ``loss.backward()`` of the baseline nn.RNN / nn.GRU / nn.LSTM (eager autograd through torch's own
+  kernel: for the LSTM on a CPU that is oneDNN's fused kernel, the rival a user has);
+* ``autograd-generic`` (the LSTM): the same with oneDNN off, torch's generic recurrent loop, as the RNN and the
+  GRU always run;
 * ``sequential``: the strongest sequential rival, built with BPPSA's care
   (``bppsa.backends.cpu.CpuBackend(sequential=True)``): the same forward, head and factored chain, the same
   compiled kernel, but T dependent mat-vecs and no matrix products, the batch split over the threads;
@@ -35,8 +39,12 @@ from ..stats import ratio_ci
 from .protocol import StopRule, interleave
 from .timing import PhaseTimer, backward_seconds, timed
 
-SEQUENTIAL, AUTOGRAD = "sequential", "autograd"
+SEQUENTIAL, AUTOGRAD, AUTOGRAD_GENERIC = "sequential", "autograd", "autograd-generic"
+FUSED_ON_CPU = ("lstm",)  # the models whose torch kernel on a CPU is oneDNN's fused one, not the generic loop
 SCAN_SEQUENTIAL = "scan-sequential"
+
+
+BITSTREAM_MODELS = ("rnn", "lstm")  # the models whose task is Sec 4.1's bitstreams
 
 
 def bppsa_name(backend: str, layout: str, L_m) -> str:
@@ -53,10 +61,10 @@ def bitstream_batch(seq_len: int, B: int, seed: int, dtype) -> tuple[torch.Tenso
 
 def setup(model: str, B: int, seed: int, dtype, seq_len: int | None = None, hidden: int | None = None,
           data: str | None = None):
-    """(model, x, y) for one configuration: the RNN on a bitstream batch of ``seq_len``; a model on the
+    """(model, x, y) for one configuration: the RNN or the LSTM on a bitstream batch of ``seq_len``; a model on the
     first B samples of a dataset file (``data``, e.g. an MFCC set for the GRU)."""
     if data is None:
-        if model != "rnn" or seq_len is None:
+        if model not in BITSTREAM_MODELS or seq_len is None:
             raise ValueError(f"the {model.upper()} speed benchmark reads its inputs from a dataset file (--data)")
         x, y = bitstream_batch(seq_len, B, seed, dtype)
         classes = None
@@ -102,6 +110,12 @@ def backward_methods(model, x, y, backends=("cpu",), layouts=("fused",), L_ms=(N
 
     seq = sequential_backend()
     out[AUTOGRAD] = (model_step(lambda m, ph: m.baseline_step(x, y, phase=ph)), {"backend": "autograd"})
+    if model.model in FUSED_ON_CPU:
+        def generic(m, ph):
+            with torch.backends.mkldnn.flags(enabled=False):
+                m.baseline_step(x, y, phase=ph)
+
+        out[AUTOGRAD_GENERIC] = (model_step(generic), {"backend": "autograd"})
     out[SEQUENTIAL] = (model_step(lambda m, ph: m.bppsa_step(x, y, seq, "fused", phase=ph)),
                        {"backend": seq.name, "layout": "fused", "L_m": 0})
     for be in backends:
@@ -122,6 +136,9 @@ def scan_methods(model, x, y, backends=("cpu",), L_m=None, check_tol: float = 1e
     h_last = h[-1].detach().requires_grad_(True)
     F.cross_entropy(model.head(h_last), y).backward()
     g, h = h_last.grad, h.detach()
+    cell = model.cell.cell
+    if cell.cell_state:  # the state's gradient: (∇h_T, ∇c_T = 0)
+        g = cell.state(g, g.new_zeros((g.shape[0], model.cell.hidden_size)))
     with torch.no_grad():
         J = model.jacobians_t(x, h, "fused", get_backend("torch")).clone()
     fns = {"scan-linear-torch": (lambda: linear_scan(g, J), {"backend": "torch", "L_m": 0})}
@@ -194,7 +211,7 @@ def summary(df: pd.DataFrame, conf: float = 0.95) -> pd.DataFrame:
     for (B, group), d in per.groupby(["batch", "group"]):
         wide = d.pivot(index="iter", columns="method", values="seconds")
         if group == "backward":
-            nums, dens = [AUTOGRAD, SEQUENTIAL], [c for c in wide.columns if c.startswith("bppsa-")]
+            nums, dens = [AUTOGRAD, AUTOGRAD_GENERIC, SEQUENTIAL], [c for c in wide.columns if c.startswith("bppsa-")]
         else:
             nums = [SCAN_SEQUENTIAL, "scan-linear-torch"]
             dens = [c for c in wide.columns if c not in nums]

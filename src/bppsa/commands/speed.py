@@ -1,4 +1,4 @@
-"""`bppsa speed`: the CPU speed benchmark of the RNN backward and of the scan alone (paired ratios)."""
+"""`bppsa speed`: the CPU speed benchmark of the recurrent backward and of the scan alone (paired ratios)."""
 from __future__ import annotations
 
 import sys
@@ -41,7 +41,7 @@ def labelled(df: pd.DataFrame, args, **extra) -> pd.DataFrame:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("speed", help="RNN/GRU backward and scan-alone speed ratios (CSV)")
+    p = sub.add_parser("speed", help="RNN/GRU/LSTM backward and scan-alone speed ratios (CSV)")
     add_model_args(p)
     p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 16])
     p.add_argument("--layouts", nargs="+", default=["fused"], choices=["fused", "paper"])
@@ -54,10 +54,11 @@ def register(sub) -> None:
 
 
 def add_model_args(p) -> None:
-    """Which recurrent model and inputs a CPU benchmark times: the RNN on bitstreams of --seq-len, or any
-    model on the first samples of --data (the GRU: an MFCC set)."""
+    """Which recurrent model and inputs a CPU benchmark times: the RNN or the LSTM on bitstreams of --seq-len, or
+    any model on the first samples of --data (the GRU: an MFCC set)."""
     p.add_argument("--model", choices=MODELS, default="rnn")
-    p.add_argument("--seq-len", type=positive_int, default=1000, help="the RNN's bitstream length (without --data)")
+    p.add_argument("--seq-len", type=positive_int, default=1000,
+                   help="the RNN's or the LSTM's bitstream length (without --data)")
     p.add_argument("--data", default=None, help="a dataset file to take the batches from (required for the GRU)")
     p.add_argument("--hidden", type=positive_int, default=None, help="default: the model's (bppsa.models.SPECS)")
 

@@ -26,6 +26,8 @@ SPECS = {
                      layouts=tuple(sorted(_RNN_LAYOUTS))),  # ("fused", "paper")
     # input 12: the MFCC features of IRMAS set L (bppsa.data.irmas.MFCC_SETS); 11 instrument classes
     "gru": ModelSpec("bppsa.models.gru", "GRUClassifier", input_size=12, hidden=20, classes=11, layouts=("fused",)),
+    # not in the paper: the RNN's task through an LSTM (the recurrent layer torch users reach for first)
+    "lstm": ModelSpec("bppsa.models.lstm", "LSTMClassifier", input_size=1, hidden=20, classes=10, layouts=("fused",)),
 }
 MODELS = tuple(SPECS)
 

@@ -1,7 +1,7 @@
 """Shared machinery of the recurrent classifiers: a BPPSA layer (:mod:`bppsa.nn`), a linear head on its last
 state, and the two training steps, phase by phase.
 
-A subclass sets ``self.cell`` (a one-layer, time-major :class:`bppsa.nn.RNN` or :class:`bppsa.nn.GRU`, whose
+A subclass sets ``self.cell`` (a one-layer, time-major :class:`bppsa.nn.RNN`, ``GRU`` or ``LSTM``, whose
 parameters have torch.nn's names, so state dicts are those of a torch.nn cell) and ``self.head``.  The autograd
 baseline runs torch's own recurrent kernel (cuDNN on a GPU) on the cell's weights; the BPPSA step is the layer's
 forward, the head and ``loss.backward()``, whose layer backward is the scan.
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..nn import backward as layer_backward
+from ..nn.cells import Saved
 from . import check_layout
 
 Phase = Callable[[str], contextlib.AbstractContextManager]
@@ -27,7 +28,7 @@ def no_phase(name: str):
 
 class RecurrentClassifier(nn.Module):
     model: str  # the name in bppsa.models.SPECS
-    cell: nn.Module  # bppsa.nn.RNN or bppsa.nn.GRU, one layer, time-major
+    cell: nn.Module  # bppsa.nn.RNN, GRU or LSTM, one layer, time-major
     head: nn.Linear
 
     def forward(self, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
@@ -39,22 +40,27 @@ class RecurrentClassifier(nn.Module):
         small-hidden-size kernels current PyTorch picks for dense input.
         """
         T, B, _ = x.shape
-        hx = x.new_zeros(1, B, self.cell.hidden_size)
-        w = self.cell.layer_weights(0)
+        w, cell = self.cell.layer_weights(0), self.cell.cell
+        state0 = cell.initial_states(x, None, None, w)
         if packed:
             lengths = torch.full((B,), T, dtype=torch.int64)  # on the CPU, as torch requires
             seq = nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=True)
-            _, h_n = layer_backward.torch_layer(self.cell.cell, seq.data, hx, *w, seq.batch_sizes)
+            _, finals = cell.torch_run(seq.data, state0, w, seq.batch_sizes)
         else:
-            _, h_n = layer_backward.torch_layer(self.cell.cell, x, hx, *w)
-        return self.head(h_n[-1])
+            _, finals = cell.torch_run(x, state0, w)
+        return self.head(finals[0][-1])
+
+    def saved(self, x: torch.Tensor, h: torch.Tensor) -> Saved:
+        """What the layer's backward keeps from a forward from zero that gave the states ``h`` (an LSTM's cell
+        states recomputed)."""
+        w, cell = self.cell.layer_weights(0), self.cell.cell
+        return Saved(x, h, cell.cell_states(x, h, cell.initial_states(x, None, None, w), w, None))
 
     def jacobians_t(self, x: torch.Tensor, h: torch.Tensor, layout: str, backend):
         """The chain the layer's backward builds on ``backend`` from the states ``h`` [T, B, H]: the transposed
         Jacobians in scan order, dense or kept as factors (with the inputs, for the weights' gradients)."""
         check_layout(self.model, layout)
-        return layer_backward.layer_chain(backend, self.cell.cell, x, h, *self.cell.layer_weights(0), None, layout,
-                                          with_x=True)
+        return self.cell.cell.chain(backend, self.saved(x, h), self.cell.layer_weights(0), layout, with_x=True)
 
     # -- the two training steps -------------------------------------------------------------------
     def baseline_step(self, x, y, phase: Phase = no_phase, backward: bool = True,
@@ -79,13 +85,18 @@ class RecurrentClassifier(nn.Module):
             with torch.no_grad():
                 with phase("forward"):
                     h, h_n = self.cell(x)
-                    loss = F.cross_entropy(self.head(h_n[-1]), y)
+                    loss = F.cross_entropy(self.head(_last(h_n)), y)
                 with phase("jacobian"):
                     self.jacobians_t(x, h, layout, backend)
             return loss
         with phase("forward"):
             _, h_n = self.cell(x)
-            loss = F.cross_entropy(self.head(h_n.squeeze(0)), y)  # views back to the op's h_n: nothing copied
+            loss = F.cross_entropy(self.head(_last(h_n)), y)  # views back to the op's h_n: nothing copied
         with phase("backward"), layer_backward.stepping(backend, phase):
             loss.backward()
         return loss.detach()
+
+
+def _last(h_n) -> torch.Tensor:
+    """The last layer's h_n [B, H] (an LSTM's of its (h_n, c_n))."""
+    return (h_n[0] if isinstance(h_n, tuple) else h_n)[-1]

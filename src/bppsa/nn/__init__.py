@@ -1,4 +1,5 @@
-"""BPPSA as a layer anyone can train with: ``bppsa.nn.RNN`` and ``bppsa.nn.GRU``, drop-ins for torch.nn.RNN/GRU.
+"""BPPSA as a layer anyone can train with: ``bppsa.nn.RNN``, ``bppsa.nn.GRU`` and ``bppsa.nn.LSTM``, drop-ins for
+torch.nn's.
 
 ::
 
@@ -6,11 +7,11 @@
     out, h_n = gru(x, lengths=lengths)                  # padded batch [B, T, 12], lengths [B]
     loss(out, h_n).backward()                           # the backward is the BPPSA scan
 
-Each layer is a custom op (:mod:`.ops`; the math in :mod:`.backward`), so the layers run under
-torch.compile(fullgraph=True).  docs/library.md lists the options, the refusals and the cost model.
+Each cell is one class (:mod:`.cells`), each layer a custom op (:mod:`.ops`; the backward in :mod:`.backward`), so the
+layers run under torch.compile(fullgraph=True).  docs/library.md lists the options, the refusals and the cost model.
 """
 from .affine import affine_scan
-from .modules import GRU, RNN
+from .modules import GRU, LSTM, RNN
 from .sequential import Recorder, Sequential
 
-__all__ = ["GRU", "RNN", "Recorder", "Sequential", "affine_scan"]
+__all__ = ["GRU", "LSTM", "RNN", "Recorder", "Sequential", "affine_scan"]

@@ -52,9 +52,9 @@ def _apply(A, v, dense: bool):
 
 
 def _backend(name: str, device):
-    """The backend that scans a dense chain: the layers' choice (:func:`bppsa.nn.backward.per_step_backend`)."""
-    be = _bw._step.backend if _bw._step.backend is not None else _bw.backend_for(name, device)
-    return _bw.per_step_backend(be, device)
+    """The backend that scans a dense chain's affine recurrence: the layers' backend's answer
+    (:meth:`~bppsa.backends.base.Backend.scanner`)."""
+    return _bw.layer_backend(name, device).scanner("dense", per_step=True)
 
 
 @torch.no_grad()

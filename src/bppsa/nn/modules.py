@@ -1,8 +1,10 @@
-"""``bppsa.nn.RNN`` and ``bppsa.nn.GRU``: drop-ins for torch.nn.RNN/GRU whose backward is BPPSA.
+"""``bppsa.nn.RNN``, ``bppsa.nn.GRU`` and ``bppsa.nn.LSTM``: drop-ins for torch.nn's whose backward is BPPSA.
 
-Same constructor, call, parameter names and state dict as torch's; each layer is one op of :mod:`.ops`,
-chained by autograd, with dropout between layers.  They subclass ``nn.Module``, not ``nn.RNNBase``, whose
-flattened cuDNN weights and Python-side checks torch.compile would break the graph on.
+Same constructor, call, parameter names, initialisation and state dict as torch's; each layer and direction is one
+op of :mod:`.ops`, chained by autograd, with dropout between layers.  The reverse direction of a bidirectional
+layer is its own scan: the same op on each sequence reversed (from its last valid step, as torch's), its states
+reversed back.  They subclass ``nn.Module``, not ``nn.RNNBase``, whose flattened cuDNN weights and Python-side
+checks torch.compile would break the graph on.
 """
 from __future__ import annotations
 
@@ -16,19 +18,17 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from ..backends import BACKENDS
 from ..distributed import all_gather_ints
-from ..jacobians.recurrent import LAYOUTS
 from . import ops, split
-from .backward import no_autocast
+from .backward import Options, no_autocast, valid_steps
+from .cells import CELLS, Cell, Weights
 
 HALF = (torch.float16, torch.bfloat16)
 
 
 class _Recurrent(nn.Module):
-    """What the RNN and the GRU share: options, refusals, parameters, the layer loop, conversions."""
+    """What the RNN, the GRU and the LSTM share: options, refusals, parameters, the layer loop, conversions."""
 
-    cell: str
-    gates: int
-    torch_cls: type
+    cell: Cell
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, device=None,
@@ -36,12 +36,11 @@ class _Recurrent(nn.Module):
                  L_m: int | None = None, process_group=None, group_timeout: float | None = None):
         super().__init__()
         name = type(self).__name__
-        if bidirectional:
-            raise ValueError(f"bppsa.nn.{name}: bidirectional=True is not supported (the BPPSA backward scans one "
-                             "direction); use bidirectional=False, or torch.nn for a bidirectional layer")
-        if proj_size:
+        if proj_size and self.cell.torch_cls is not nn.LSTM:
             raise ValueError(f"bppsa.nn.{name}: proj_size={proj_size} is not supported (torch.nn has it for LSTM "
                              "only); use proj_size=0")
+        if not isinstance(proj_size, int) or proj_size < 0 or proj_size >= hidden_size > 0 and proj_size:
+            raise ValueError(f"bppsa.nn.{name}: proj_size must be an int in [0, hidden_size), got {proj_size!r}")
         if dtype in HALF:
             raise TypeError(f"bppsa.nn.{name}: dtype={dtype} (half precision) is not supported: float32 and "
                             "float64 are; under autocast the layer runs in float32")
@@ -52,35 +51,49 @@ class _Recurrent(nn.Module):
             raise ValueError(f"bppsa.nn.{name}: dropout must be a probability in [0, 1], got {dropout}")
         if backend not in BACKENDS:
             raise ValueError(f"bppsa.nn.{name}: unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
-        layouts = LAYOUTS if self.cell == "rnn" else ("fused",)
-        if layout not in layouts:
-            raise ValueError(f"bppsa.nn.{name}: unknown layout '{layout}' (choose from {', '.join(layouts)})")
+        if layout not in self.cell.layouts:
+            raise ValueError(f"bppsa.nn.{name}: unknown layout '{layout}' (choose from {', '.join(self.cell.layouts)})")
         if L_m is not None and (not isinstance(L_m, int) or L_m < 0):
             raise ValueError(f"bppsa.nn.{name}: L_m must be None (the full tree) or an int >= 0, got {L_m!r}")
-        self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
-        self.bias, self.batch_first, self.dropout = bias, batch_first, float(dropout)
-        self.bidirectional, self.proj_size = False, 0
-        self.backend, self.layout, self.L_m = backend, layout, L_m
         if process_group is not None and layout != "fused":
             raise ValueError(f"bppsa.nn.{name}: process_group runs the fused layout only, got layout='{layout}'")
+        if process_group is not None and bidirectional:
+            raise ValueError(f"bppsa.nn.{name}: bidirectional=True with a process_group is not supported: the reverse "
+                             "direction starts at each sequence's own last step, which lies on another rank for each "
+                             "length, so its slices would have to be exchanged between the ranks; split a "
+                             "unidirectional layer, or run the bidirectional one in one process")
         if group_timeout is not None and not group_timeout > 0:
             raise ValueError(f"bppsa.nn.{name}: group_timeout must be a positive number of seconds, got "
                              f"{group_timeout}")
+        self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
+        self.bias, self.batch_first, self.dropout = bias, batch_first, float(dropout)
+        self.bidirectional, self.proj_size = bool(bidirectional), proj_size
+        self.backend, self.layout, self.L_m = backend, layout, L_m
         # the sequence split over the ranks of a torch.distributed group (bppsa.nn.split; docs/distributed.md)
         self.process_group, self.group_timeout = process_group, group_timeout
         kw = {"device": device, "dtype": dtype}
-        G = self.gates * hidden_size
+        G, P = self.cell.gates * hidden_size, proj_size or hidden_size
         for k in range(num_layers):
-            size = input_size if k == 0 else hidden_size
-            setattr(self, f"weight_ih_l{k}", nn.Parameter(torch.empty(G, size, **kw)))
-            setattr(self, f"weight_hh_l{k}", nn.Parameter(torch.empty(G, hidden_size, **kw)))
-            if bias:
-                setattr(self, f"bias_ih_l{k}", nn.Parameter(torch.empty(G, **kw)))
-                setattr(self, f"bias_hh_l{k}", nn.Parameter(torch.empty(G, **kw)))
+            size = input_size if k == 0 else P * self.directions
+            for sfx in self._suffixes():  # torch.nn's order: per layer, per direction
+                setattr(self, f"weight_ih_l{k}{sfx}", nn.Parameter(torch.empty(G, size, **kw)))
+                setattr(self, f"weight_hh_l{k}{sfx}", nn.Parameter(torch.empty(G, P, **kw)))
+                if bias:
+                    setattr(self, f"bias_ih_l{k}{sfx}", nn.Parameter(torch.empty(G, **kw)))
+                    setattr(self, f"bias_hh_l{k}{sfx}", nn.Parameter(torch.empty(G, **kw)))
+                if proj_size:
+                    setattr(self, f"weight_hr_l{k}{sfx}", nn.Parameter(torch.empty(proj_size, hidden_size, **kw)))
         self.reset_parameters()
 
+    @property
+    def directions(self) -> int:
+        return 2 if self.bidirectional else 1
+
+    def _suffixes(self) -> tuple[str, ...]:
+        return ("", "_reverse")[:self.directions]
+
     def reset_parameters(self) -> None:
-        """torch.nn.RNN/GRU's initialisation: every weight uniform in ±1/√hidden_size."""
+        """torch.nn's initialisation: every weight uniform in ±1/√hidden_size."""
         bound = 1.0 / math.sqrt(self.hidden_size)
         for p in self.parameters():
             nn.init.uniform_(p, -bound, bound)
@@ -88,58 +101,86 @@ class _Recurrent(nn.Module):
     def flatten_parameters(self) -> None:
         """Nothing to do (torch.nn's cuDNN weight packing): here so that code written for torch.nn runs."""
 
-    def layer_weights(self, k: int):
-        b = (getattr(self, f"bias_ih_l{k}"), getattr(self, f"bias_hh_l{k}")) if self.bias else (None, None)
-        return getattr(self, f"weight_ih_l{k}"), getattr(self, f"weight_hh_l{k}"), *b
+    def layer_weights(self, k: int, reverse: bool = False) -> Weights:
+        """Layer k's tensors in one direction (torch.nn's names, ``_reverse`` for the reverse direction)."""
+        sfx = "_reverse" if reverse else ""
+
+        def get(name):
+            return getattr(self, f"{name}_l{k}{sfx}", None)
+
+        return Weights(get("weight_ih"), get("weight_hh"), get("bias_ih"), get("bias_hh"), get("weight_hr"))
 
     def extra_repr(self) -> str:
         s = f"{self.input_size}, {self.hidden_size}"
         if self.num_layers != 1:
             s += f", num_layers={self.num_layers}"
-        for key, default in (("bias", True), ("batch_first", False), ("dropout", 0.0)):
+        for key, default in (("bias", True), ("batch_first", False), ("dropout", 0.0), ("bidirectional", False),
+                             ("proj_size", 0)):
             if getattr(self, key) != default:
                 s += f", {key}={getattr(self, key)}"
         return s + f", backend={self.backend!r}, layout={self.layout!r}, L_m={self.L_m}"
 
     # -- the call ---------------------------------------------------------------------------------
-    def forward(self, input, hx: torch.Tensor | None = None, *, lengths=None):
-        """``(output, h_n)`` as torch.nn.RNN/GRU return them, for a tensor ([T, B, I], [B, T, I] with
-        ``batch_first``, or unbatched [T, I]) or a PackedSequence.  ``lengths`` (a tensor or list of B ints in
-        [1, T]) marks a padded batch's sequence lengths, like a PackedSequence: ``output`` is zero past each
-        sequence's end and ``h_n`` holds each one's last valid state."""
+    def forward(self, input, hx=None, *, lengths=None):
+        """``(output, h_n)`` (the LSTM: ``(output, (h_n, c_n))``) as torch.nn returns them, for a tensor ([T, B, I],
+        [B, T, I] with ``batch_first``, or unbatched [T, I]) or a PackedSequence.  ``lengths`` (a tensor or list of
+        B ints in [1, T]) marks a padded batch's sequence lengths, like a PackedSequence: ``output`` is zero past
+        each sequence's end and ``h_n`` holds each one's last valid state."""
+        name = type(self).__name__
         packed = isinstance(input, PackedSequence)
         if packed and self.process_group is not None:
-            raise ValueError(f"bppsa.nn.{type(self).__name__}: with a process_group, pass this rank's slice of a "
-                             "padded batch and lengths= (the whole sequences' lengths), not a PackedSequence")
+            raise ValueError(f"bppsa.nn.{name}: with a process_group, pass this rank's slice of a padded batch and "
+                             "lengths= (the whole sequences' lengths), not a PackedSequence")
         if packed:
             if lengths is not None:
                 raise ValueError("bppsa.nn: a PackedSequence carries its lengths; do not pass lengths= too")
             x, lengths = pad_packed_sequence(input)
         else:
             x = input
+        states = self._states(hx)
         unbatched = x.dim() == 2
         if unbatched:
             x = x.unsqueeze(1)
-            hx = hx.unsqueeze(1) if hx is not None else None
+            states = tuple(s.unsqueeze(1) if s is not None else None for s in states)
         elif x.dim() != 3:
-            raise ValueError(f"bppsa.nn.{type(self).__name__}: expected a 2-D or 3-D input, got {x.dim()}-D")
+            raise ValueError(f"bppsa.nn.{name}: expected a 2-D or 3-D input, got {x.dim()}-D")
         elif self.batch_first and not packed:
             x = x.transpose(0, 1)
         if torch.is_autocast_enabled(x.device.type):  # runs in fp32, as the docs say (the weights are fp32)
             x = x.float()
-            hx = hx.float() if hx is not None else None
+            states = tuple(s.float() if s is not None else None for s in states)
         self._check_dtype(x)
         if lengths is not None:
             lengths = torch.as_tensor(lengths, dtype=torch.int64).cpu()
-        if hx is not None and tuple(hx.shape) != (self.num_layers, x.shape[1], self.hidden_size):
-            raise ValueError(f"bppsa.nn.{type(self).__name__}: hx must be [num_layers, B, hidden_size] = "
-                             f"{[self.num_layers, x.shape[1], self.hidden_size]}, got {list(hx.shape)}")
-        out, h_n = self._layers(x, hx, lengths)
+        self._check_states(states, x.shape[1])
+        out, finals = self._layers(x, states, lengths)
         if packed:
-            return _repack(out, input), h_n
-        if unbatched:
-            return out.squeeze(1), h_n.squeeze(1)
-        return (out.transpose(0, 1) if self.batch_first else out), h_n
+            out = _repack(out, input)
+        elif unbatched:
+            out, finals = out.squeeze(1), tuple(f.squeeze(1) for f in finals)
+        elif self.batch_first:
+            out = out.transpose(0, 1)
+        return out, (finals if self.cell.cell_state else finals[0])
+
+    def _states(self, hx) -> tuple:
+        """``(h0, c0)`` from the call's ``hx`` (None: zero)."""
+        if not self.cell.cell_state:
+            if isinstance(hx, (tuple, list)):
+                raise ValueError(f"bppsa.nn.{type(self).__name__}: hx must be one tensor, got a {type(hx).__name__}")
+            return hx, None
+        if hx is None:
+            return None, None
+        if not isinstance(hx, (tuple, list)) or len(hx) != 2:
+            raise ValueError("bppsa.nn.LSTM: hx must be a tuple (h_0, c_0), as torch.nn.LSTM takes it")
+        return tuple(hx)
+
+    def _check_states(self, states, B: int) -> None:
+        n, P = self.num_layers * self.directions, self.proj_size or self.hidden_size
+        for what, s, size in (("h", states[0], P), ("c", states[1], self.hidden_size)):
+            if s is not None and tuple(s.shape) != (n, B, size):
+                raise ValueError(f"bppsa.nn.{type(self).__name__}: {what}_0 must be [num_layers * directions, B, "
+                                 f"{'proj_size' if what == 'h' and self.proj_size else 'hidden_size'}] = "
+                                 f"{[n, B, size]}, got {list(s.shape)}")
 
     def _check_dtype(self, x: torch.Tensor) -> None:
         w = self.weight_hh_l0
@@ -147,52 +188,69 @@ class _Recurrent(nn.Module):
             raise TypeError(f"bppsa.nn.{type(self).__name__}: half precision ({x.dtype} input, {w.dtype} weights) "
                             "is not supported: float32 and float64 are; under autocast the layer runs in float32")
 
-    def _layers(self, x: torch.Tensor, hx: torch.Tensor | None, lengths: torch.Tensor | None):
+    def _layers(self, x: torch.Tensor, states: tuple, lengths: torch.Tensor | None):
         T, t0 = x.shape[0], 0
         if self.process_group is not None and lengths is not None:  # this rank's steps start at t0
             t0 = sum(s[0] for s in all_gather_ints([T], self.process_group, self.group_timeout)
                      [:dist.get_rank(self.process_group)])
-        valid = None if lengths is None else (torch.arange(t0, t0 + T, device=x.device)[:, None]
-                                              < lengths.to(x.device)[None, :]).unsqueeze(-1)
+        valid = valid_steps(lengths, T, x.device, t0)
+        rev = None if not self.bidirectional else _reversal(T, lengths, x.device)
+        options = Options(self.backend, self.layout, self.L_m)
+        finals: list[list] = [[], []]
         with no_autocast(x.device):
-            finals = []
             for k in range(self.num_layers):
-                if self.process_group is not None:
-                    h, h_n = split.layer(self.cell, x, hx[k] if hx is not None else None, *self.layer_weights(k),
-                                         lengths, self.backend, self.L_m, self.process_group, self.group_timeout)
-                else:
-                    h, h_n = ops.layer(self.cell, x, hx[k] if hx is not None else None, *self.layer_weights(k),
-                                       lengths, self.backend, self.layout, self.L_m)
-                x = h if valid is None else torch.where(valid, h, 0.0)  # zero past each end, as torch pads
+                outs = []
+                for d in range(self.directions):
+                    i = k * self.directions + d
+                    state0 = tuple(s[i] if s is not None else None for s in states)
+                    xd = x if d == 0 else _reverse(x, rev)
+                    h, h_n, c_n = self._layer(xd, state0, self.layer_weights(k, d == 1), lengths, options)
+                    outs.append(h if d == 0 else _reverse(h, rev))
+                    finals[0].append(h_n)
+                    finals[1].append(c_n)
+                h = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+                x = h if valid is None else torch.where(valid.unsqueeze(-1), h, 0.0)  # zero past each end, as torch
                 if self.dropout and self.training and k < self.num_layers - 1:
                     x = F.dropout(x, self.dropout, True)
-                finals.append(h_n)
-        return x, (finals[0].unsqueeze(0) if len(finals) == 1 else torch.stack(finals))  # a view: no copy back
+        stacked = tuple((f[0].unsqueeze(0) if len(f) == 1 else torch.stack(f)) for f in finals
+                        if f[0] is not None)  # one layer: a view back to the op's output, no copy
+        return x, stacked
+
+    def _layer(self, x, state0, w: Weights, lengths, options: Options):
+        if self.process_group is not None:
+            return split.layer(self.cell, x, state0, w, lengths, options,
+                               split.Ranks(self.process_group, self.group_timeout))
+        return ops.layer(self.cell, x, state0, w, lengths, options)
 
     # -- conversions --------------------------------------------------------------------------------
     def _torch_kwargs(self) -> dict:
         w = self.weight_hh_l0
-        return dict(num_layers=self.num_layers, bias=self.bias, batch_first=self.batch_first, dropout=self.dropout,
-                    device=w.device, dtype=w.dtype)
+        kw = dict(num_layers=self.num_layers, bias=self.bias, batch_first=self.batch_first, dropout=self.dropout,
+                  bidirectional=self.bidirectional, device=w.device, dtype=w.dtype)
+        if self.proj_size:
+            kw["proj_size"] = self.proj_size
+        return kw
 
     @classmethod
     def from_torch(cls, module: nn.Module, **options):
         """This layer with ``module``'s configuration and weights (a copy); ``options``: ``backend``,
         ``layout``, ``L_m``.  Refuses what it cannot run, as the constructor does."""
-        if not isinstance(module, cls.torch_cls):
-            raise TypeError(f"bppsa.nn.{cls.__name__}.from_torch takes a {cls.torch_cls.__name__}, "
+        if type(module) is not cls.cell.torch_cls:
+            raise TypeError(f"bppsa.nn.{cls.__name__}.from_torch takes a {cls.cell.torch_cls.__name__}, "
                             f"got {type(module).__name__}")
-        extra = {"nonlinearity": module.nonlinearity} if cls.torch_cls is nn.RNN else {}
+        extra = {"nonlinearity": module.nonlinearity} if cls.cell.torch_cls is nn.RNN else {}
+        if module.proj_size:
+            extra["proj_size"] = module.proj_size
         w = module.weight_hh_l0
         out = cls(module.input_size, module.hidden_size, num_layers=module.num_layers, bias=module.bias,
                   batch_first=module.batch_first, dropout=module.dropout, bidirectional=module.bidirectional,
-                  device=w.device, dtype=w.dtype, proj_size=module.proj_size, **extra, **options)
+                  device=w.device, dtype=w.dtype, **extra, **options)
         out.load_state_dict(module.state_dict())
         return out.train(module.training)
 
     def to_torch(self) -> nn.Module:
         """The torch.nn layer with this one's configuration and weights (a copy)."""
-        out = self.torch_cls(self.input_size, self.hidden_size, **self._torch_kwargs(), **self._torch_extra())
+        out = self.cell.torch_cls(self.input_size, self.hidden_size, **self._torch_kwargs(), **self._torch_extra())
         out.load_state_dict(self.state_dict())
         return out.train(self.training)
 
@@ -201,30 +259,60 @@ class _Recurrent(nn.Module):
 
 
 class RNN(_Recurrent):
-    """The Elman tanh RNN, ``h_t = tanh(W_ih x_t + b_ih + W_hh h_{t-1} + b_hh)``, as torch.nn.RNN, trained
-    with the BPPSA backward.  ``nonlinearity`` is 'tanh' only (the paper's RNN)."""
+    """The Elman RNN, ``h_t = tanh(W_ih x_t + b_ih + W_hh h_{t-1} + b_hh)`` (or relu: ``nonlinearity``), as
+    torch.nn.RNN, trained with the BPPSA backward."""
 
-    cell, gates, torch_cls = "rnn", 1, nn.RNN
+    cell = CELLS["rnn"]
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, nonlinearity: str = "tanh",
                  bias: bool = True, batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
                  device=None, dtype=None, **options):
-        if nonlinearity != "tanh":
-            what = "is not supported" if nonlinearity == "relu" else "is unknown"
-            raise ValueError(f"bppsa.nn.RNN: nonlinearity='{nonlinearity}' {what}: only 'tanh' is (the paper's "
-                             "Elman RNN); use torch.nn.RNN for 'relu'")
+        if nonlinearity not in ("tanh", "relu"):
+            raise ValueError(f"bppsa.nn.RNN: nonlinearity='{nonlinearity}' is unknown: choose 'tanh' or 'relu'")
+        self.cell = CELLS["rnn" if nonlinearity == "tanh" else "rnn_relu"]  # (before the layouts are checked)
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional, device,
                          dtype, **options)
         self.nonlinearity = nonlinearity
 
     def _torch_extra(self) -> dict:
-        return {"nonlinearity": "tanh"}
+        return {"nonlinearity": self.nonlinearity}
 
 
 class GRU(_Recurrent):
     """The GRU of torch.nn.GRU (gates r, z, n; Eq. 10 of the paper), trained with the BPPSA backward."""
 
-    cell, gates, torch_cls = "gru", 3, nn.GRU
+    cell = CELLS["gru"]
+
+
+class LSTM(_Recurrent):
+    """The LSTM of torch.nn.LSTM (gates i, f, g, o; ``proj_size`` projects h), trained with the BPPSA backward: the
+    scan runs over the transposed Jacobians of its state (h, c).  Called as torch.nn.LSTM is: ``hx = (h_0, c_0)``
+    in, ``(output, (h_n, c_n))`` out."""
+
+    cell = CELLS["lstm"]
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
+                 batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, proj_size: int = 0,
+                 device=None, dtype=None, **options):
+        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional, device,
+                         dtype, proj_size=proj_size, **options)
+
+
+def _reversal(T: int, lengths: torch.Tensor | None, device) -> torch.Tensor | None:
+    """[T, B] step indices that reverse each sequence within its own length (its own inverse); None: the whole
+    sequence, ``flip(0)``."""
+    if lengths is None:
+        return None
+    t = torch.arange(T, device=device)[:, None]
+    n = lengths.to(device)[None, :]
+    return torch.where(t < n, n - 1 - t, t)
+
+
+def _reverse(x: torch.Tensor, rev: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [T, B, ·] with each sequence reversed (:func:`_reversal`), differentiably."""
+    if rev is None:
+        return x.flip(0)
+    return x.gather(0, rev.unsqueeze(-1).expand_as(x))
 
 
 def _repack(out: torch.Tensor, like: PackedSequence) -> PackedSequence:

@@ -29,7 +29,7 @@ from ..base import check_operands
 from ..chain import FactoredChain, PaperChain, RnnChain
 from ..twin import TorchBackend
 from . import native
-from .chain import gru_chain, native_chain_scan, rnn_chain, rnn_chain_scan
+from .chain import gru_chain, native_chain_scan, rnn_chain, rnn_chain_product, rnn_chain_scan
 from .dense import dense_tree_scan
 
 __all__ = ["CpuBackend", "cpu_scan", "param_grads", "native"]
@@ -126,6 +126,14 @@ class CpuBackend(TorchBackend):
             if out is not None:
                 return out
         return super().affine_scan(g, J.dense() if isinstance(J, FactoredChain) else J, c, L_m, past)
+
+    def chain_product(self, J, c: torch.Tensor | None = None):
+        """The RNN's tanh chain read from the states (the kernel at hand) as one map, by the compiled kernel's product
+        of the whole chain (:func:`.chain.rnn_chain_product`); None for every other chain."""
+        if isinstance(J, RnnChain) and J.states is not None and J.act == "tanh":
+            h, x = J.states
+            return rnn_chain_product(h, J.W_hh, x, c)
+        return None
 
     def cell_grads(self, g, J, L_m, from_scan, c: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         if isinstance(J, FactoredChain):

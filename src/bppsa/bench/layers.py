@@ -1,0 +1,103 @@
+"""The layers of :mod:`bppsa.nn` against their torch.nn twins on a CPU: forward, backward and a whole training step
+(forward, backward, SGD), methods interleaved round by round on the same weights and batch (:mod:`.protocol`).
+
+Methods, per layer (``rnn``, ``rnn_relu``, ``gru``, ``lstm``; ``num_layers`` of them):
+
+* ``bppsa`` (``bppsa-L<L_m>`` for each heterogeneous scan asked for): the bppsa.nn layer, its backward the scan;
+* ``torch``: torch.nn's layer as it comes (on a CPU the LSTM runs oneDNN's fused kernel: the rival a user has);
+* ``torch-generic`` (the LSTM): the same with oneDNN off, torch's generic recurrent loop, as torch.nn.RNN and GRU
+  always run.
+
+The loss is on h_n alone (``hn``, the paper's single seed) or on every step (``steps``).  One row per method, round
+and phase (``forward``, ``backward``, ``sgd``); :func:`summary` gives each phase's and the whole step's medians and
+the paired ratios ``torch* / bppsa*`` with 95 % intervals.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pandas as pd
+import torch
+
+from ..stats import median_ci, ratio_ci
+from .protocol import StopRule, interleave
+
+LAYERS = {"rnn": ("RNN", {}), "rnn_relu": ("RNN", {"nonlinearity": "relu"}), "gru": ("GRU", {}),
+          "lstm": ("LSTM", {})}
+FUSED_ON_CPU = ("lstm",)  # torch.nn runs oneDNN's fused kernel for these on a CPU, not the generic loop
+PHASES = ("forward", "backward", "sgd")
+
+
+def _finals(h_n) -> torch.Tensor:
+    return h_n[0] if isinstance(h_n, tuple) else h_n
+
+
+def methods_for(layer: str, input_size: int, hidden: int, num_layers: int, L_ms=(None,), backend: str = "cpu"):
+    """name -> module, on one set of weights: the bppsa.nn layer per L_m, torch.nn's, and (oneDNN's layers) its
+    generic loop."""
+    import bppsa.nn as bnn
+
+    name, kw = LAYERS[layer]
+    torch.manual_seed(0)
+    ours = getattr(bnn, name)(input_size, hidden, num_layers, backend=backend, **kw)
+    out = {}
+    for L_m in L_ms:
+        m = getattr(bnn, name)(input_size, hidden, num_layers, backend=backend, L_m=L_m, **kw)
+        m.load_state_dict(ours.state_dict())
+        out["bppsa" if L_m is None else f"bppsa-L{L_m}"] = (m, contextlib.nullcontext)
+    out["torch"] = (ours.to_torch(), contextlib.nullcontext)
+    if layer in FUSED_ON_CPU:
+        out["torch-generic"] = (ours.to_torch(), lambda: torch.backends.mkldnn.flags(enabled=False))
+    return out
+
+
+def run(layer: str, seq_len: int, batch: int, hidden: int = 20, input_size: int = 1, num_layers: int = 1,
+        loss: str = "hn", L_ms=(None,), rule: StopRule | None = None, seed: int = 0) -> pd.DataFrame:
+    """Interleaved rounds of every method of :func:`methods_for`: tidy rows (method, iter, phase, seconds)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.rand(seq_len, batch, input_size, generator=gen) < 0.3).float()  # bitstream-like inputs
+    w = torch.randn(seq_len, batch, hidden, generator=gen)  # the loss's weights: sum_t <w_t, h_t>, or <w_T, h_n>
+    fns = {}
+    for name, (mod, ctx) in methods_for(layer, input_size, hidden, num_layers, L_ms).items():
+        opt = torch.optim.SGD(mod.parameters(), lr=1e-6)  # a real update, small enough to keep the weights
+
+        def step(i: int, mod=mod, ctx=ctx, opt=opt) -> dict:
+            opt.zero_grad(set_to_none=True)
+            with ctx():
+                t0 = time.perf_counter()
+                out, h_n = mod(x)
+                obj = (out * w).sum() if loss == "steps" else (_finals(h_n)[-1] * w[-1]).sum()
+                t1 = time.perf_counter()
+                obj.backward()
+                t2 = time.perf_counter()
+                opt.step()
+                t3 = time.perf_counter()
+            return {"forward": t1 - t0, "backward": t2 - t1, "sgd": t3 - t2}
+
+        fns[name] = step
+    m = interleave(fns, rule or StopRule(), reference="bppsa" if "bppsa" in fns else next(iter(fns)),
+                   metric="backward")
+    return pd.DataFrame(m.rows).assign(layer=layer, seq_len=seq_len, batch=batch, hidden=hidden,
+                                       input_size=input_size, num_layers=num_layers, loss=loss,
+                                       threads=torch.get_num_threads(), noisy=lambda d: d.method.map(m.noisy))
+
+
+def summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Per phase and for the whole step (their sum): each method's median with its interval, and every paired
+    ratio torch* / bppsa*."""
+    wide = df.pivot_table(index=["method", "iter"], columns="phase", values="seconds").reset_index()
+    wide["step"] = wide[list(PHASES)].sum(axis=1)
+    rows = []
+    methods = list(dict.fromkeys(df.method))
+    for what in ("forward", "backward", "step"):
+        per = {k: wide[wide.method == k].sort_values("iter")[what].to_numpy() for k in methods}
+        for k, v in per.items():
+            med, lo, hi = median_ci(v)
+            rows.append({"what": what, "ratio": k, "median": med, "ci_low": lo, "ci_high": hi, "n": len(v)})
+        for num in (k for k in methods if k.startswith("torch")):
+            for den in (k for k in methods if k.startswith("bppsa")):
+                med, lo, hi = ratio_ci(per[num], per[den])
+                rows.append({"what": what, "ratio": f"{num} / {den}", "median": med, "ci_low": lo, "ci_high": hi,
+                             "n": len(per[num])})
+    return pd.DataFrame(rows)
