@@ -1,0 +1,156 @@
+"""The compiled forward of the recurrent layers (bppsa.backends.cpu.forward, forward.c) against torch's own forward:
+torch.nn.RNN (tanh, relu), GRU and LSTM on the same weights, oneDNN on and off, with start states, without biases,
+with sequence lengths; fp64 within 1e-12 and fp32 within 1e-6 relative (max-abs error over max-abs value of the
+whole output).  Few (H, I) per kernel build: a build is ~1-5 s, and cached."""
+import os
+
+import pytest
+import torch
+
+from bppsa.backends.cpu import forward, native
+
+pytestmark = pytest.mark.skipif(native.target() is None, reason="no C compiler")
+
+CELLS = ["rnn_tanh", "rnn_relu", "gru", "lstm"]
+TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
+
+
+def layer(cell, I, H, dtype, seed, bias=True):
+    torch.manual_seed(seed)
+    kw = dict(input_size=I, hidden_size=H, dtype=dtype, bias=bias)
+    if cell.startswith("rnn"):
+        return torch.nn.RNN(nonlinearity=cell[4:], **kw)
+    return {"gru": torch.nn.GRU, "lstm": torch.nn.LSTM}[cell](**kw)
+
+
+def weights(m):
+    return (m.weight_ih_l0, m.weight_hh_l0, getattr(m, "bias_ih_l0", None), getattr(m, "bias_hh_l0", None))
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The references run torch step by step: on one thread, as a loop of small ops is fastest (and an OpenMP team
+    on a busy machine makes each of them wait for its workers)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@torch.no_grad()
+def torch_states(cell, m, x, h0, c0, lengths=None):
+    """torch.nn's states of every step, (h, c): h by one call of the module where no sequence ends early (torch's
+    own forward, oneDNN's where it is on), else -- and c, which torch.nn does not return per step -- by the
+    module one step at a time, a sequence past its end keeping its state."""
+    T, B, _ = x.shape
+    state = (h0[None], c0[None]) if cell == "lstm" else h0[None]
+    hs, cs = [], []
+    for t in range(T):
+        _, new = m(x[t:t + 1], state)
+        if lengths is not None:
+            on = (t < lengths)[None, :, None]
+            new = tuple(torch.where(on, a, b) for a, b in zip(new, state)) if cell == "lstm" else \
+                torch.where(on, new, state)
+        state = new
+        hs.append(state[0][0] if cell == "lstm" else state[0])
+        cs.append(state[1][0] if cell == "lstm" else None)
+    h = torch.stack(hs)
+    if lengths is None:
+        whole = m(x, (h0[None], c0[None]) if cell == "lstm" else h0[None])[0]
+        assert rel_err(h, whole) < 100 * TOL[x.dtype]  # the stepwise reference is torch's forward
+        h = whole
+    return h, (torch.stack(cs) if cell == "lstm" else None)
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+def check(cell, T, B, I, H, dtype, *, seed=0, lengths=False, bias=True, zero_start=False, threads=None):
+    m = layer(cell, I, H, dtype, seed, bias)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(T, B, I, generator=gen, dtype=dtype)
+    h0, c0 = (torch.randn(B, H, generator=gen, dtype=dtype) for _ in range(2))
+    ln = torch.randint(0, T + 2, (B,), generator=gen) if lengths else None
+    if zero_start:
+        h0, c0 = torch.zeros_like(h0), torch.zeros_like(c0)
+    ref_h, ref_c = torch_states(cell, m, x, h0, c0, ln)
+    out = forward.compiled_forward(cell, x, None if zero_start else h0, c0 if cell == "lstm" and not zero_start
+                                   else None, *weights(m), lengths=ln, threads=threads)
+    assert out is not None, native.unavailable_reason()
+    h, c = out
+    assert h.shape == (T, B, H) and h.dtype == dtype
+    assert rel_err(h, ref_h) <= TOL[dtype], (cell, T, B, I, H, dtype, rel_err(h, ref_h))
+    if cell == "lstm":
+        assert rel_err(c, ref_c) <= TOL[dtype], (cell, T, B, I, H, dtype, rel_err(c, ref_c))
+    else:
+        assert c is None
+    return h, c
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_fp64_equals_torch(cell):
+    check(cell, 1, 1, 12, 5, torch.float64)
+    check(cell, 7, 3, 12, 5, torch.float64, bias=False)
+    check(cell, 100, 17, 1, 20, torch.float64, lengths=True)
+    check(cell, 1001, 16, 1, 20, torch.float64, zero_start=True)
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_fp32_equals_torch(cell):
+    check(cell, 7, 17, 12, 33, torch.float32, lengths=True)
+    check(cell, 100, 3, 12, 33, torch.float32, bias=False)
+    check(cell, 1001, 16, 1, 20, torch.float32)
+
+
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_equals_torch_without_onednn(cell):
+    """torch's other CPU kernels (the native GEMM loop) are held to the same bounds."""
+    with torch.backends.mkldnn.flags(enabled=False):
+        check(cell, 100, 16, 1, 20, torch.float32)
+        check(cell, 100, 3, 12, 5, torch.float64)
+
+
+@pytest.mark.parametrize("cell", ["rnn_tanh", "lstm"])
+def test_the_same_bits_on_any_thread_and_in_any_lane(cell):
+    """A batch element's states do not depend on the thread that ran its lanes, on the lane it sat in or on its
+    neighbours: what the sliced forward's exactness rests on (its slices run elsewhere than the serial run)."""
+    dtype = torch.float32
+    m = layer(cell, 1, 20, dtype, 3)
+    x = torch.randn(50, 17, 1, dtype=dtype)
+    h0, c0 = torch.randn(17, 20, dtype=dtype), torch.randn(17, 20, dtype=dtype)
+    c0 = c0 if cell == "lstm" else None
+    h1, c1 = forward.compiled_forward(cell, x, h0, c0, *weights(m), threads=1)
+    h2, c2 = forward.compiled_forward(cell, x, h0, c0, *weights(m), threads=2)
+    assert torch.equal(h1, h2) and (c1 is None or torch.equal(c1, c2))
+    for b in (0, 5, 16):
+        one = forward.compiled_forward(cell, x[:, b:b + 1], h0[b:b + 1], None if c0 is None else c0[b:b + 1],
+                                       *weights(m))
+        assert torch.equal(one[0][:, 0], h1[:, b]) and (c1 is None or torch.equal(one[1][:, 0], c1[:, b]))
+
+
+def test_unsupported_cases_return_none():
+    m = torch.nn.LSTM(3, 6, proj_size=2)
+    x = torch.randn(5, 2, 3)
+    assert forward.compiled_forward("lstm", x, None, None, *weights(m)) is None  # proj_size > 0: torch's
+    g = torch.nn.GRU(3, 6)
+    assert forward.compiled_forward("gru", x.half(), None, None, *(w.half() for w in weights(g))) is None
+    assert forward.compiled_forward("gru", x.to("meta"), None, None, *(w.to("meta") for w in weights(g))) is None
+    with pytest.raises(ValueError, match="cell 'lstmx'"):
+        forward.compiled_forward("lstmx", x, None, None, *weights(g))
+    with pytest.raises(ValueError, match="w_ih must be"):
+        forward.compiled_forward("gru", torch.randn(5, 2, 4), None, None, *weights(g))
+
+
+def test_without_a_compiler_the_forward_is_none(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("BPPSA_CACHE_DIR", str(tmp_path))
+    native.reset()
+    try:
+        m = torch.nn.RNN(1, 4)
+        assert forward.compiled_forward("rnn_tanh", torch.randn(3, 2, 1), None, None, *weights(m)) is None
+        assert "no C compiler" in native.unavailable_reason()
+    finally:
+        monkeypatch.undo()
+        native.reset()
+    assert os.environ.get("CC") != str(tmp_path / "no-such-cc")
