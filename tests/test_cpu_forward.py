@@ -154,3 +154,130 @@ def test_without_a_compiler_the_forward_is_none(monkeypatch, tmp_path):
         monkeypatch.undo()
         native.reset()
     assert os.environ.get("CC") != str(tmp_path / "no-such-cc")
+
+
+# -- forward_until_meet: a slice rerun from its true start until it meets a stored trajectory ------------------
+
+def bitstreams(T, B, dtype, seed=0):
+    """The paper's inputs: class c ~ U{0..9}, x_t ~ Bernoulli(0.05 + 0.1 c), [T, B, 1]."""
+    import numpy as np
+
+    from bppsa.data import bitstream
+
+    bits, y = bitstream.generate(T, B, seed=seed, progress=False)
+    return bitstream.batch(bits, y, T, np.arange(B), dtype=dtype)[0]
+
+
+def first_equal(new, stored, t0):
+    """The first step s >= t0 from which every batch element's state in ``stored`` equals ``new`` bitwise (states
+    [T, B, H]; None where some never does)."""
+    same = (new[t0:] == stored[t0:]).all(-1)  # [steps, B]
+    # from s on: the elements equal at s and at every step after it
+    tail = same.flip(0).cumprod(0).flip(0).bool().all(-1)
+    ok = tail.nonzero()
+    return None if not len(ok) else t0 + int(ok[0])
+
+
+def slice_case(cell, dtype, T, B, t0, t1, seed=0, lengths=None, m=None):
+    """A layer that forgets (torch's init), on bitstreams: its serial forward, and the same with steps t0 .. t1 - 1
+    rerun from a bad start (zeros where it was the serial state), the stored trajectory of a slice's first sweep."""
+    m = m or layer(cell, 1, 20, dtype, seed)
+    x = bitstreams(T, B, dtype, seed)
+    h0 = torch.rand(B, 20, dtype=dtype) - 0.5
+    c0 = torch.rand(B, 20, dtype=dtype) - 0.5 if cell == "lstm" else None
+    h, c = forward.compiled_forward(cell, x, h0, c0, *weights(m), lengths=lengths)
+    bad_h, bad_c = h.clone(), None if c is None else c.clone()
+    guess = torch.zeros(B, 20, dtype=dtype)
+    s = forward.forward_until_meet(cell, x, guess, guess if c is not None else None, *weights(m), t0, t1, bad_h,
+                                   bad_c, stored=False, lengths=lengths)
+    assert s == t1
+    return m, x, h, c, bad_h, bad_c
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("cell", CELLS)
+def test_a_rerun_from_the_true_start_meets_where_the_trajectories_become_equal(cell, dtype):
+    """Where the two trajectories become bitwise equal (the GRU, the LSTM and the relu RNN forget their start within
+    ~250 steps here), the rerun stops there and the whole is the serial forward; where they never do within the
+    slice, it runs to the slice's end, as exact.  (The tanh RNN's two trajectories come within an ulp of each other
+    in ~100 steps but then stay an ulp apart in some coordinate for thousands of steps -- torch's own forward too,
+    for hundreds to thousands: the rounded map has many states it cycles among -- so only a tolerance makes them
+    meet: the next test.)"""
+    T, B, t0, t1 = 700, 17, 100, 700
+    m, x, h, c, bad_h, bad_c = slice_case(cell, dtype, T, B, t0, t1)
+    meet = [first_equal(h, bad_h, t0)] + ([first_equal(c, bad_c, t0)] if c is not None else [])
+    expect = t1 if None in meet else max(meet)
+    assert expect > t0  # the guess mattered
+    if cell != "rnn_tanh":
+        assert expect < t1, expect  # and was forgotten
+    # every stored step after the meeting is spoiled: a run that went on past it would overwrite them
+    bad_h[expect + 1:] = float("nan")
+    if c is not None:
+        bad_c[expect + 1:] = float("nan")
+    s = forward.forward_until_meet(cell, x, h[t0 - 1], None if c is None else c[t0 - 1], *weights(m), t0, t1, bad_h,
+                                   bad_c)
+    assert s == expect
+    assert torch.equal(bad_h[:s + 1], h[:s + 1]) and bad_h[s + 1:].isnan().all()
+    if c is not None:
+        assert torch.equal(bad_c[:s + 1], c[:s + 1])
+
+
+@pytest.mark.parametrize("cell", ["rnn_tanh", "lstm"])
+def test_a_tolerance_meets_each_element_at_its_first_step_within_it(cell):
+    """Per batch element, max|new - stored| <= tol * max|stored| (h and c each): each element's first such step is its
+    meeting step, its states before it are the new (serial) ones and from it on the stored ones."""
+    dtype, tol = torch.float64, 1e-6
+    T, B, t0, t1 = 400, 5, 50, 400
+    m, x, h, c, bad_h, bad_c = slice_case(cell, dtype, T, B, t0, t1)
+    stored_h, stored_c = bad_h.clone(), None if c is None else bad_c.clone()
+
+    def within(t):  # [B]
+        ok = torch.ones(B, dtype=torch.bool)
+        for new, old in ((h, bad_h), (c, bad_c)):
+            if new is not None:
+                ok &= (new[t] - old[t]).abs().amax(-1) <= tol * old[t].abs().amax(-1)
+        return ok
+
+    ok = torch.stack([within(t) for t in range(t0, t1)])  # [steps, B]
+    expect = t0 + ok.to(torch.int64).argmax(0)
+    assert ok.any(0).all() and (expect > t0).all()
+    met = torch.empty(B, dtype=torch.int64)
+    s = forward.forward_until_meet(cell, x, h[t0 - 1], None if c is None else c[t0 - 1], *weights(m), t0, t1, bad_h,
+                                   bad_c, tol=tol, met=met)
+    assert torch.equal(met, expect) and s == int(expect.max())
+    assert s < (first_equal(h, bad_h, t0) or t1)  # before the trajectories are equal, if they ever are
+    for b in range(B):
+        e = int(expect[b])
+        assert torch.equal(bad_h[:e, b], h[:e, b]) and torch.equal(bad_h[e:, b], stored_h[e:, b])
+        if c is not None:
+            assert torch.equal(bad_c[:e, b], c[:e, b]) and torch.equal(bad_c[e:, b], stored_c[e:, b])
+
+
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_sequences_that_end_inside_the_slice_carry_their_true_state(cell):
+    """A sequence that ends before it meets its stored trajectory never will (both then carry a constant): its true
+    carry is written to the slice's end at once (its meeting step is t1); the others meet; the whole equals the
+    serial forward."""
+    dtype = torch.float32
+    T, B, t0, t1 = 600, 11, 100, 600
+    lengths = torch.tensor([600, 50, 150, 300, 599, 1, 600, 450, 120, 600, 600])
+    m, x, h, c, bad_h, bad_c = slice_case(cell, dtype, T, B, t0, t1, lengths=lengths)
+    assert not torch.equal(bad_h[-1], h[-1])
+    met = torch.empty(B, dtype=torch.int64)
+    s = forward.forward_until_meet(cell, x, h[t0 - 1], None if c is None else c[t0 - 1], *weights(m), t0, t1, bad_h,
+                                   bad_c, lengths=lengths, met=met)
+    assert s == t1 and (met[lengths <= t0 + 50] == t1).all() and (met[lengths == T] < t1).all(), met
+    assert torch.equal(bad_h, h) and (c is None or torch.equal(bad_c, c))
+
+
+def test_a_layer_that_remembers_never_meets_and_the_rerun_is_the_serial_forward():
+    dtype = torch.float64
+    m = layer("rnn_tanh", 1, 20, dtype, 0)
+    with torch.no_grad():
+        q, _ = torch.linalg.qr(torch.randn(20, 20, dtype=dtype, generator=torch.Generator().manual_seed(0)))
+        m.weight_hh_l0.copy_(0.999 * q)
+    T, B, t0 = 300, 4, 100
+    m, x, h, c, bad_h, _ = slice_case("rnn_tanh", dtype, T, B, t0, T, m=m)
+    assert first_equal(h, bad_h, t0) is None
+    s = forward.forward_until_meet("rnn_tanh", x, h[t0 - 1], None, *weights(m), t0, T, bad_h)
+    assert s == T and torch.equal(bad_h, h)

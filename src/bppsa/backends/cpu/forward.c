@@ -23,12 +23,11 @@
  * and c), the convention of bppsa.nn.backward.layer_forward.
  *
  * A job runs the steps t0 .. t1 - 1 of its lanes from a given state.  With `meet`, h (and c) already hold a stored
- * trajectory of those steps (a slice of the sliced forward, run from a guessed start): the job stops at the first
- * step whose new state meets the stored one (bitwise where the call's tol is 0; else, per batch element,
- * max|new - stored| <= tol * max|stored|, over h and over c each), in every lane at once, and leaves that step and
- * the ones after it as stored.  At tol = 0 nothing changes from then on: the step is a function of the state and
- * x_t alone, computed in the same operations in every job and lane, so the stored rest is what the new run would
- * write.
+ * trajectory of those steps (a slice of the sliced forward, run from a guessed start): each batch element stops at
+ * the first step whose new state meets the stored one (bitwise where the call's tol is 0; else max|new - stored| <=
+ * tol * max|stored| over its H units, h and c each) and keeps that step and the ones after it as stored.  At tol = 0
+ * nothing changes from then on: the step is a function of the state and x_t alone, computed in the same operations
+ * in every job and lane, so the stored rest is what the new run would write.
  */
 #include <math.h>
 #include <stdint.h>
@@ -79,6 +78,7 @@ typedef struct {
     const real *Wi, *Wh, *bi, *bh; /* [G*H][INP], [G*H][H], [G*H], [G*H] (a bias NULL: none) */
     const int64_t *len;            /* [B], or NULL: every sequence T steps */
     real *h, *c;                   /* [T][B][H]: the state after each step (c: the LSTM's cells) */
+    int64_t *met;                  /* [B] or NULL, out: each batch element's meeting step (run_job) */
     long T, B;
     double tol;                    /* the meeting's tolerance (0: bitwise) */
 } fw_call;
@@ -88,8 +88,7 @@ typedef struct {
     long t0, t1;         /* the steps */
     const real *h0, *c0; /* the state before step t0, [B][H] (rows b0 ..); NULL: zeros */
     long meet;           /* h (and c) hold a stored trajectory of steps t0 .. t1 - 1 to meet */
-    long s;              /* out: the step the stored trajectory was met at (t1: never); steps t0 .. s - 1 written,
-                          * and every later one of the sequences that had ended by s */
+    long s;              /* out: the last of its elements' meeting steps (run_job): from it on all are as stored */
 } fw_job;
 
 long fw_lanes(void) { return NL; }
@@ -223,39 +222,37 @@ static void step(const fw_call *C, const real *st, const vec *xs, const vec *hs,
 
 static AI real fabs_(real v) { return v < 0 ? -v : v; }
 
-/* Whether the new state v (lanes) meets the stored one s ([nb][H]) in every lane whose sequence has not ended
- * (ended[q]): bitwise where tol is 0. */
-static int meets(const vec *v, const real *s, int nb, const char *ended, double tol) {
+/* Whether lane q of the new state v meets the stored state s ([.][H], at lane 0): bitwise where tol is 0, else
+ * max_i |v_i - s_i| <= tol * max_i |s_i|. */
+static int lane_meets(const vec *v, const real *s, int q, double tol) {
     const real *n = (const real *)v;
-    for (int q = 0; q < nb; ++q) {
-        if (ended[q]) continue;
-        if (tol == 0) {
-            for (int i = 0; i < H; ++i)
-                if (memcmp(n + i * NL + q, s + q * H + i, sizeof(real))) return 0;
-        } else {
-            real d = 0, a = 0;
-            for (int i = 0; i < H; ++i) {
-                real e = fabs_(n[i * NL + q] - s[q * H + i]), m = fabs_(s[q * H + i]);
-                d = e > d ? e : d, a = m > a ? m : a;
-            }
-            if (!(d <= tol * a)) return 0;
-        }
+    if (tol == 0) {
+        for (int i = 0; i < H; ++i)
+            if (memcmp(n + i * NL + q, s + q * H + i, sizeof(real))) return 0;
+        return 1;
     }
-    return 1;
+    real d = 0, a = 0;
+    for (int i = 0; i < H; ++i) {
+        real e = fabs_(n[i * NL + q] - s[q * H + i]), m = fabs_(s[q * H + i]);
+        d = e > d ? e : d, a = m > a ? m : a;
+    }
+    return d <= tol * a;
 }
 
-/* -- a job: steps t0 .. t1 - 1 of its lanes ---------------------------------------------------------- */
-
-/* The state v's lanes whose sequences have ended (ended[q]) into steps t .. t1 - 1 of dst ([T][B][H], at lane 0):
- * what they carry to the end. */
-static void fill_ended(const vec *v, int nb, const char *ended, real *dst, long B, long t, long t1) {
+/* Lane q of the state v into steps t .. t1 - 1 of dst ([T][B][H], at lane 0): a sequence that has ended carries it
+ * to the end. */
+static void fill_lane(const vec *v, int q, real *dst, long B, long t, long t1) {
     const real *s = (const real *)v;
-    for (int q = 0; q < nb; ++q)
-        if (ended[q])
-            for (long u = t; u < t1; ++u)
-                for (int i = 0; i < H; ++i) dst[(u * B + q) * H + i] = s[i * NL + q];
+    for (long u = t; u < t1; ++u)
+        for (int i = 0; i < H; ++i) dst[(u * B + q) * H + i] = s[i * NL + q];
 }
 
+/* -- a job: steps t0 .. t1 - 1 of its lanes ----------------------------------------------------------
+ * Meeting (J->meet), each batch element on its own: element b is done at the first step s_b whose new state meets
+ * the stored one (it keeps the stored states from s_b on; met[b] = s_b), or once its sequence has ended without
+ * meeting (its state is then a constant: written to t1 at once; met[b] = t1).  The job stops when every element
+ * of its lanes is done.  So what is written depends on each element's own trajectory only, never on the lanes it
+ * shares a job with (or on the target's register width). */
 static void run_job(const fw_call *C, fw_job *J) {
     const long B = C->B, b0 = J->b0;
     const int nb = (int)J->nb;
@@ -268,14 +265,16 @@ static void run_job(const fw_call *C, fw_job *J) {
     lanes_in(J->c0 ? J->c0 + b0 * H : 0, H, H, nb, cs);
 #endif
     vec lenv = SPLAT(0);
-    long len[NL];
-    char ended[NL];
-    for (int q = 0; q < nb; ++q) {
-        len[q] = !C->len ? C->T : C->len[b0 + q] < C->T ? (long)C->len[b0 + q] : C->T;
+    long len[NL], met[NL];
+    int left = nb; /* lanes not done */
+    char done[NL];
+    for (int q = 0; q < NL; ++q) {
+        done[q] = q >= nb, met[q] = J->t1;
+        len[q] = q >= nb || !C->len ? C->T : C->len[b0 + q] < C->T ? (long)C->len[b0 + q] : C->T;
         lenv[q] = (real)len[q];
     }
     long t;
-    for (t = J->t0; t < J->t1; ++t) {
+    for (t = J->t0; t < J->t1 && left; ++t) {
         lanes_in(C->x + (t * B + b0) * NI, NI, NI, nb, xs);
         step(C, st, xs, hs, cs, hn, cn);
         if (C->len) { /* past its end a sequence keeps its state */
@@ -286,28 +285,51 @@ static void run_job(const fw_call *C, fw_job *J) {
 #endif
         }
         real *ht = C->h + (t * B + b0) * H;
-        if (J->meet) {
-            /* a sequence that has ended carries its state: where the others meet, it is written to t1 */
-            for (int q = 0; q < nb; ++q) ended[q] = t >= len[q];
 #if CELL == 3
-            if (meets(hn, ht, nb, ended, C->tol) && meets(cn, C->c + (t * B + b0) * H, nb, ended, C->tol)) {
-                fill_ended(cn, nb, ended, C->c + b0 * H, B, t, J->t1);
+        real *ct = C->c + (t * B + b0) * H;
+#endif
+        int all = left == nb; /* every lane still written: the fast stores */
+        if (J->meet)
+            for (int q = 0; q < nb; ++q) {
+                if (done[q]) continue;
+#if CELL == 3
+                int m = lane_meets(hn, ht, q, C->tol) && lane_meets(cn, ct, q, C->tol);
 #else
-            if (meets(hn, ht, nb, ended, C->tol)) {
+                int m = lane_meets(hn, ht, q, C->tol);
 #endif
-                fill_ended(hn, nb, ended, C->h + b0 * H, B, t, J->t1);
-                break;
-            }
-        }
+                if (!m && t < len[q]) continue;
+                if (!m) { /* ended, and its carry differs from the stored one: it never meets */
+                    fill_lane(hn, q, C->h + b0 * H, B, t, J->t1);
 #if CELL == 3
-        lanes_out(cn, nb, C->c + (t * B + b0) * H);
+                    fill_lane(cn, q, C->c + b0 * H, B, t, J->t1);
 #endif
-        lanes_out(hn, nb, ht);
+                }
+                done[q] = 1, met[q] = m ? t : J->t1, --left, all = 0;
+            }
+        if (all) {
+#if CELL == 3
+            lanes_out(cn, nb, ct);
+#endif
+            lanes_out(hn, nb, ht);
+        } else {
+            for (int q = 0; q < nb; ++q)
+                if (!done[q]) {
+                    fill_lane(hn, q, C->h + b0 * H, B, t, t + 1);
+#if CELL == 3
+                    fill_lane(cn, q, C->c + b0 * H, B, t, t + 1);
+#endif
+                }
+        }
         vec *p = hs;
         hs = hn, hn = p;
         p = cs, cs = cn, cn = p;
     }
-    J->s = t;
+    long s = J->meet ? J->t0 : J->t1;
+    for (int q = 0; q < nb; ++q) {
+        if (C->met) C->met[b0 + q] = J->meet ? met[q] : J->t1;
+        s = J->meet && met[q] > s ? met[q] : s;
+    }
+    J->s = s;
 }
 
 /* -- the threads: jobs claimed from a shared counter by the caller and a pool -------------------------

@@ -41,7 +41,7 @@ _p, _l = ctypes.c_void_p, ctypes.c_long
 class _Call(ctypes.Structure):
     """forward.c's fw_call."""
     _fields_ = [("x", _p), ("Wi", _p), ("Wh", _p), ("bi", _p), ("bh", _p), ("len", _p), ("h", _p), ("c", _p),
-                ("T", _l), ("B", _l), ("tol", ctypes.c_double)]
+                ("met", _p), ("T", _l), ("B", _l), ("tol", ctypes.c_double)]
 
 
 class _Job(ctypes.Structure):
@@ -81,16 +81,17 @@ class Problem:
     """One layer's forward as the kernel takes it: contiguous operands, the call's struct, its lane slices.  Holds
     every tensor the kernel reads or writes, so they live as long as the call."""
 
-    def __init__(self, cell, lib, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, tol=0.0):
+    def __init__(self, cell, lib, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, tol=0.0, met=None):
         self.cell, self.lib = cell, lib
         self.T, self.B, _ = x.shape
         self.H = w_hh.shape[1]
         self.keep = [t.contiguous() if t is not None else None for t in (x, w_ih, w_hh, b_ih, b_hh, lengths)]
         xc, wi, wh, bi, bh, ln = self.keep
-        self.h, self.c = h, c
+        self.h, self.c, self.met = h, c, met
         self.h0, self.c0 = h0, c0
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        self.call = _Call(ptr(xc), ptr(wi), ptr(wh), ptr(bi), ptr(bh), ptr(ln), ptr(h), ptr(c), self.T, self.B, tol)
+        self.call = _Call(ptr(xc), ptr(wi), ptr(wh), ptr(bi), ptr(bh), ptr(ln), ptr(h), ptr(c), ptr(met), self.T,
+                          self.B, tol)
         self.lanes = lanes(lib)
 
     def slices(self) -> list[tuple[int, int]]:
@@ -108,9 +109,11 @@ class Problem:
         return max(1, min(p, n_jobs))
 
 
-def problem(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h=None, c=None, tol: float = 0.0):
-    """The :class:`Problem` of a layer (``h``, ``c``: the outputs [T, B, H], new where None), or None where the
-    kernel cannot run it.  Raises ValueError for operands that are not a layer of ``cell``."""
+def problem(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h=None, c=None, tol: float = 0.0,
+            met: torch.Tensor | None = None):
+    """The :class:`Problem` of a layer (``h``, ``c``: the outputs [T, B, H], new where None; ``met``: [B] int64, each
+    batch element's meeting step of the last call), or None where the kernel cannot run it.  Raises ValueError for
+    operands that are not a layer of ``cell``."""
     if cell not in CELLS:
         raise ValueError(f"cell {cell!r} is not one of {', '.join(CELLS)}")
     tensors = [t for t in (x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c) if t is not None]
@@ -149,9 +152,13 @@ def problem(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h=None, c=Non
             raise ValueError(f"{name} must be a contiguous [{T}, {B}, {H}] tensor")
     h = torch.empty(T, B, H, dtype=x.dtype) if h is None else h
     c = (torch.empty(T, B, H, dtype=x.dtype) if c is None else c) if cell == "lstm" else None
+    if met is not None and (met.dtype != torch.int64 or tuple(met.shape) != (B,) or not met.is_contiguous()):
+        raise ValueError(f"met must be a contiguous int64 [{B}] tensor")
+    if not tol >= 0:
+        raise ValueError(f"tol must be >= 0 (got {tol!r})")
     h0 = None if h0 is None else h0.contiguous()
     c0 = None if c0 is None or cell != "lstm" else c0.contiguous()
-    return Problem(cell, lib, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, tol)
+    return Problem(cell, lib, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, float(tol), met)
 
 
 def run(pb: Problem, jobs: list[tuple], threads: int) -> list[int]:
@@ -187,18 +194,19 @@ def compiled_forward(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths=None,
 
 @torch.no_grad()
 def forward_until_meet(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, t0: int, t1: int, h, c=None, *,
-                       stored: bool = True, tol: float = 0.0, lengths=None, threads: int | None = None) -> int | None:
+                       stored: bool = True, tol: float = 0.0, lengths=None, met: torch.Tensor | None = None,
+                       threads: int | None = None) -> int | None:
     """Steps t0 .. t1 - 1 of one layer from the state (h0, c0) [B, H] before step t0 (None: zeros), into h (and the
-    LSTM's c) [T, B, H].  With ``stored``, h[t0:t1] (and c) hold a stored trajectory of those steps: each lane
-    slice of the batch stops at the first step s where its new state meets the stored one (bitwise at ``tol`` = 0;
-    else, per batch element, max|new - stored| <= tol · max|stored|, h and c each) and leaves s and the steps after
-    it as stored (a sequence that had ended by s gets its carried state written to t1).  Returns the last lane
-    slice's meeting step: from it on every batch element is as stored (t1: some never met).  None where the kernel
-    cannot run the case (as :func:`compiled_forward`)."""
+    LSTM's c) [T, B, H].  With ``stored``, h[t0:t1] (and c) hold a stored trajectory of those steps, and each batch
+    element b stops at the first step s_b where its new state meets the stored one -- bitwise at ``tol`` = 0, else
+    max|new - stored| <= tol · max|stored| over its H units (h and c each) -- keeping s_b and the steps after it as
+    stored; a sequence that ends without meeting gets its carried state written to t1 (s_b = t1).  ``met`` [B]
+    (int64, optional) receives the s_b.  Returns their last, max s_b: from it on every batch element is as stored
+    (t1: some never met).  None where the kernel cannot run the case (as :func:`compiled_forward`)."""
     T = x.shape[0]
     if not 0 <= t0 <= t1 <= T:
         raise ValueError(f"the steps [{t0}, {t1}) are not within [0, {T}]")
-    pb = problem(cell, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, tol)
+    pb = problem(cell, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, tol, met)
     if pb is None:
         return None
     sl = pb.slices()
