@@ -78,7 +78,6 @@ typedef struct {
     const real *Wi, *Wh, *bi, *bh; /* [G*H][INP], [G*H][H], [G*H], [G*H] (a bias NULL: none) */
     const int64_t *len;            /* [B], or NULL: every sequence T steps */
     real *h, *c;                   /* [T][B][H]: the state after each step (c: the LSTM's cells) */
-    int64_t *met;                  /* [B] or NULL, out: each batch element's meeting step (run_job) */
     long T, B;
     double tol;                    /* the meeting's tolerance (0: bitwise) */
 } fw_call;
@@ -88,6 +87,7 @@ typedef struct {
     long t0, t1;         /* the steps */
     const real *h0, *c0; /* the state before step t0, [B][H] (rows b0 ..); NULL: zeros */
     long meet;           /* h (and c) hold a stored trajectory of steps t0 .. t1 - 1 to meet */
+    int64_t *met;        /* [B] or NULL, out: each of its batch elements' meeting step (run_job) */
     long s;              /* out: the last of its elements' meeting steps (run_job): from it on all are as stored */
 } fw_job;
 
@@ -326,7 +326,7 @@ static void run_job(const fw_call *C, fw_job *J) {
     }
     long s = J->meet ? J->t0 : J->t1;
     for (int q = 0; q < nb; ++q) {
-        if (C->met) C->met[b0 + q] = J->meet ? met[q] : J->t1;
+        if (J->met) J->met[b0 + q] = J->meet ? met[q] : J->t1;
         s = J->meet && met[q] > s ? met[q] : s;
     }
     J->s = s;

@@ -41,12 +41,13 @@ _p, _l = ctypes.c_void_p, ctypes.c_long
 class _Call(ctypes.Structure):
     """forward.c's fw_call."""
     _fields_ = [("x", _p), ("Wi", _p), ("Wh", _p), ("bi", _p), ("bh", _p), ("len", _p), ("h", _p), ("c", _p),
-                ("met", _p), ("T", _l), ("B", _l), ("tol", ctypes.c_double)]
+                ("T", _l), ("B", _l), ("tol", ctypes.c_double)]
 
 
 class _Job(ctypes.Structure):
     """forward.c's fw_job."""
-    _fields_ = [("b0", _l), ("nb", _l), ("t0", _l), ("t1", _l), ("h0", _p), ("c0", _p), ("meet", _l), ("s", _l)]
+    _fields_ = [("b0", _l), ("nb", _l), ("t0", _l), ("t1", _l), ("h0", _p), ("c0", _p), ("meet", _l), ("met", _p),
+                ("s", _l)]
 
 
 @functools.cache
@@ -81,17 +82,16 @@ class Problem:
     """One layer's forward as the kernel takes it: contiguous operands, the call's struct, its lane slices.  Holds
     every tensor the kernel reads or writes, so they live as long as the call."""
 
-    def __init__(self, cell, lib, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, tol=0.0, met=None):
+    def __init__(self, cell, lib, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, tol=0.0):
         self.cell, self.lib = cell, lib
         self.T, self.B, _ = x.shape
         self.H = w_hh.shape[1]
         self.keep = [t.contiguous() if t is not None else None for t in (x, w_ih, w_hh, b_ih, b_hh, lengths)]
         xc, wi, wh, bi, bh, ln = self.keep
-        self.h, self.c, self.met = h, c, met
+        self.h, self.c = h, c
         self.h0, self.c0 = h0, c0
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        self.call = _Call(ptr(xc), ptr(wi), ptr(wh), ptr(bi), ptr(bh), ptr(ln), ptr(h), ptr(c), ptr(met), self.T,
-                          self.B, tol)
+        self.call = _Call(ptr(xc), ptr(wi), ptr(wh), ptr(bi), ptr(bh), ptr(ln), ptr(h), ptr(c), self.T, self.B, tol)
         self.lanes = lanes(lib)
 
     def slices(self) -> list[tuple[int, int]]:
@@ -109,11 +109,9 @@ class Problem:
         return max(1, min(p, n_jobs))
 
 
-def problem(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h=None, c=None, tol: float = 0.0,
-            met: torch.Tensor | None = None):
-    """The :class:`Problem` of a layer (``h``, ``c``: the outputs [T, B, H], new where None; ``met``: [B] int64, each
-    batch element's meeting step of the last call), or None where the kernel cannot run it.  Raises ValueError for
-    operands that are not a layer of ``cell``."""
+def problem(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h=None, c=None, tol: float = 0.0):
+    """The :class:`Problem` of a layer (``h``, ``c``: the outputs [T, B, H], new where None), or None where the
+    kernel cannot run it.  Raises ValueError for operands that are not a layer of ``cell``."""
     if cell not in CELLS:
         raise ValueError(f"cell {cell!r} is not one of {', '.join(CELLS)}")
     tensors = [t for t in (x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c) if t is not None]
@@ -152,27 +150,29 @@ def problem(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h=None, c=Non
             raise ValueError(f"{name} must be a contiguous [{T}, {B}, {H}] tensor")
     h = torch.empty(T, B, H, dtype=x.dtype) if h is None else h
     c = (torch.empty(T, B, H, dtype=x.dtype) if c is None else c) if cell == "lstm" else None
-    if met is not None and (met.dtype != torch.int64 or tuple(met.shape) != (B,) or not met.is_contiguous()):
-        raise ValueError(f"met must be a contiguous int64 [{B}] tensor")
     if not tol >= 0:
         raise ValueError(f"tol must be >= 0 (got {tol!r})")
     h0 = None if h0 is None else h0.contiguous()
     c0 = None if c0 is None or cell != "lstm" else c0.contiguous()
-    return Problem(cell, lib, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, float(tol), met)
+    return Problem(cell, lib, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, float(tol))
+
+
+def _met_tensor(met, B: int):
+    if met is not None and (met.dtype != torch.int64 or tuple(met.shape) != (B,) or not met.is_contiguous()):
+        raise ValueError(f"met must be a contiguous int64 [{B}] tensor")
+    return met
 
 
 def run(pb: Problem, jobs: list[tuple], threads: int) -> list[int]:
-    """Run ``jobs`` -- ``(b0, nb, t0, t1, h0, c0, meet)``, h0/c0 [B, H] tensors or None -- on ``threads`` threads;
-    each job's meeting step (t1 where it ran to the end)."""
+    """Run ``jobs`` -- ``(b0, nb, t0, t1, h0, c0, meet, met)``: h0/c0 [B, H] tensors or None, ``met`` an int64 [B]
+    tensor for its elements' meeting steps or None -- on ``threads`` threads; each job's last meeting step (t1
+    where it ran to the end).  The caller keeps the tensors alive across the call."""
     arr = (_Job * len(jobs))()
-    keep = []
-    for a, (b0, nb, t0, t1, h0, c0, meet) in zip(arr, jobs):
-        for s in (h0, c0):
-            if s is not None:
-                keep.append(s)
+    for a, (b0, nb, t0, t1, h0, c0, meet, met) in zip(arr, jobs):
         a.b0, a.nb, a.t0, a.t1, a.meet, a.s = b0, nb, t0, t1, int(meet), t1
         a.h0 = None if h0 is None else h0.data_ptr()
         a.c0 = None if c0 is None else c0.data_ptr()
+        a.met = None if met is None else _met_tensor(met, pb.B).data_ptr()
     if jobs and pb.lib.fw_run(ctypes.byref(pb.call), arr, len(jobs), threads):
         raise RuntimeError("the compiled forward could not start its threads")
     return [a.s for a in arr]
@@ -188,7 +188,7 @@ def compiled_forward(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths=None,
     if pb is None:
         return None
     sl = pb.slices()
-    run(pb, [(b0, nb, 0, pb.T, pb.h0, pb.c0, False) for b0, nb in sl], pb.threads(len(sl), pb.T, threads))
+    run(pb, [(b0, nb, 0, pb.T, pb.h0, pb.c0, False, None) for b0, nb in sl], pb.threads(len(sl), pb.T, threads))
     return pb.h, pb.c
 
 
@@ -206,9 +206,9 @@ def forward_until_meet(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, t0: int, t1
     T = x.shape[0]
     if not 0 <= t0 <= t1 <= T:
         raise ValueError(f"the steps [{t0}, {t1}) are not within [0, {T}]")
-    pb = problem(cell, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, tol, met)
+    pb = problem(cell, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, tol)
     if pb is None:
         return None
     sl = pb.slices()
-    s = run(pb, [(b0, nb, t0, t1, pb.h0, pb.c0, stored) for b0, nb in sl], pb.threads(len(sl), t1 - t0, threads))
+    s = run(pb, [(b0, nb, t0, t1, pb.h0, pb.c0, stored, met) for b0, nb in sl], pb.threads(len(sl), t1 - t0, threads))
     return max(s, default=t0)
