@@ -270,14 +270,15 @@ def test_sequences_that_end_inside_the_slice_carry_their_true_state(cell):
     assert torch.equal(bad_h, h) and (c is None or torch.equal(bad_c, c))
 
 
-def test_a_layer_that_remembers_never_meets_and_the_rerun_is_the_serial_forward():
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_a_layer_that_remembers_never_meets_and_the_rerun_is_the_serial_forward(cell):
+    from bppsa.bench.forward import make_layer
+
     dtype = torch.float64
-    m = layer("rnn_tanh", 1, 20, dtype, 0)
-    with torch.no_grad():
-        q, _ = torch.linalg.qr(torch.randn(20, 20, dtype=dtype, generator=torch.Generator().manual_seed(0)))
-        m.weight_hh_l0.copy_(0.999 * q)
-    T, B, t0 = 300, 4, 100
-    m, x, h, c, bad_h, _ = slice_case("rnn_tanh", dtype, T, B, t0, T, m=m)
+    T, B, t0 = 500, 4, 100
+    m, x, h, c, bad_h, bad_c = slice_case(cell, dtype, T, B, t0, T, m=make_layer(cell, 1, 20, dtype, "remembers"))
     assert first_equal(h, bad_h, t0) is None
-    s = forward.forward_until_meet("rnn_tanh", x, h[t0 - 1], None, *weights(m), t0, T, bad_h)
-    assert s == T and torch.equal(bad_h, h)
+    met = torch.empty(B, dtype=torch.int64)
+    s = forward.forward_until_meet(cell, x, h[t0 - 1], None if c is None else c[t0 - 1], *weights(m), t0, T, bad_h,
+                                   bad_c, met=met)
+    assert s == T and (met == T).all() and torch.equal(bad_h, h) and (c is None or torch.equal(bad_c, c))

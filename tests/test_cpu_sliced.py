@@ -1,26 +1,21 @@
 """The sliced forward (bppsa.backends.cpu.sliced): at tol = 0 the serial compiled forward's bits, and torch's forward
-within 1e-12 (fp64) / 1e-6 (fp32), for layers that forget (torch's init on bitstreams) and layers that remember (an
-LSTM with a large forget-gate bias, a tanh RNN with W_hh = 0.999 orthogonal), lengths that end inside a slice, 1 to 4
-slices; the Jacobi sweeps, the hand-off and the guess; the error bound of a tolerance."""
+within 1e-12 (fp64) / 1e-6 (fp32), for layers that forget (torch's init on bitstreams) and layers that remember
+(bppsa.bench.forward.make_layer: an LSTM with a large forget-gate bias, a tanh RNN with W_hh = 0.999 orthogonal and
+small inputs), lengths that end inside a slice, 1 to 4 slices; the Jacobi sweeps, the hand-off and the guess; the
+error bound of a tolerance."""
 import pytest
 import torch
 from test_cpu_forward import TOL, bitstreams, layer, one_torch_thread, rel_err, torch_states, weights  # noqa: F401
 
 from bppsa.backends.cpu import forward, native, sliced
+from bppsa.bench.forward import make_layer
 
 pytestmark = pytest.mark.skipif(native.target() is None, reason="no C compiler")
 H = 20
 
 
 def remembering(cell, dtype, seed=0):
-    m = layer(cell, 1, H, dtype, seed)
-    with torch.no_grad():
-        if cell == "lstm":  # gates i, f, g, o: the forget gate ~ sigmoid(6) = 0.9975
-            m.bias_ih_l0[H:2 * H] += 6.0
-        else:
-            q, _ = torch.linalg.qr(torch.randn(H, H, dtype=dtype, generator=torch.Generator().manual_seed(seed)))
-            m.weight_hh_l0.copy_(0.999 * q)
-    return m
+    return make_layer(cell, 1, H, dtype, "remembers", seed)
 
 
 def case(cell, dtype, T, B, *, remember=False, seed=0):
