@@ -129,6 +129,20 @@ def test_the_same_bits_on_any_thread_and_in_any_lane(cell):
         assert torch.equal(one[0][:, 0], h1[:, b]) and (c1 is None or torch.equal(one[1][:, 0], c1[:, b]))
 
 
+def test_calls_from_several_threads_at_once():
+    """Calls from several Python threads at once (the kernel's pool serves one call at a time; a call made meanwhile
+    runs on its own thread) give the same bits as one alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    m = layer("gru", 1, 20, torch.float32, 4)
+    x = torch.randn(300, 24, 1)
+    want = forward.compiled_forward("gru", x, None, None, *weights(m), threads=2)[0]
+    with ThreadPoolExecutor(3) as ex:
+        got = list(ex.map(lambda _: forward.compiled_forward("gru", x, None, None, *weights(m), threads=2)[0],
+                          range(24)))
+    assert all(torch.equal(g, want) for g in got)
+
+
 def test_unsupported_cases_return_none():
     m = torch.nn.LSTM(3, 6, proj_size=2)
     x = torch.randn(5, 2, 3)

@@ -14,11 +14,13 @@ its distribution-free 95 % interval:
   0.999 · orthogonal, no biases and W_ih / 100, so that the states stay small: a start is still felt after 3000
   steps).
 
-Inputs are the paper's bitstreams (x_t ~ Bernoulli(0.05 + 0.1 c)).  Rows (one per method, round): ``experiment``,
-``cell``, ``layer`` (forgets / remembers), ``T``, ``B``, ``H``, ``I``, ``dtype``, ``threads``, ``method``,
-``iter``, ``seconds``.  The summary: per configuration and method the median and its interval, the paired ratio
-against the reference (``torch`` / ``compiled-1``) with its interval, ``noisy``, the load average before and after,
-and the sliced forward's last stats (sweeps, meeting steps, hand-off).
+Inputs are the paper's bitstreams (x_t ~ Bernoulli(0.05 + 0.1 c)).  Rows (one per method, round and phase):
+``experiment``, ``cell``, ``layer`` (forgets / remembers), ``T``, ``B``, ``H``, ``I``, ``dtype``, ``threads``,
+``method``, ``iter``, ``phase`` (``forward``: wall-clock, the metric; ``cpu``: the calling thread's CPU time, all the
+work of a one-thread method, less sensitive to other processes), ``seconds``.  The summary: per configuration and
+method the median and its interval, the paired ratio against the reference (``torch`` / ``compiled-1``) with its
+interval (and the paired ratio of CPU times, meaningful where both methods ran on one thread), ``noisy``, the load
+average before and after, and the sliced forward's last stats (sweeps, meeting steps, hand-off).
 """
 from __future__ import annotations
 
@@ -73,10 +75,13 @@ def _inputs(T: int, B: int, dtype, seed: int = 0):
 
 
 def _timed(fn):
+    """One round: the call's wall-clock seconds (``forward``, the metric) and the calling thread's CPU seconds
+    (``cpu``: all of a one-thread method's work, without the time the host gave to other processes)."""
     def once(_i):
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         fn()
-        return {"forward": time.perf_counter() - t0}
+        t1, c1 = time.perf_counter(), time.thread_time()
+        return {"forward": t1 - t0, "cpu": c1 - c0}
     return once
 
 
@@ -86,15 +91,17 @@ def _config(experiment, cell, layer, T, B, H, I, dtype, threads) -> dict:
 
 
 def _collect(cfg: dict, meas, reference: str, extra: dict | None = None):
-    rows = [{**cfg, "method": r["method"], "iter": r["iter"], "seconds": r["seconds"]} for r in meas.rows]
+    rows = [{**cfg, "method": r["method"], "iter": r["iter"], "phase": r["phase"], "seconds": r["seconds"]}
+            for r in meas.rows]
     summary = []
     for method in dict.fromkeys(r["method"] for r in meas.rows):
-        med, lo, hi = meas.ci(method)
+        med, lo, hi = meas.ci(method, "forward")
         row = {**cfg, "method": method, "iters": meas.iters, "median_s": med, "ci_lo_s": lo, "ci_hi_s": hi,
-               "noisy": meas.noisy[method], "reference": reference}
+               "cpu_median_s": meas.ci(method, "cpu")[0], "noisy": meas.noisy[method], "reference": reference}
         if method != reference:
-            r, rlo, rhi = meas.ratio(reference, method)
-            row.update(speedup=r, speedup_lo=rlo, speedup_hi=rhi)
+            r, rlo, rhi = meas.ratio(reference, method, "forward")
+            row.update(speedup=r, speedup_lo=rlo, speedup_hi=rhi,
+                       cpu_speedup=meas.ratio(reference, method, "cpu")[0])
         summary.append({**row, **(extra or {})})
     return rows, summary
 
@@ -120,7 +127,7 @@ def bench_compiled(cell: str, T: int, B: int, H: int, I: int, dtype, threads: in
     methods = {"torch": _timed(run_torch),
                "compiled": _timed(lambda: forward.compiled_forward(cell, x, None, None, *w, threads=threads))}
     load0 = os.getloadavg()[0]
-    meas = interleave(methods, rule, reference="torch")
+    meas = interleave(methods, rule, reference="torch", metric="forward")
     cfg = _config("compiled", cell, "forgets", T, B, H, I, dtype, threads)
     return _collect(cfg, meas, "torch", {"rel_err_vs_torch": err, "load1_before": load0,
                                          "load1_after": os.getloadavg()[0]})
@@ -154,7 +161,7 @@ def bench_sliced(cell: str, layer: str, T: int, B: int, H: int, I: int, dtype, t
     if tol:
         methods[f"sliced-{p}-tol"] = _timed(run_sliced(tol))
     load0 = os.getloadavg()[0]
-    meas = interleave(methods, rule, reference="compiled-1")
+    meas = interleave(methods, rule, reference="compiled-1", metric="forward")
     cfg = _config("sliced", cell, layer, T, B, H, I, dtype, threads)
     rows, summary = _collect(cfg, meas, "compiled-1", {"load1_before": load0, "load1_after": os.getloadavg()[0],
                                                         "slices": slices})
@@ -197,7 +204,7 @@ def _line(summary) -> str:
     for r in summary:
         txt = f"{r['method']} {r['median_s'] * 1e3:.3f} ms"
         if "speedup" in r:
-            txt += f" ({r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}])"
+            txt += f" ({r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]; cpu {r['cpu_speedup']:.2f}x)"
         if "sweeps" in r:
             txt += f" sweeps {r['sweeps']} meet {r['meet_steps']}"
         parts.append(txt)

@@ -430,12 +430,17 @@ static int pool_ensure(long n) {
     return 1;
 }
 
+/* The pool serves one call at a time: a call made while another holds it (from another thread of the caller's)
+ * runs its jobs on its own thread -- the same bits, only slower. */
+static pthread_mutex_t pool_owner = PTHREAD_MUTEX_INITIALIZER;
+
 /* Run the n jobs on up to `threads` threads (this one among them).  Returns 0; 2 where a pool thread could not
  * be started (the jobs then ran on the threads there were). */
 int fw_run(const fw_call *C, fw_job *jobs, long n, long threads) {
     fw_batch b = {C, jobs, n, 0, fp_mode()};
     long p = threads < n ? threads : n, rc = 0;
     if (p > MAX_THREADS) p = MAX_THREADS;
+    if (p > 1 && pthread_mutex_trylock(&pool_owner)) p = 1;
     if (p > 1) {
         pthread_mutex_lock(&pool_mx);
         if (!pool_ensure(p - 1)) rc = 2;
@@ -458,6 +463,7 @@ int fw_run(const fw_call *C, fw_job *jobs, long n, long threads) {
         pthread_mutex_lock(&pool_mx);
         while (pool_inside) pthread_cond_wait(&pool_idle, &pool_mx);
         pthread_mutex_unlock(&pool_mx);
+        pthread_mutex_unlock(&pool_owner);
     }
     return (int)rc;
 }
