@@ -11,6 +11,7 @@ from __future__ import annotations
 
 # isort: off
 import bppsa  # noqa: F401 - before torch: its OpenMP settings (bppsa.process)
+from bppsa import process
 # isort: on
 
 import argparse
@@ -41,6 +42,7 @@ def main(argv=None) -> int:
     add_stop_rule_args(p)
     p.set_defaults(max_seconds=20.0)
     args = p.parse_args(argv)
+    process.keep_large_blocks()  # as the bppsa commands: a [T, B, H] output made every round is not faulted anew
     rows, summary = forward.run(args.cells, args.seq_lens, args.batches, args.hidden, args.input,
                                 getattr(torch, args.dtype), args.threads, args.slices, StopRule.from_args(args),
                                 args.sliced_len, args.layers, args.tol, args.experiments, progress=print)
