@@ -51,7 +51,7 @@ _last: dict = {}  # guess="last": the start states of the last call, per shape
 
 def worst_case(K: int, L: int, p: int, max_sweeps: int) -> float:
     """The sliced forward's time where no slice ever meets, as a multiple of the serial forward's (module doc)."""
-    m = max(1, min(max_sweeps, K))
+    m, L = max(1, min(max_sweeps, K)), max(1, L)
     units = math.ceil(K * L / p) + sum(math.ceil((K - j) * L / p) for j in range(1, m)) + (K - m) * math.ceil(L / p)
     return units / (K * math.ceil(L / p))
 
