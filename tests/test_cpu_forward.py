@@ -113,8 +113,9 @@ def test_equals_torch_without_onednn(cell):
 
 @pytest.mark.parametrize("cell", ["rnn_tanh", "lstm"])
 def test_the_same_bits_on_any_thread_and_in_any_lane(cell):
-    """A batch element's states do not depend on the thread that ran its lanes, on the lane it sat in or on its
-    neighbours: what the sliced forward's exactness rests on (its slices run elsewhere than the serial run)."""
+    """A batch element's states do not depend on the thread that ran its lanes, on the lane it sat in, on its
+    neighbours or on the vector width: what the sliced forward's exactness rests on (its slices run elsewhere than
+    the serial run, and plan_lanes narrows the lanes for more threads on AVX-512)."""
     dtype = torch.float32
     m = layer(cell, 1, 20, dtype, 3)
     x = torch.randn(50, 17, 1, dtype=dtype)
@@ -123,6 +124,10 @@ def test_the_same_bits_on_any_thread_and_in_any_lane(cell):
     h1, c1 = forward.compiled_forward(cell, x, h0, c0, *weights(m), threads=1)
     h2, c2 = forward.compiled_forward(cell, x, h0, c0, *weights(m), threads=2)
     assert torch.equal(h1, h2) and (c1 is None or torch.equal(c1, c2))
+    # nor on the build's lane count (a register, or the half of one that plan_lanes takes for more jobs)
+    half = native.lane_width("forward", dtype) // 2
+    h3, c3 = forward.compiled_forward(cell, x, h0, c0, *weights(m), threads=2, lanes=half)
+    assert torch.equal(h1, h3) and (c1 is None or torch.equal(c1, c3))
     for b in (0, 5, 16):
         one = forward.compiled_forward(cell, x[:, b:b + 1], h0[b:b + 1], None if c0 is None else c0[b:b + 1],
                                        *weights(m))
@@ -141,6 +146,15 @@ def test_calls_from_several_threads_at_once():
         got = list(ex.map(lambda _: forward.compiled_forward("gru", x, None, None, *weights(m), threads=2)[0],
                           range(24)))
     assert all(torch.equal(g, want) for g in got)
+
+
+def test_the_lanes_narrow_only_where_the_threads_want_more_jobs():
+    L = native.lane_width("forward", torch.float32)
+    assert forward.plan_lanes(16, torch.float32, 1) == L
+    assert forward.plan_lanes(16, torch.float32, 2) == (L // 2 if L * 4 > 32 and 16 <= L else L)
+    assert forward.plan_lanes(1000, torch.float32, 2) == L
+    assert all(forward.plan_lanes(B, dt, p) * dt.itemsize >= min(32, L * dt.itemsize)
+               for B in (1, 8, 16, 17) for dt in (torch.float32, torch.float64) for p in (1, 2, 16))
 
 
 def test_unsupported_cases_return_none():

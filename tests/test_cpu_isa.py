@@ -49,14 +49,18 @@ def test_every_forward_variant_compiles_without_a_piecewise_vector(target, cell,
     """The forward of every cell in both dtypes, at the benchmarks' H = 20, I = 1 and at H = 33, I = 12 (several
     row tiles with a rest, a rest of the activations' groups, a transposed input): no vector expanded piecewise and
     no warning at all."""
-    cc, march, _ = TARGETS[target]
+    cc, march, vbytes = TARGETS[target]
     if shutil.which(cc) is None:
         pytest.skip(f"no {cc} (Debian: apt-get install gcc-aarch64-linux-gnu)")
     for (real, bits), (H, I) in ((("float", 32), (20, 1)), (("double", 64), (33, 12))):
-        defs = [f"-DCELL={cell}", f"-DHID={H}", f"-DINP={I}", f"-DREAL={real}", f"-DREALBITS={bits}"]
-        r = subprocess.run([cc, *march, "-O3", "-fPIC", "-std=gnu11", "-pthread", *CHECKS, *defs, "-c", "-o",
-                            str(tmp_path / "f.o"), str(FORWARD)], capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0 and not r.stderr.strip(), (target, defs, r.stderr[-2000:])
+        # a register's lanes, and the half of one that forward.plan_lanes may take (not below 32 bytes)
+        for nbytes in [vbytes] + ([vbytes // 2] if vbytes // 2 >= 32 else []):
+            lanes = nbytes * 8 // bits
+            defs = [f"-DCELL={cell}", f"-DHID={H}", f"-DINP={I}", f"-DLANES={lanes}", f"-DREAL={real}",
+                    f"-DREALBITS={bits}"]
+            r = subprocess.run([cc, *march, "-O3", "-fPIC", "-std=gnu11", "-pthread", *CHECKS, *defs, "-c", "-o",
+                                str(tmp_path / "f.o"), str(FORWARD)], capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0 and not r.stderr.strip(), (target, defs, r.stderr[-2000:])
 
 
 def test_a_vector_wider_than_the_register_is_refused_at_compile_time(tmp_path):

@@ -2,13 +2,13 @@
  * torch.nn's weight layouts and gate orders, every step's state written out (the backward reads them all).
  *
  * Compiled at first use by bppsa.backends.cpu.native.build once per CELL (0 tanh RNN, 1 relu RNN, 2 GRU, 3 LSTM),
- * hidden size HID, input size INP and REAL type, for the target's vector register (simd.h), and called through
- * ctypes (the GIL released) by bppsa.backends.cpu.forward.
+ * hidden size HID, input size INP, lane count LANES (one vector register of the target, simd.h, or half of an
+ * AVX-512 one) and REAL type, and called through ctypes (the GIL released) by bppsa.backends.cpu.forward.
  *
  * Why it is fast.  torch runs a recurrent layer's forward step by step, each step a few small GEMMs and elementwise
  * ops whose dispatch (~20-40 us a step at H = 20) is most of its time.  Here one call runs every step, and
- *  - the batch is the vector: LANES = one register's reals of batch elements side by side, so every operation of a
- *    step is one vector operation across independent sequences and no lanes are ever mixed;
+ *  - the batch is the vector: LANES batch elements side by side (a register's reals), so every operation of a step
+ *    is one vector operation across independent sequences and no lanes are ever mixed;
  *  - a step's G*H pre-activations are accumulated in registers, a tile of ACC rows at a time: each row is its own
  *    chain of multiply-adds, so ACC chains are in flight at once and the FMA units, not their latency, bound the
  *    mat-vec (one chain at a time made a plain loop latency-bound: 2.1 ms for the RNN at T = 1000, B = 16);
@@ -42,10 +42,11 @@
 #define H HID
 #define NI INP
 typedef REAL real;
+#define NL LANES /* the lanes: a power of two, one register or less (simd.h refuses more) */
+#define SIMD_BYTES (LANES * REALBITS / 8)
 #include "simd.h"
 
 typedef fvec vec;
-#define NL (VREG_BYTES / (int)sizeof(real)) /* the lanes: one register */
 #define ACC (NREG - 4)                      /* accumulators of a tile; the rest hold an operand and a weight */
 #define AI inline __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 64")

@@ -26,7 +26,8 @@ import torch
 
 from . import native
 
-__all__ = ["CELLS", "compiled_forward", "forward_until_meet", "library", "lanes", "Problem", "problem", "run"]
+__all__ = ["CELLS", "compiled_forward", "forward_until_meet", "library", "lanes", "plan_lanes", "Problem", "problem",
+           "run"]
 
 CELLS = {"rnn_tanh": 0, "rnn_relu": 1, "gru": 2, "lstm": 3}
 GATES = {"rnn_tanh": 1, "rnn_relu": 1, "gru": 3, "lstm": 4}
@@ -50,16 +51,29 @@ class _Job(ctypes.Structure):
                 ("s", _l)]
 
 
+def plan_lanes(B: int, dtype: torch.dtype, threads: int) -> int:
+    """A job's lanes: one vector register of the target, halved where that gives the threads more jobs (an
+    AVX-512 register holds 16 fp32: B = 16 would be one job), down to 32 bytes (narrower fp64 vectors' exponent
+    conversions are built piecewise on x86).  A batch element's bits do not depend on it (simd.h)."""
+    L = native.lane_width("forward", dtype)
+    while L * dtype.itemsize > 32 and -(-B // L) < threads:
+        L //= 2
+    return L
+
+
 @functools.cache
-def library(cell: str, H: int, I: int, dtype: torch.dtype) -> ctypes.CDLL | None:
-    """The forward kernel of ``cell`` (:data:`CELLS`) for hidden size H, input size I and ``dtype``; None where it
-    cannot be built (why: :func:`bppsa.backends.cpu.native.unavailable_reason`)."""
+def library(cell: str, H: int, I: int, dtype: torch.dtype, lanes: int | None = None) -> ctypes.CDLL | None:
+    """The forward kernel of ``cell`` (:data:`CELLS`) for hidden size H, input size I, ``dtype`` and ``lanes`` (a
+    power of two, default one vector register); None where it cannot be built (why:
+    :func:`bppsa.backends.cpu.native.unavailable_reason`)."""
     real = _REAL.get(dtype)
     if real is None:
         return None
-    defs = [f"-DCELL={CELLS[cell]}", f"-DHID={H}", f"-DINP={I}", f"-DREAL={real}", f"-DREALBITS={8 * dtype.itemsize}"]
+    lanes = lanes or native.lane_width("forward", dtype)
+    defs = [f"-DCELL={CELLS[cell]}", f"-DHID={H}", f"-DINP={I}", f"-DLANES={lanes}", f"-DREAL={real}",
+            f"-DREALBITS={8 * dtype.itemsize}"]
     try:
-        lib = native.build("forward.c", defs, f"forward_{cell}_{real}_H{H}_I{I}")
+        lib = native.build("forward.c", defs, f"forward_{cell}_{real}_H{H}_I{I}_L{lanes}")
     except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, compiler killed, bad .so ...
         native._errors["cc"] = f"{type(e).__name__}: {e}"
         return None
@@ -74,7 +88,7 @@ native._loaded.append(library)
 
 
 def lanes(lib) -> int:
-    """Batch elements a job runs side by side: one vector register of the build target."""
+    """Batch elements a job of this build runs side by side."""
     return int(lib.fw_lanes())
 
 
@@ -109,9 +123,11 @@ class Problem:
         return max(1, min(p, n_jobs))
 
 
-def problem(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h=None, c=None, tol: float = 0.0):
-    """The :class:`Problem` of a layer (``h``, ``c``: the outputs [T, B, H], new where None), or None where the
-    kernel cannot run it.  Raises ValueError for operands that are not a layer of ``cell``."""
+def problem(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h=None, c=None, tol: float = 0.0,
+            threads: int | None = None, lanes: int | None = None):
+    """The :class:`Problem` of a layer (``h``, ``c``: the outputs [T, B, H], new where None; its jobs' lanes
+    :func:`plan_lanes` for ``threads``, or ``lanes``), or None where the kernel cannot run it.  Raises ValueError for
+    operands that are not a layer of ``cell``."""
     if cell not in CELLS:
         raise ValueError(f"cell {cell!r} is not one of {', '.join(CELLS)}")
     tensors = [t for t in (x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c) if t is not None]
@@ -142,7 +158,8 @@ def problem(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h=None, c=Non
         if x.dtype == torch.float32 and T >= 1 << 24:  # the kernel compares t with the lengths as reals
             return None
         lengths = lengths.to(torch.int64)
-    lib = library(cell, H, I, x.dtype)
+    p = max(1, torch.get_num_threads() if threads is None else threads)
+    lib = library(cell, H, I, x.dtype, lanes or plan_lanes(B, x.dtype, p))
     if lib is None:
         return None
     for name, out in (("h", h), ("c", c)):
@@ -179,12 +196,14 @@ def run(pb: Problem, jobs: list[tuple], threads: int) -> list[int]:
 
 
 @torch.no_grad()
-def compiled_forward(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths=None, *, threads: int | None = None):
+def compiled_forward(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths=None, *, threads: int | None = None,
+                     lanes: int | None = None):
     """The states of every step of one layer, ``(h, c)`` [T, B, H] each (c None but for the LSTM), as torch.nn's
     ``cell`` computes them from x [T, B, I], h0 (and c0) [B, H] (None: zeros) and its weights as torch.nn holds
     them (biases None: none); ``lengths`` [B]: past its end a sequence keeps its state.  None where the kernel
-    cannot run it (no compiler, another dtype or device, an LSTM with ``proj_size``): the caller runs torch's."""
-    pb = problem(cell, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths)
+    cannot run it (no compiler, another dtype or device, an LSTM with ``proj_size``): the caller runs torch's.
+    ``lanes`` (tests): the jobs' width instead of :func:`plan_lanes`'s."""
+    pb = problem(cell, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, threads=threads, lanes=lanes)
     if pb is None:
         return None
     sl = pb.slices()
@@ -206,7 +225,7 @@ def forward_until_meet(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, t0: int, t1
     T = x.shape[0]
     if not 0 <= t0 <= t1 <= T:
         raise ValueError(f"the steps [{t0}, {t1}) are not within [0, {T}]")
-    pb = problem(cell, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, tol)
+    pb = problem(cell, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, tol, threads)
     if pb is None:
         return None
     sl = pb.slices()

@@ -1,7 +1,7 @@
 /* The build target's vector registers and the vector math the CPU kernels share (chain_scan.c, forward.c).
  *
  * Included after the kernel's `typedef REAL real;` (REALBITS: its width in bits).  fvec is one whole register of
- * reals, the type of every function here.  No operation mixes lanes: a lane's value depends on that lane's
+ * reals (or SIMD_BYTES), the type of every function here.  No operation mixes lanes: a lane's value depends on that lane's
  * inputs only, never on its neighbours (so a batch element gets the same bits in any slice of lanes). */
 #ifndef BPPSA_SIMD_H
 #define BPPSA_SIMD_H
@@ -25,20 +25,26 @@
 #define NREG 16
 #endif
 
-typedef real fvec __attribute__((vector_size(VREG_BYTES), aligned(sizeof(real))));
+/* The vectors of the functions below: one register (SIMD_BYTES, unless the kernel asks for a narrower power of two
+ * before including this: the forward's narrower lane slices). */
+#ifndef SIMD_BYTES
+#define SIMD_BYTES VREG_BYTES
+#endif
+_Static_assert(SIMD_BYTES <= VREG_BYTES && (SIMD_BYTES & (SIMD_BYTES - 1)) == 0, "a vector of at most one register");
+typedef real fvec __attribute__((vector_size(SIMD_BYTES), aligned(sizeof(real))));
 #if REALBITS == 32
-typedef int ivec __attribute__((vector_size(VREG_BYTES)));
+typedef int ivec __attribute__((vector_size(SIMD_BYTES)));
 typedef ivec kvec;
 #define EXP_HI 88.0f
 #define EXP_LO (-87.0f)
 #define MANT 23
 #define BIAS 127
 #else
-typedef long long ivec __attribute__((vector_size(VREG_BYTES)));
+typedef long long ivec __attribute__((vector_size(SIMD_BYTES)));
 #if (defined(__x86_64__) || defined(__i386__)) && !defined(__AVX512DQ__)
 /* exp's k = round(x / ln2) (|k| < 1100) in 32-bit lanes: x86 converts between double and 64-bit integers only
  * from AVX-512 on, between double and 32-bit ones everywhere. */
-typedef int kvec __attribute__((vector_size(VREG_BYTES / 2)));
+typedef int kvec __attribute__((vector_size(SIMD_BYTES / 2)));
 #else
 typedef ivec kvec;
 #endif

@@ -81,13 +81,14 @@ def sliced_forward(cell: str, x, h0, c0, weights, lengths=None, slices: int = 2,
     true start state, a guess for the next call).  None where the kernel cannot run the case (the caller runs
     torch's forward)."""
     w_ih, w_hh, b_ih, b_hh = weights
-    pb = forward.problem(cell, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, tol=tol)
+    p = max(1, torch.get_num_threads() if threads is None else threads)
+    # the slices are the threads' work: lanes as wide as the register, whatever the batch
+    pb = forward.problem(cell, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, tol=tol, threads=1)
     if pb is None:
         return None
     T, B, H, lstm = pb.T, pb.B, pb.H, cell == "lstm"
     K = max(1, min(int(slices), T))
     m_sweeps = MAX_SWEEPS if max_sweeps is None else max(1, int(max_sweeps))
-    p = max(1, torch.get_num_threads() if threads is None else threads)
     bounds = [T * k // K for k in range(K + 1)]
     lanes = pb.slices()
     key = (cell, T, B, H, K, x.dtype)
