@@ -1,6 +1,7 @@
-"""The CPU kernel on every build target: each variant compiles for x86-64-v3 (AVX2) and x86-64-v4 (AVX-512), and
-for aarch64 where a cross compiler is installed, with no vector built piecewise; gradients equal autograd's under
-both x86 builds (each on a CPU that runs it); a kernel damaged in the cache is rebuilt, never loaded."""
+"""The CPU kernels on every build target: each variant of the scan (chain_scan.c) and of the forward (forward.c)
+compiles for x86-64-v3 (AVX2) and x86-64-v4 (AVX-512), and for aarch64 where a cross compiler is installed, with no
+vector built piecewise; gradients equal autograd's and the forward torch's under both x86 builds (each on a CPU that
+runs it); a kernel damaged in the cache is rebuilt, never loaded."""
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ from bppsa.backends.cpu import native
 from bppsa.verify import verify
 
 SRC = resources.files("bppsa.backends.cpu").joinpath("chain_scan.c")
+FORWARD = resources.files("bppsa.backends.cpu").joinpath("forward.c")
 TARGETS = {"x86-64-v3": ("cc", ["-march=x86-64-v3"], 32), "x86-64-v4": ("cc", ["-march=x86-64-v4"], 64),
            "aarch64": ("aarch64-linux-gnu-gcc", ["-march=armv8-a"], 16)}
 CHECKS = ["-Wall", "-Werror", "-Werror=vector-operation-performance"]
@@ -38,6 +40,27 @@ def test_every_kernel_variant_compiles_without_a_piecewise_vector(target, kind, 
                                     "-o", str(tmp_path / "k.o"), str(SRC)], capture_output=True, text=True,
                                    timeout=300)
                 assert r.returncode == 0 and not r.stderr.strip(), (target, defs, r.stderr[-2000:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", [0, 1, 2, 3])
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_every_forward_variant_compiles_without_a_piecewise_vector(target, cell, tmp_path):
+    """The forward of every cell in both dtypes, at the benchmarks' H = 20, I = 1 and at H = 33, I = 12 (several
+    row tiles with a rest, a rest of the activations' groups, a transposed input): no vector expanded piecewise and
+    no warning at all."""
+    cc, march, vbytes = TARGETS[target]
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} (Debian: apt-get install gcc-aarch64-linux-gnu)")
+    for (real, bits), (H, I) in ((("float", 32), (20, 1)), (("double", 64), (33, 12))):
+        # a register's lanes, and the half of one that forward.plan_lanes may take (not below 32 bytes)
+        for nbytes in [vbytes] + ([vbytes // 2] if vbytes // 2 >= 32 else []):
+            lanes = nbytes * 8 // bits
+            defs = [f"-DCELL={cell}", f"-DHID={H}", f"-DINP={I}", f"-DLANES={lanes}", f"-DREAL={real}",
+                    f"-DREALBITS={bits}"]
+            r = subprocess.run([cc, *march, "-O3", "-fPIC", "-std=gnu11", "-pthread", *CHECKS, *defs, "-c", "-o",
+                                str(tmp_path / "f.o"), str(FORWARD)], capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0 and not r.stderr.strip(), (target, defs, r.stderr[-2000:])
 
 
 def test_a_vector_wider_than_the_register_is_refused_at_compile_time(tmp_path):
@@ -83,6 +106,17 @@ def test_gradients_equal_autograd_under_each_x86_build(isa, dtype):
         for model, layout, T in (("rnn", "fused", 100), ("rnn", "paper", 37), ("gru", "fused", 37)):
             r = verify(model, seq_len=T, batch=B, dtype=dtype, backend="cpu", layout=layout, seed=B)
             assert r["backend"] == "cpu" and r["ok"], (isa, model, layout, B, r["max_rel_err"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_the_forward_equals_torch_under_each_x86_build(isa, dtype):
+    """Every cell at a batch of one register and a rest (17), lengths ending inside the sequence."""
+    import torch
+    from test_cpu_forward import CELLS, check
+
+    for cell in CELLS:
+        check(cell, 37, 17, 1, 20, getattr(torch, dtype), lengths=True)
 
 
 def test_an_unknown_build_target_is_refused_naming_the_variable(monkeypatch):

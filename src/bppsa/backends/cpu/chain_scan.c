@@ -52,24 +52,7 @@
 #define NL LANES
 typedef REAL real;
 
-/* The target's vector registers, from the compiler's own macros for the -march it was given (the Python side
- * reads the same macros to size LANES: bppsa.backends.cpu.native.target): their width in bytes and how many
- * there are.  Every vector type below fits one register, and every block of accumulators fits the register
- * file (ACC of them, the rest left for the operands): a vector or a tile wider than that is built piecewise
- * through the stack (on AVX2, 64-byte vectors made the scan ~10x slower). */
-#if defined(__AVX512F__)
-#define VREG_BYTES 64
-#define NREG 32
-#elif defined(__AVX__)
-#define VREG_BYTES 32
-#define NREG 16
-#elif defined(__aarch64__) || defined(__ARM_NEON)
-#define VREG_BYTES 16
-#define NREG 32
-#else /* SSE2 (every x86-64) and other 16-byte SIMD */
-#define VREG_BYTES 16
-#define NREG 16
-#endif
+#include "simd.h"
 #define ACC (NREG - 4)
 #define RVL (VREG_BYTES / (int)sizeof(real)) /* reals per register */
 
@@ -961,96 +944,8 @@ void rnn_factors(const real *h, const real *x, long T, long B, long k0, long k1,
 }
 
 #else
-/* -- the GRU's gates, recomputed (the forward keeps none), with vector exp -------------------------- */
+/* -- the GRU's gates, recomputed (the forward keeps none), with simd.h's vector exp ------------- */
 #define FV RVL /* lanes of the builder's vectors: one register */
-typedef real fvec __attribute__((vector_size(VREG_BYTES), aligned(sizeof(real))));
-#if REALBITS == 32
-typedef int ivec __attribute__((vector_size(VREG_BYTES)));
-typedef ivec kvec;
-#define EXP_HI 88.0f
-#define EXP_LO (-87.0f)
-#define MANT 23
-#define BIAS 127
-#else
-typedef long long ivec __attribute__((vector_size(VREG_BYTES)));
-#if (defined(__x86_64__) || defined(__i386__)) && !defined(__AVX512DQ__)
-/* exp's k = round(x / ln2) (|k| < 1100) in 32-bit lanes: x86 converts between double and 64-bit integers only
- * from AVX-512 on, between double and 32-bit ones everywhere. */
-typedef int kvec __attribute__((vector_size(VREG_BYTES / 2)));
-#else
-typedef ivec kvec;
-#endif
-#define EXP_HI 709.0
-#define EXP_LO (-708.0)
-#define MANT 52
-#define BIAS 1023
-#endif
-#define SPLAT(v) ((fvec){0} + (real)(v))
-
-static inline fvec blend(ivec mask, fvec yes, fvec no) { return (fvec)(((ivec)yes & mask) | ((ivec)no & ~mask)); }
-
-/* exp(x) for every lane: x = k ln2 + r (Cody-Waite), |r| <= ln2/2, exp(r) by a polynomial (float: Cephes'
- * expf, ~1 ulp; double: Taylor to r^13, ~1e-16), times 2^k built in the exponent bits. */
-static inline fvec vexp(fvec x) {
-    x = blend(x > SPLAT(EXP_HI), SPLAT(EXP_HI), x);
-    x = blend(x < SPLAT(EXP_LO), SPLAT(EXP_LO), x);
-    fvec t = x * SPLAT(1.44269504088896340736);
-    kvec ki = __builtin_convertvector(t + blend(t >= SPLAT(0), SPLAT(0.5), SPLAT(-0.5)), kvec);
-    fvec k = __builtin_convertvector(ki, fvec), p, r;
-#if REALBITS == 32
-    r = x - k * SPLAT(0.693359375f) - k * SPLAT(-2.12194440e-4f);
-    p = SPLAT(1.9875691500e-4f);
-    p = p * r + SPLAT(1.3981999507e-3f);
-    p = p * r + SPLAT(8.3334519073e-3f);
-    p = p * r + SPLAT(4.1665795894e-2f);
-    p = p * r + SPLAT(1.6666665459e-1f);
-    p = p * r + SPLAT(5.0000001201e-1f);
-    p = p * r * r + r + SPLAT(1);
-#else
-    r = x - k * SPLAT(6.93145751953125e-1) - k * SPLAT(1.42860682030941723212e-6);
-    p = SPLAT(1.0 / 6227020800.0); /* 1/13! */
-    static const double inv_fact[] = {1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0,
-                                      1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0,
-                                      1.0 / 6.0, 0.5, 1.0, 1.0};
-    for (int i = 0; i < 13; ++i) p = p * r + SPLAT(inv_fact[i]);
-#endif
-    return p * (fvec)((__builtin_convertvector(ki, ivec) + BIAS) << MANT);
-}
-
-/* p = sigmoid(x) and q = 1 - p = sigmoid(-x), each to a few ulp (1 - p would cancel as p nears 1). */
-static inline void vsigmoid(fvec x, fvec *p, fvec *q) {
-    fvec e = vexp(-x), d = SPLAT(1) + e;
-    *p = SPLAT(1) / d;
-    *q = e / d;
-}
-/* n = tanh(x) and s = 1 - n^2, both to a few ulp.  Near 0 (|x| < 0.625) n is Cephes' odd expansion
- * (float: tanhf's polynomial; double: tanh's rational), where 1 - 2 / (e^2x + 1) would cancel, and
- * s = 1 - n^2 loses nothing (n^2 < 0.31).  Further out, with u = e^-2|x|, n = ±(1 - u) / (1 + u) and
- * s = 4u / (1 + u)^2: 1 - n^2 from a rounded n would lose digits as |n| nears 1, and the GRU's
- * e = (1 - z)(1 - n^2) is a factor of every gate's gradient. */
-static inline void vtanh(fvec x, fvec *n, fvec *s) {
-    fvec z = x * x, near;
-#if REALBITS == 32
-    near = SPLAT(-5.70498872745e-3f);
-    near = near * z + SPLAT(2.06390887954e-2f);
-    near = near * z + SPLAT(-5.37397155531e-2f);
-    near = near * z + SPLAT(1.33314422036e-1f);
-    near = near * z + SPLAT(-3.33332819422e-1f);
-    near = near * z * x + x;
-#else
-    fvec P = (SPLAT(-9.64399179425052238628e-1) * z + SPLAT(-9.92877231001918586564e1)) * z +
-             SPLAT(-1.61468768441708447952e3);
-    fvec Q = ((z + SPLAT(1.12811678491632931402e2)) * z + SPLAT(2.23548839060100448583e3)) * z +
-             SPLAT(4.84406305325125486048e3);
-    near = x + x * (z * P / Q);
-#endif
-    ivec neg = x < SPLAT(0), small = (x < SPLAT(0.625)) & (x > SPLAT(-0.625));
-    fvec ax = blend(neg, -x, x), u = vexp(SPLAT(-2) * ax), d = SPLAT(1) + u;
-    fvec far = (SPLAT(1) - u) / d;
-    *n = blend(small, near, blend(neg, -far, far));
-    *s = blend(small, SPLAT(1) - near * near, SPLAT(4) * u / (d * d));
-}
-
 /* The GRU's factors [T][NR][B] in scan order for steps k0 .. k1 - 1, straight from x ([T][B][INP]) and h
  * ([T][B][H], h_0 = 0) and the cell's weights (W_ih [3H][INP], W_hh [3H][H], biases [3H]; gate order r, z, n):
  * per step and block of FV lanes, x_t and h' go to lane order, the gates' two affine maps, r = sigmoid(R),

@@ -1,8 +1,10 @@
-"""The compiled kernel of the CPU fast path (``chain_scan.c``): built at first use, loaded with ctypes.
+"""The compiled kernels of the CPU fast path (:data:`SOURCES`: ``chain_scan.c``, the backward's scan, and
+``forward.c``, the recurrent layers' forward, :mod:`.forward`): built at first use, loaded with ctypes.
 
-The C source is compiled by the system's C compiler (``$CC``, else ``cc``) with ``-O3 -march=<target>`` once per
-(chain kind, hidden size, input size, lane count, dtype) -- constants let the compiler keep a product's rows in
-registers and vectorise across the batch lanes -- into ``$BPPSA_CACHE_DIR`` (default ``~/.cache/bppsa``).
+A C source (with the package's headers, ``simd.h``) is compiled by the system's C compiler (``$CC``, else ``cc``)
+with ``-O3 -march=<target>`` once per set of constants (:func:`build`; the scan's: chain kind, hidden size, input
+size, lane count, dtype) -- constants let the compiler keep a product's rows in registers and vectorise across the
+batch lanes -- into ``$BPPSA_CACHE_DIR`` (default ``~/.cache/bppsa``).
 
 **The target** is ``$BPPSA_CPU_ISA`` (:data:`ISAS`): ``native`` (the default: this CPU), or ``x86-64-v3`` (AVX2)
 or ``x86-64-v4`` (AVX-512) to build and run another x86 level on any CPU that has it.  The vector width and
@@ -39,7 +41,7 @@ import torch
 
 from ...process import cache_root
 
-__all__ = ["available", "unavailable_reason", "library", "Team", "GruFill", "KINDS", "ISAS",
+__all__ = ["available", "unavailable_reason", "library", "build", "Team", "GruFill", "KINDS", "ISAS", "SOURCES",
            "target", "lane_width", "rnn_factors", "reset", "isa", "build_key"]
 
 _REAL = {torch.float32: "float", torch.float64: "double"}
@@ -52,9 +54,20 @@ _FLAGS = ["-O3", "-fPIC", "-shared", "-std=gnu11", "-pthread"]
 _LIBS = ["-lm"]
 
 
+SOURCES = ("chain_scan.c", "forward.c")  # the kernels built here, each a C file of this package
+
+
 @functools.cache
-def _source() -> bytes:
-    return resources.files(__package__).joinpath("chain_scan.c").read_bytes()
+def _files(source: str) -> dict[str, bytes]:
+    """What a build of ``source`` compiles: the file and every header of this package (any of them may be
+    included; a change to one rebuilds every kernel, which is cheap and never stale)."""
+    root = resources.files(__package__)
+    names = [source] + sorted(f.name for f in root.iterdir() if f.name.endswith(".h"))
+    return {name: root.joinpath(name).read_bytes() for name in names}
+
+
+def _source(source: str = "chain_scan.c") -> bytes:
+    return b"\0".join(name.encode() + b"\0" + text for name, text in _files(source).items())
 
 
 def cache_dir() -> Path:
@@ -138,9 +151,12 @@ def target() -> dict | None:
 
 
 _errors: dict = {}
+_loaded: list = []  # other modules' caches of loaded builds (forward.py's), forgotten by reset() too
+
+
 def reset() -> None:
     """Forget this process's target, builds and their errors (after ``BPPSA_CPU_ISA`` or ``CC`` changed)."""
-    for f in (_target, library, unavailable_reason):
+    for f in (_target, library, unavailable_reason, *_loaded):
         f.cache_clear()
     _errors.clear()
 
@@ -168,19 +184,23 @@ def _intact(so: Path) -> bool:
         return False
 
 
-def build_key(extra: str = "") -> str | None:
-    """What every build for the current target depends on besides its constants (source, flags, compiler, and
-    this CPU where the target is ``native``), hashed; ``extra`` is mixed in.  None without a target."""
+def build_key(extra: str = "", source: str = "chain_scan.c") -> str | None:
+    """What every build of ``source`` for the current target depends on besides its constants (the source and its
+    headers, flags, compiler, and this CPU where the target is ``native``), hashed; ``extra`` is mixed in.  None
+    without a target."""
     tg = target()
     if tg is None:
         return None
     cpu = _cpu_id() if tg["isa"] == "native" else ""
-    return hashlib.sha256(b"\0".join([_source(), " ".join(_FLAGS + tg["flags"] + _LIBS).encode(),
+    return hashlib.sha256(b"\0".join([_source(source), " ".join(_FLAGS + tg["flags"] + _LIBS).encode(),
                                        _compiler_id(tg["compiler"]).encode(), cpu.encode(),
                                        extra.encode()])).hexdigest()[:20]
 
 
-def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
+def build(source: str, defs: list[str], stem: str) -> ctypes.CDLL | None:
+    """``source`` (:data:`SOURCES`) compiled for the current target with the ``-D`` definitions ``defs`` into the
+    cache (``<stem>_<isa>_<key>.so``) where it is not there whole already, and loaded; None where it cannot be
+    built (why: :func:`unavailable_reason`'s ``_errors``).  Every kernel of the package is built here."""
     tg = target()
     if tg is None:
         _errors.setdefault("cc", f"no C compiler ({compiler_name()!r} not on PATH)")
@@ -189,14 +209,9 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
     if lacks:
         _errors["cc"] = f"BPPSA_CPU_ISA={tg['isa']} needs CPU features this CPU lacks ({', '.join(lacks)})"
         return None
-    real = _REAL.get(dtype)
-    if real is None:  # e.g. half precision: the numpy path takes it
-        return None
-    defs = [f"-DKIND={kind}", f"-DHID={H}", f"-DINP={I}", f"-DLANES={lanes}", f"-DREAL={real}",
-            f"-DREALBITS={8 * dtype.itemsize}"]
     cc, flags = tg["compiler"], _FLAGS + tg["flags"]
-    key = build_key(" ".join(defs))
-    out = cache_dir() / f"chain_scan_k{kind}_{real}_H{H}_I{I}_L{lanes}_{tg['isa']}_{key}.so"
+    key = build_key(" ".join(defs), source)
+    out = cache_dir() / f"{stem}_{tg['isa']}_{key}.so"
     if not _intact(out):
         out.parent.mkdir(parents=True, exist_ok=True)
         # one build per kernel: processes that want the same one (test workers, cluster jobs starting
@@ -206,11 +221,12 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
             if not _intact(out):
                 if out.exists():  # cut short or garbled since its build: never loaded, rebuilt
                     warnings.warn(f"the cached CPU kernel {out} does not match its checksum (damaged); rebuilding it",
-                                  stacklevel=4)
+                                  stacklevel=5)
                 with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                    c_file, so_file = Path(tmp) / "chain_scan.c", Path(tmp) / out.name
-                    c_file.write_bytes(_source())
-                    r = subprocess.run([cc, *flags, *defs, "-o", str(so_file), str(c_file), *_LIBS],
+                    for name, text in _files(source).items():
+                        (Path(tmp) / name).write_bytes(text)
+                    so_file = Path(tmp) / out.name
+                    r = subprocess.run([cc, *flags, *defs, "-o", str(so_file), str(Path(tmp) / source), *_LIBS],
                                        capture_output=True, text=True, timeout=300)
                     if r.returncode != 0:
                         _errors["cc"] = f"{cc} failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-500:]}"
@@ -222,7 +238,18 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
             if not _intact(out):  # the rebuild itself did not land whole (the disk is still full, say)
                 _errors["cc"] = f"the kernel {out} is damaged in the cache and its rebuild failed the checksum"
                 return None
-    lib = ctypes.CDLL(str(out))
+    return ctypes.CDLL(str(out))
+
+
+def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
+    real = _REAL.get(dtype)
+    if real is None:  # e.g. half precision: the numpy path takes it
+        return None
+    defs = [f"-DKIND={kind}", f"-DHID={H}", f"-DINP={I}", f"-DLANES={lanes}", f"-DREAL={real}",
+            f"-DREALBITS={8 * dtype.itemsize}"]
+    lib = build("chain_scan.c", defs, f"chain_scan_k{kind}_{real}_H{H}_I{I}_L{lanes}")
+    if lib is None:
+        return None
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     factors = ({"gru_factors": [p, p, p, p, p, p, l, l, l, l, p]} if kind == KINDS["gru"]
                else {"rnn_factors": [p, p, l, l, l, l, p]})

@@ -1,0 +1,165 @@
+"""The sliced forward: a recurrent layer's T steps as contiguous slices run side by side, then corrected.
+
+A recurrent forward is a chain: step t needs step t - 1.  Where the batch alone cannot keep every thread busy (fewer
+lane slices than threads: a batch of one vector register or less), the sequence itself is split into ``slices``
+contiguous slices, and the slices' chains are solved as a block Jacobi (fixed-point) iteration:
+
+- **sweep 0** runs every slice at once from a guessed start state (zeros, or ``guess``: the start states of the
+  last call, :data:`stats`'s ``starts``); slice 0 starts from h0 and is exact;
+- **each later sweep** reruns, at once, every slice k whose start state changed -- the end state of slice k - 1 as
+  it now stands, against the start the slice last ran from -- from that new start, each batch element until its
+  new trajectory meets the stored one (:func:`.forward.forward_until_meet`): a layer that forgets reaches the same
+  state from any start within tens to hundreds of steps, after which the stored rest is kept;
+- sweeps stop when no slice's start changed.  After sweep j the first j + 1 slices are exact (each started from its
+  exact predecessor), so at most ``slices`` - 1 corrections are ever needed; after ``max_sweeps`` sweeps the
+  slices still changing are finished by the **serial hand-off**: in order, each from its predecessor's end (exact
+  by then), until it meets.
+
+**The meeting criterion.**  ``tol`` = 0: bitwise.  The result is then the serial compiled forward's bit for bit, by
+construction: a state and x_t determine the next state (the same operations in every job and lane), so a
+trajectory that equals the stored one at a step equals it at every step after.  Bitwise meetings need the two
+trajectories to become identical: the GRU's, the LSTM's and a relu RNN's do within a few hundred steps at torch's
+default init; a tanh RNN's come within an ulp in ~100 steps but can stay an ulp apart for thousands (its rounded
+map has many states it cycles among), so at tol = 0 its slices rarely meet (exact all the same, just not faster).
+``tol`` > 0: an element meets where max|new - stored| <= tol · max|stored| over its units (h and c each), and its
+stored rest is kept although it differs from the exact one by up to that much.  **The error bound:** each meeting
+(and each start that changed by less than tol, so was not rerun) puts a perturbation of at most tol · max|state|
+into its slice, carried forward by the layer's own Jacobian products J_t ⋯ J_s; with K slices at most K - 1 of
+them lie along any step's history, so the error at a step is at most (K - 1) · tol · max|state| · max ‖J_t ⋯ J_s‖
+(∞-norm).  For a layer that forgets those products shrink within a few steps; for one that remembers they do not
+(but such a layer also rarely meets).
+
+**Time.**  In units of one slice of one lane slice (T / K steps), with L lane slices and p threads: sweep 0 takes
+⌈K L / p⌉, sweep j ⌈(K - j) L / p⌉ at most, the hand-off ⌈L / p⌉ per slice; against K ⌈L / p⌉ for the serial
+compiled forward on the same threads.  ``stats['bound']`` is that worst case (a layer that never meets) as a
+multiple of the serial forward: 1.0 at K = p = 2 with one lane slice, 1.5 at K = 4 there (max_sweeps = 3).  With a
+layer that forgets, sweep 0 dominates: ~⌈K L / p⌉ / (K ⌈L / p⌉) of the serial time, 1 / p with one lane slice.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import forward
+
+__all__ = ["sliced_forward", "MAX_SWEEPS", "worst_case"]
+
+MAX_SWEEPS = 3  # sweep 0 and two corrections: at K <= 3 slices every run converges before the hand-off
+_last: dict = {}  # guess="last": the start states of the last call, per shape
+
+
+def worst_case(K: int, L: int, p: int, max_sweeps: int) -> float:
+    """The sliced forward's time where no slice ever meets, as a multiple of the serial forward's (module doc)."""
+    m, L = max(1, min(max_sweeps, K)), max(1, L)
+    units = math.ceil(K * L / p) + sum(math.ceil((K - j) * L / p) for j in range(1, m)) + (K - m) * math.ceil(L / p)
+    return units / (K * math.ceil(L / p))
+
+
+def _differs(new: torch.Tensor, old: torch.Tensor, tol: float) -> torch.Tensor:
+    """[B] bool: whether a batch element's state [B, H] changed: bitwise, or by more than tol · max|old|."""
+    if tol == 0:
+        return (new.view(_int[new.dtype]) != old.view(_int[old.dtype])).any(-1)
+    return (new - old).abs().amax(-1) > tol * old.abs().amax(-1)
+
+
+_int = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+@torch.no_grad()
+def sliced_forward(cell: str, x, h0, c0, weights, lengths=None, slices: int = 2, guess=None, tol: float = 0.0,
+                   max_sweeps: int | None = None, threads: int | None = None):
+    """The states of every step of one layer, ``(h, c, stats)`` -- h and c as :func:`.forward.compiled_forward`
+    returns them -- by ``slices`` contiguous slices of the sequence run side by side on the threads (module doc).
+    ``weights``: ``(w_ih, w_hh, b_ih, b_hh)`` as torch.nn holds them.  ``guess``: the slices' start states for
+    sweep 0, ``(h, c)`` [slices, B, H] (c None but for the LSTM; row 0 is ignored: h0 is known), "last" for the
+    start states of this process's last call with the same shapes, or None for zeros.  ``tol``: the meeting
+    criterion (0: bitwise, the result then the serial forward's bit for bit).  ``stats``: ``sweeps`` (run in
+    parallel, sweep 0 included), ``meet_steps`` (per correction sweep, per slice rerun: the steps its slowest
+    element ran before it met, the slice's length where one never did), ``handoff`` (the slices the serial hand-off
+    ran), ``fallback`` (whether it ran any), ``bound`` (:func:`worst_case`) and ``starts`` ((h, c): every slice's
+    true start state, a guess for the next call).  None where the kernel cannot run the case (the caller runs
+    torch's forward)."""
+    w_ih, w_hh, b_ih, b_hh = weights
+    p = max(1, torch.get_num_threads() if threads is None else threads)
+    # the slices are the threads' work: lanes as wide as the register, whatever the batch
+    pb = forward.problem(cell, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, tol=tol, threads=1)
+    if pb is None:
+        return None
+    T, B, H, lstm = pb.T, pb.B, pb.H, cell == "lstm"
+    K = max(1, min(int(slices), T))
+    m_sweeps = MAX_SWEEPS if max_sweeps is None else max(1, int(max_sweeps))
+    bounds = [T * k // K for k in range(K + 1)]
+    lanes = pb.slices()
+    key = (cell, T, B, H, K, x.dtype)
+    if isinstance(guess, str):
+        if guess != "last":
+            raise ValueError(f"guess must be None, (h, c) or 'last' (got {guess!r})")
+        guess = _last.get(key)
+
+    def states(g):
+        s = torch.zeros(K, B, H, dtype=x.dtype)
+        if g is not None:
+            if tuple(g.shape) != (K, B, H):
+                raise ValueError(f"a guess must be [{K}, {B}, {H}] (got {tuple(g.shape)})")
+            s.copy_(g)
+        return s
+
+    S = states(None if guess is None else guess[0])
+    Sc = states(None if guess is None or not lstm else guess[1]) if lstm else None
+    S[0] = 0 if pb.h0 is None else pb.h0
+    if lstm:
+        Sc[0] = 0 if pb.c0 is None else pb.c0
+    met = torch.empty(K, B, dtype=torch.int64)
+    h, c = pb.h, pb.c
+
+    def job_list(ks, stale, meet):
+        return [(b0, nb, bounds[k], bounds[k + 1], S[k], Sc[k] if lstm else None, meet, met[k])
+                for k in ks for b0, nb in lanes if stale is None or bool(stale[k, b0:b0 + nb].any())]
+
+    def stale_now():
+        """[K, B]: the elements whose slice start is no longer their predecessor's end (slice 0: never)."""
+        st = torch.zeros(K, B, dtype=torch.bool)
+        for k in range(1, K):
+            st[k] = _differs(h[bounds[k] - 1], S[k], tol)
+            if lstm:
+                st[k] |= _differs(c[bounds[k] - 1], Sc[k], tol)
+        return st
+
+    def rerun(ks, stale):
+        """Slices ks' lane slices with a stale element, from their predecessors' ends, until they meet.  The new
+        starts are copied before any job runs (a predecessor's rerun may rewrite its end), and only for the lanes
+        that rerun: S holds the start each element's stored trajectory was computed from."""
+        jobs = job_list(ks, stale, True)
+        for b0, nb, t0, *_ in jobs:
+            S[bounds.index(t0), b0:b0 + nb] = h[t0 - 1, b0:b0 + nb]
+            if lstm:
+                Sc[bounds.index(t0), b0:b0 + nb] = c[t0 - 1, b0:b0 + nb]
+        forward.run(pb, jobs, pb.threads(len(jobs), T // K, p))
+        return {k: int((met[k][stale[k]] - bounds[k]).max()) for k in ks}
+
+    jobs = job_list(range(K), None, False)
+    forward.run(pb, jobs, pb.threads(len(jobs), T // K, p))
+    sweeps, meet_steps, handoff = 1, [], []
+    stale = stale_now()
+    while stale.any() and sweeps < m_sweeps:
+        ks = [k for k in range(K) if stale[k].any()]
+        meet_steps.append(rerun(ks, stale))
+        sweeps += 1
+        stale = stale_now()
+    for k in range(1, K):  # the serial hand-off, in order: each slice from its exact predecessor
+        st = _differs(h[bounds[k] - 1], S[k], tol)
+        if lstm:
+            st |= _differs(c[bounds[k] - 1], Sc[k], tol)
+        if not st.any():
+            continue
+        mask = torch.zeros(K, B, dtype=torch.bool)
+        mask[k] = st
+        meet_steps.append(rerun([k], mask))
+        handoff.append(k)
+    starts = (torch.stack([h[b - 1] if b else S[0] for b in bounds[:-1]]),
+              torch.stack([c[b - 1] if b else Sc[0] for b in bounds[:-1]]) if lstm else None)
+    _last[key] = starts
+    stats = {"sweeps": sweeps, "meet_steps": meet_steps, "handoff": handoff, "fallback": bool(handoff),
+             "bound": worst_case(K, len(lanes), p, m_sweeps), "starts": starts}
+    return h, c, stats
