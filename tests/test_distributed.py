@@ -152,7 +152,64 @@ def layer_suite(rank: int, p: int, group) -> list[tuple]:
     return out
 
 
-SUITES = {"scan": scan_suite, "layers": layer_suite}
+def _remembering(layer) -> None:
+    """Weights under which the layer remembers (its trajectories from two starts never meet): the LSTM's forget
+    gate held open, the GRU's update gate held shut (h_t ~ h_{t-1}), the RNN's recurrence a near-orthogonal map."""
+    with torch.no_grad():
+        for k in range(layer.num_layers):
+            w_hh, b_hh = getattr(layer, f"weight_hh_l{k}"), getattr(layer, f"bias_hh_l{k}")
+            H = layer.hidden_size
+            if layer.cell.name == "lstm":
+                b_hh[H:2 * H] = 20.0
+            elif layer.cell.name == "gru":
+                b_hh[H:2 * H] = 20.0
+            else:
+                q, _ = torch.linalg.qr(torch.randn(H, H, dtype=w_hh.dtype))
+                w_hh.copy_(0.999 * q)
+                getattr(layer, f"weight_ih_l{k}").mul_(1e-3)
+
+
+def forward_suite(rank: int, p: int, group) -> list[tuple]:
+    """The forward across the ranks (bppsa.nn.split.ranks_forward) against the single-process layer's forward, for
+    each cell, layers that forget (torch's init) and that remember, lengths ending inside a slice, parallel_forward
+    True (the sweeps; twice: zeros, then the last call's starts as the guesses, on other inputs), None (where it
+    pays) and False (the serial hand-off): (case, whether every call's states and h_n equal the single process's bit
+    for bit, the sweeps of each call)."""
+    import bppsa.nn as bnn
+
+    out = []
+    pg = group if group is not None else torch.distributed.group.WORLD
+    for cell, kw in (("RNN", {}), ("GRU", {}), ("LSTM", {})):
+        for remembers in (False, True):
+            for mode in (True, None, False):
+                torch.manual_seed(3)
+                single = getattr(bnn, cell)(2, 5, backend="cpu", dtype=torch.float64, **kw)
+                if remembers:
+                    _remembering(single)
+                split = getattr(bnn, cell)(2, 5, backend="cpu", dtype=torch.float64, process_group=pg,
+                                           parallel_forward=mode, group_timeout=60, **kw)
+                split.load_state_dict(single.state_dict())
+                T = 403
+                gen = torch.Generator().manual_seed(4)
+                lengths = torch.tensor([T, 250, 7])
+                sl = torch.tensor_split(torch.arange(T), p)[rank]
+                exact, sweeps = True, []
+                for _ in range(2):
+                    x = (torch.rand(T, 3, 2, generator=gen, dtype=torch.float64) < 0.4).double()
+                    with torch.no_grad():
+                        want, want_n = single(x, lengths=lengths)
+                        got, got_n = split(x[sl], lengths=lengths)
+                    exact = exact and torch.equal(got, want[sl])
+                    if rank == p - 1:
+                        exact = exact and torch.equal(torch.cat(list(got_n)) if isinstance(got_n, tuple) else got_n,
+                                                      torch.cat(list(want_n)) if isinstance(want_n, tuple) else want_n)
+                    stats = split.forward_stats[0]
+                    sweeps.append(None if stats is None else stats["sweeps"])
+                out.append(((cell, remembers, mode), exact, sweeps))
+    return out
+
+
+SUITES = {"scan": scan_suite, "layers": layer_suite, "forward": forward_suite}
 
 # The groups of 4 spawned ranks the suites run in: p -> global ranks (None: the default group of all 4).  Groups
 # that skip ranks make the group's ranks differ from the global ones, which the exchanges must translate.
@@ -238,6 +295,31 @@ def test_split_layers_equal_autograd_on_the_whole_sequence(four_ranks, p):
     and the single-process layer's: T not divisible by p, lengths, two layers, a loss at every step and on h_n
     (and c_n)."""
     _check_layer_results([res[p]["layers"] for res in four_ranks if p in res], p)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_the_forward_across_ranks_is_the_serial_forward(four_ranks, p):
+    """Every rank's states (and the last rank's h_n) equal the single process's bit for bit, by the sweeps and by
+    the serial hand-off, in every call; at most one sweep per rank; parallel_forward=True always sweeps, False
+    never; None sweeps in its first call of a shape, and after a call that did not pay (a layer that remembers, the
+    tanh RNN whose trajectories stay an ulp apart) runs the serial hand-off; a layer that forgets (the GRU, the LSTM)
+    ends in two sweeps at two ranks (sweep 0 and one correction, its rerun meeting)."""
+    members = [res[p]["forward"] for res in four_ranks if p in res]
+    assert len(members) == p
+    for rank, cases in enumerate(members):
+        for (cell, remembers, mode), exact, sweeps in cases:
+            case = (p, rank, cell, remembers, mode, sweeps)
+            assert exact, case
+            if mode is False or p == 1:
+                assert sweeps == [None, None], case
+                continue
+            assert sweeps[0] is not None and 1 <= sweeps[0] <= p, case
+            if mode is True:
+                assert sweeps[1] is not None and 1 <= sweeps[1] <= p, case
+            if remembers or cell == "RNN":  # never met: the first call did not pay
+                assert mode is True or sweeps[1] is None, case
+            elif p == 2:
+                assert sweeps[0] == 2, case
 
 
 def _check_layer_results(members: list, p: int) -> None:

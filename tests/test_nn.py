@@ -251,6 +251,38 @@ def test_torch_layer_is_in_training_mode_where_autograd_records(monkeypatch):
     assert seen == [True, False, False, False] and all(type(t) is bool for t in seen), seen
 
 
+@pytest.mark.parametrize("cell", ["rnn", "rnn_relu", "gru", "lstm"])
+def test_the_sliced_forward_is_the_serial_forward(cell):
+    """parallel_forward=True (the compiled forward split over slices of the sequence, corrected until they meet):
+    the serial compiled forward's states bit for bit, whatever the slices' guesses (zeros, then the last call's),
+    lengths ending inside a slice, and the backward through it equal to torch.nn's autograd; its record of each
+    call (sweeps, meeting lengths, hand-off) per layer and direction; False and torch's backend record none."""
+    ours_cls, torch_cls, kw = CLASSES[cell]
+    torch.manual_seed(12)
+    ref = torch_cls(I, H, num_layers=2, dtype=torch.float64, **kw)
+    serial = ours_cls.from_torch(ref, backend="cpu", parallel_forward=False)
+    sliced = ours_cls.from_torch(ref, backend="cpu", parallel_forward=True)
+    gen = torch.Generator().manual_seed(13)
+    T, B = 1201, 3
+    x = torch.randn(T, B, I, generator=gen, dtype=torch.float64) * 0.5
+    lengths = torch.tensor([T, 700, 1])
+    w_out, w_hn = torch.randn(T, B, H, generator=gen, dtype=torch.float64), torch.randn(2 * B * H * (
+        2 if torch_cls is torch.nn.LSTM else 1), generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        want = serial(x, lengths=lengths)
+        for _ in range(2):  # zeros, then the last call's starts as the guesses
+            got = sliced(x, lengths=lengths)
+            assert torch.equal(got[0], want[0]) and torch.equal(_finals(got[1]), _finals(want[1]))
+    assert len(sliced.forward_stats) == 2 and all(st["sweeps"] >= 1 for st in sliced.forward_stats)
+    assert serial.forward_stats == [None, None]
+    have = _run(sliced, x, None, lengths, "both", False, w_out, w_hn, ours=True)[0]
+    ref_grads = _run(ref, x, None, lengths, "both", False, w_out, w_hn, ours=False)[0]
+    assert max(_rel(have[k], ref_grads[k]) for k in ref_grads) <= 1e-10
+    twin = ours_cls.from_torch(ref, backend="torch", parallel_forward=True)
+    twin(x)
+    assert twin.forward_stats == [None, None]  # the twin's forward is torch's own kernels, serial
+
+
 # -- the ops --------------------------------------------------------------------------------------
 
 
@@ -285,9 +317,9 @@ def test_opcheck(cell, dtype, with_lengths):
     args = _op_args(cell, dtype, with_lengths)
     backend = "torch" if dtype == torch.float64 else "cpu"  # the forward's autograd formula runs the backward op
     name = _op_name(cell)
-    torch.library.opcheck(ops.OPS[name], args + (backend, "fused", None))
+    torch.library.opcheck(ops.OPS[name], args + (backend, "fused", None, 1))
     x, h0, c0, *w, lengths = (t.detach() if t is not None else None for t in args)
-    h, _, c, _ = ops.OPS[name](x, h0, c0, *w, lengths, "cpu", "fused", None)
+    h, _, c, _ = ops.OPS[name](x, h0, c0, *w, lengths, "cpu", "fused", None, 1)
     gen = torch.Generator().manual_seed(5)
     grads = (torch.randn(h.shape, generator=gen, dtype=dtype), torch.randn(h.shape[1:], generator=gen, dtype=dtype),
              torch.randn(c.shape[1:], generator=gen, dtype=dtype) if c0 is not None else None)
@@ -500,6 +532,7 @@ def test_state_dict_round_trips_with_torch(cell, bias, bi):
     (lambda: bnn.RNN(I, H, L_m=-1), "L_m"),
     (lambda: bnn.GRU(I, H, bidirectional=True, process_group=object()), "bidirectional=True with a process_group"),
     (lambda: bnn.LSTM.from_torch(torch.nn.GRU(I, H)), "takes a LSTM"),
+    (lambda: bnn.GRU(I, H, parallel_forward=2), "parallel_forward"),
 ])
 def test_refused_options_name_themselves(make, match):
     with pytest.raises((ValueError, TypeError), match=re.escape(match)):
@@ -662,7 +695,7 @@ def test_gpu_gradients_equal_torch_autograd(case, cell, backend, dtype, cuda_fp3
 def test_gpu_opcheck(cell, dtype, with_lengths, backend, cuda_fp32):
     args = tuple(t.detach().to(cuda_fp32).requires_grad_() if t is not None and t.is_floating_point() else t
                  for t in _op_args(cell, dtype, with_lengths))
-    torch.library.opcheck(ops.OPS[_op_name(cell)], args + (backend, "fused", None))
+    torch.library.opcheck(ops.OPS[_op_name(cell)], args + (backend, "fused", None, 1))
 
 
 def _graph_loss(model, x, w, loss_kind):

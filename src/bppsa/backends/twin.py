@@ -18,6 +18,14 @@ class TorchBackend:
     def __init__(self):
         self.workspace = _scan.Workspace()
 
+    def forward(self, kernel: str, x, state0: tuple, weights: tuple, lengths=None, slices: int | None = 1):
+        """None: the twin's forward is torch's own kernels, which the layer runs itself."""
+        return None
+
+    def forward_until_meet(self, kernel: str, x, state0: tuple, weights: tuple, lengths, stored: tuple):
+        """None: torch's kernels cannot stop where two trajectories meet (the caller reruns every step)."""
+        return None
+
     def scanner(self, kind: str, per_step: bool = False) -> TorchBackend:
         """Itself: the twin scans every chain, dense."""
         return self

@@ -92,11 +92,13 @@ def no_autocast(device: torch.device):
 
 @dataclass(frozen=True)
 class Options:
-    """How a layer's backward runs: the backend's name, the chain's layout and the heterogeneous scan's L_m."""
+    """How a layer runs: the backend's name, the chain's layout, the heterogeneous scan's L_m and the forward's
+    slices (:mod:`.forward`)."""
 
     backend: str = "auto"
     layout: str = "fused"
     L_m: int | None = None
+    slices: int | None = 1
 
 
 def check_layer(cell: Cell, x, h0, c0, w: Weights, lengths) -> None:

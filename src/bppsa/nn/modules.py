@@ -21,6 +21,7 @@ from ..distributed import all_gather_ints
 from . import ops, split
 from .backward import Options, no_autocast, valid_steps
 from .cells import CELLS, Cell, Weights
+from .forward import take_stats
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -33,7 +34,8 @@ class _Recurrent(nn.Module):
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, device=None,
                  dtype=None, *, proj_size: int = 0, backend: str = "auto", layout: str = "fused",
-                 L_m: int | None = None, process_group=None, group_timeout: float | None = None):
+                 L_m: int | None = None, parallel_forward: bool | None = None, process_group=None,
+                 group_timeout: float | None = None):
         super().__init__()
         name = type(self).__name__
         if proj_size and self.cell.torch_cls is not nn.LSTM:
@@ -62,6 +64,9 @@ class _Recurrent(nn.Module):
                              "direction starts at each sequence's own last step, which lies on another rank for each "
                              "length, so its slices would have to be exchanged between the ranks; split a "
                              "unidirectional layer, or run the bidirectional one in one process")
+        if parallel_forward not in (None, True, False):
+            raise ValueError(f"bppsa.nn.{name}: parallel_forward must be None (where it pays), True or False, got "
+                             f"{parallel_forward!r}")
         if group_timeout is not None and not group_timeout > 0:
             raise ValueError(f"bppsa.nn.{name}: group_timeout must be a positive number of seconds, got "
                              f"{group_timeout}")
@@ -69,6 +74,8 @@ class _Recurrent(nn.Module):
         self.bias, self.batch_first, self.dropout = bias, batch_first, float(dropout)
         self.bidirectional, self.proj_size = bool(bidirectional), proj_size
         self.backend, self.layout, self.L_m = backend, layout, L_m
+        # the forward split over slices of the sequence (bppsa.nn.forward; docs/library.md), and what its last call did
+        self.parallel_forward, self.forward_stats = parallel_forward, []
         # the sequence split over the ranks of a torch.distributed group (bppsa.nn.split; docs/distributed.md)
         self.process_group, self.group_timeout = process_group, group_timeout
         kw = {"device": device, "dtype": dtype}
@@ -118,7 +125,8 @@ class _Recurrent(nn.Module):
                              ("proj_size", 0)):
             if getattr(self, key) != default:
                 s += f", {key}={getattr(self, key)}"
-        return s + f", backend={self.backend!r}, layout={self.layout!r}, L_m={self.L_m}"
+        return s + f", backend={self.backend!r}, layout={self.layout!r}, L_m={self.L_m}, " \
+                   f"parallel_forward={self.parallel_forward}"
 
     # -- the call ---------------------------------------------------------------------------------
     def forward(self, input, hx=None, *, lengths=None):
@@ -195,8 +203,13 @@ class _Recurrent(nn.Module):
                      [:dist.get_rank(self.process_group)])
         valid = valid_steps(lengths, T, x.device, t0)
         rev = None if not self.bidirectional else _reversal(T, lengths, x.device)
-        options = Options(self.backend, self.layout, self.L_m)
+        slices = {None: None, True: 0, False: 1}[self.parallel_forward]
+        options = Options(self.backend, self.layout, self.L_m, slices)
         finals: list[list] = [[], []]
+        record = not torch.compiler.is_compiling()
+        if record:
+            calls = []
+            take_stats(calls)
         with no_autocast(x.device):
             for k in range(self.num_layers):
                 outs = []
@@ -212,6 +225,9 @@ class _Recurrent(nn.Module):
                 x = h if valid is None else torch.where(valid.unsqueeze(-1), h, 0.0)  # zero past each end, as torch
                 if self.dropout and self.training and k < self.num_layers - 1:
                     x = F.dropout(x, self.dropout, True)
+        if record:  # per layer and direction, torch's order: the sliced forward's record, None for a serial one
+            take_stats(None)
+            self.forward_stats = calls
         stacked = tuple((f[0].unsqueeze(0) if len(f) == 1 else torch.stack(f)) for f in finals
                         if f[0] is not None)  # one layer: a view back to the op's output, no copy
         return x, stacked
@@ -219,7 +235,7 @@ class _Recurrent(nn.Module):
     def _layer(self, x, state0, w: Weights, lengths, options: Options):
         if self.process_group is not None:
             return split.layer(self.cell, x, state0, w, lengths, options,
-                               split.Ranks(self.process_group, self.group_timeout))
+                               split.Ranks(self.process_group, self.group_timeout), key=(id(self), id(w.w_ih)))
         return ops.layer(self.cell, x, state0, w, lengths, options)
 
     # -- conversions --------------------------------------------------------------------------------

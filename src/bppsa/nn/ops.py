@@ -24,15 +24,16 @@ import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from . import backward as _bw
+from . import forward as _fw
 from .cells import CELLS, Cell, Incoming, Needs, Saved, Weights
 
 _ARGS = ("Tensor x, Tensor? h0, Tensor? c0, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, Tensor? w_hr, "
          "Tensor? lengths")
-_FWD = f"({_ARGS}, str backend, str layout, int? L_m) -> (Tensor, Tensor, Tensor, Tensor)"
+_FWD = f"({_ARGS}, str backend, str layout, int? L_m, int? slices) -> (Tensor, Tensor, Tensor, Tensor)"
 _BWD = (f"({_ARGS}, Tensor h, Tensor c, Tensor? grad_h, Tensor? grad_h_n, Tensor? grad_c_n, bool need_x, "
         "bool need_state0, str backend, str layout, int? L_m) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-N_ARGS = 12  # the forward's arguments
+N_ARGS = 13  # the forward's arguments
 
 DOUBLE_BACKWARD = ("bppsa.nn: double backward is not supported: the BPPSA backward is a scan over the forward's "
                    "Jacobians, not a differentiable graph (use torch.nn for higher-order gradients)")
@@ -45,11 +46,11 @@ def _empty_if_none(t, like):
 def _define(cell: Cell):
     """Register ``bppsa::<cell>`` and ``bppsa::<cell>_backward`` with their fake and autograd formulas."""
 
-    def forward(x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, lengths, backend, layout, L_m):
+    def forward(x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, lengths, backend, layout, L_m, slices):
         w = Weights(w_ih, w_hh, b_ih, b_hh, w_hr)
         _bw.check_layer(cell, x, h0, c0, w, lengths)
         with _bw.no_autocast(x.device):
-            h, c = cell.forward(x, h0, c0, w, lengths)
+            h, c = _fw.layer_forward(cell, x, h0, c0, w, lengths, _bw.Options(backend, layout, L_m, slices))
         return h, h[-1].clone(), _empty_if_none(c, x), (c[-1].clone() if c is not None else x.new_empty(0))
 
     def gradients(x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, lengths, h, c, grad_h, grad_h_n, grad_c_n, need_x,
@@ -82,7 +83,7 @@ def _define(cell: Cell):
     gradients_on_device = on_device(gradients)
 
     @fwd.register_fake
-    def _fake_forward(x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, lengths, backend, layout, L_m):
+    def _fake_forward(x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, lengths, backend, layout, L_m, slices):
         T, B, _ = x.shape
         P, H = w_hh.shape[1], w_ih.shape[0] // cell.gates
         if cell.cell_state:
@@ -98,7 +99,7 @@ def _define(cell: Cell):
                 like(b_hh), like(w_hr))
 
     def setup_context(ctx, inputs, output):
-        x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, lengths, backend, layout, L_m = inputs
+        x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, lengths, backend, layout, L_m, slices = inputs
         ctx.save_for_backward(x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, lengths, output[0], output[2])
         ctx.options = (backend, layout, L_m)
         # an output that no loss reads gets None, not zeros: a loss on h_n alone is the paper's single-seed scan
@@ -120,7 +121,7 @@ def _define(cell: Cell):
             grads = (gradients_on_device if x.is_cuda else gradients)(*args)  # None where no gradient
         keep = (need[0], need[1] and h0 is not None, need[2] and c0 is not None, need[3], need[4],
                 need[5] and b_ih is not None, need[6] and b_hh is not None, need[7] and w_hr is not None)
-        return (*(g if k else None for g, k in zip(grads, keep)), None, None, None, None)
+        return (*(g if k else None for g, k in zip(grads, keep)), None, None, None, None, None)
 
     fwd.register_autograd(backward_formula, setup_context=setup_context)
 
@@ -156,7 +157,7 @@ def layer(cell: Cell, x: torch.Tensor, state0: tuple, w: Weights, lengths: torch
     and ``state0 = (h0, c0)`` (None: zero).  Traced (torch.compile, a dispatch mode): the custom op; eager: its
     :class:`torch.autograd.Function` twin, the same functions."""
     options = options if options is not None else _bw.Options()
-    args = (x, *state0, *w.tensors(), lengths, options.backend, options.layout, options.L_m)
+    args = (x, *state0, *w.tensors(), lengths, options.backend, options.layout, options.L_m, options.slices)
     if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
         h, h_n, _, c_n = OPS[cell.name](*args)
     else:

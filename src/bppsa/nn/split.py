@@ -4,9 +4,17 @@
 Each rank holds a contiguous slice of the T steps, in ``torch.tensor_split`` order (rank 0 the first steps), with
 the whole batch; ``lengths`` are the global sequence lengths, the same on every rank.
 
-**Forward** (sequential, as any recurrence's forward is): rank r waits for the state s_{t0-1} (h, and c for the
-LSTM) at the end of rank r - 1's slice, runs its steps with torch's own kernel, and sends its last state to rank
-r + 1.  Rank 0 starts from ``h0`` (and ``c0``; zero by default).
+**Forward** (:func:`ranks_forward`): a block Jacobi iteration over the ranks, one slice each, whose result is
+the sequential forward's.  Sweep 0 runs every rank's slice at once from a guess (zero, or where the slice started in
+the last call of the same layer and shapes; rank 0 from ``h0``/``c0``, exact).  Then each sweep: every rank sends
+its slice's end state (h, and c for the LSTM) to the next (point-to-point), a rank whose predecessor's end is not
+the start it ran from reruns from it, each sequence until its new trajectory meets the stored one bitwise (the
+compiled CPU kernel stops there; elsewhere the slice is rerun whole), and one small all-reduce says whether any
+rank's end changed; none did: done.  After sweep k the first k + 1 slices are exact, so at most p sweeps run: the
+worst case (a layer that remembers, or a tanh RNN whose trajectories stay an ulp apart) costs about (p + 1) / p of
+the serial hand-off, plus an exchange and an all-reduce per sweep, and a shape whose sweeps did not pay runs the
+serial hand-off (rank r waits for rank r - 1's end) from its next call on; ``parallel_forward=False`` always
+does.  The common case, a layer that forgets, ends after two sweeps at about T/p plus the meeting length.
 
 **Backward** (BPPSA over the ranks): the adjoint ``λ_t = ∂l/∂s_t + J_{t+1}ᵀ λ_{t+1}`` is an affine recurrence
 running from the last rank down.  Rank r's slice maps the gradient that enters it from the right, v (its
@@ -39,6 +47,7 @@ import torch.distributed as dist
 from .. import distributed as _dist
 from ..backends import TorchBackend
 from . import backward as _bw
+from . import forward as _fw
 from .cells import Cell, Incoming, Needs, Saved, Weights
 
 _summary: list = []
@@ -54,12 +63,14 @@ class Ranks:
 
 @dataclass(frozen=True)
 class Spec:
-    """What a split layer's call is besides its tensors."""
+    """What a split layer's call is besides its tensors; ``key`` names the layer and direction (its slices'
+    guesses are its own)."""
 
     cell: Cell
     lengths: torch.Tensor | None
     options: _bw.Options
     ranks: Ranks
+    key: object = None
 
 
 def _summary_backend() -> TorchBackend:
@@ -98,8 +109,9 @@ def _first_step_t(cell: Cell, s: Saved, w: Weights, lam_first: torch.Tensor) -> 
 
 
 def _local_forward(cell: Cell, x, state_in: torch.Tensor, w: Weights, valid):
-    """The slice's states ``(h, c)`` from the state before it (the scan's state vector), the steps past a sequence's
-    end carrying its last state (a sequence that ended before the slice carries the state in throughout)."""
+    """The slice's states ``(h, c)`` from the state before it (the scan's state vector) by torch's own kernels, the
+    steps past a sequence's end carrying its last state (a sequence that ended before the slice carries the state in
+    throughout)."""
     h_in, c_in = cell.split_state(state_in, w)
     h, c = cell.forward(x, h_in, c_in, w, None)
     if valid is None:
@@ -113,6 +125,86 @@ def _local_forward(cell: Cell, x, state_in: torch.Tensor, w: Weights, valid):
         return torch.where((n == 0)[None, :, None], t_in.unsqueeze(0), out).contiguous()
 
     return carried(h, h_in), (None if c is None else carried(c, c_in))
+
+
+class _Slice:
+    """This rank's slice of the forward: its steps run from a start state, by the backend's own forward where it has
+    one (the compiled CPU kernel, which also reruns until a stored trajectory is met), else torch's."""
+
+    def __init__(self, cell: Cell, x, w: Weights, valid, be):
+        self.cell, self.x, self.w, self.valid, self.be = cell, x, w, valid, be
+        self.lengths = None if valid is None else valid.sum(0)  # each sequence's steps within the slice (0: ended)
+
+    def run(self, start: torch.Tensor):
+        cell, w = self.cell, self.w
+        out = self.be.forward(cell.kernel, self.x, cell.split_state(start, w), w.tensors(), self.lengths, 1)
+        return out[:2] if out is not None else _local_forward(cell, self.x, start, w, self.valid)
+
+    def rerun(self, start: torch.Tensor, h, c) -> int:
+        """h, c (in place) from a new start: the steps until each sequence meets the stored trajectory (the last
+        step where one met), or all of them (T) where the backend cannot stop there."""
+        cell, w = self.cell, self.w
+        met = self.be.forward_until_meet(cell.kernel, self.x, cell.split_state(start, w), w.tensors(), self.lengths,
+                                         (h, c))
+        if met is None:
+            h_new, c_new = self.run(start)
+            h.copy_(h_new)
+            if c is not None:
+                c.copy_(c_new)
+            met = h.shape[0]
+        return met
+
+
+_starts: dict = {}  # the slices' guesses: where each started in the last call, per layer, rank and shape
+_paid: dict = {}  # whether the last sliced forward of a layer and shape paid (the same on every rank)
+
+
+def _differs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return not torch.equal(a, b)
+
+
+def ranks_forward(cell: Cell, x, state0: torch.Tensor | None, w: Weights, valid, spec: Spec):
+    """``(state_in, h, c, stats)``: this rank's slice of the layer's forward (the module's docstring), ``state_in``
+    the exact state before it; ``stats`` the sweeps (None for the serial hand-off)."""
+    group, timeout = spec.ranks.group, spec.ranks.timeout
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    T_r, B = x.shape[:2]
+    sl = _Slice(cell, x, w, valid, _bw.backend_for(spec.options.backend, x.device))
+    key = (spec.key, cell.name, r, p, T_r, B, x.dtype, str(x.device))
+    slices = spec.options.slices  # None: where it pays (the last call of the shape says); 1: never; else always
+    if p == 1 or slices == 1 or (slices is None and not _paid.get(key, True)):  # the serial hand-off
+        start = state0 if r == 0 else _dist.recv_from(x.new_empty(B, cell.state_size(w)), r - 1, group, timeout)
+        h, c = sl.run(start)
+        if r < p - 1:
+            _dist.send_to(_end(cell, h, c), r + 1, group, timeout)
+        return start, h, c, None
+    start = state0 if r == 0 else _starts.get(key, x.new_zeros(B, cell.state_size(w)))
+    h, c = sl.run(start)
+    sweeps, meet_steps, long_reruns = 1, [], 0
+    while True:
+        end = _end(cell, h, c)
+        if r < p - 1:
+            _dist.send_to(end, r + 1, group, timeout)
+        changed = False
+        if r > 0:
+            new = _dist.recv_from(x.new_empty(B, cell.state_size(w)), r - 1, group, timeout)
+            if _differs(new, start):
+                start = new
+                meet_steps.append(sl.rerun(start, h, c))
+                long_reruns += meet_steps[-1] >= T_r // 2
+                changed = _differs(_end(cell, h, c), end)
+        flags = _dist.all_reduce_sum(torch.tensor([float(changed), float(long_reruns)]), group, timeout)
+        if not flags[0] or sweeps >= p:  # (after p sweeps every slice is exact: its start was)
+            break
+        sweeps += 1
+    _starts[key] = start.clone()
+    _paid[key] = not flags[1] and sweeps < p  # the same on every rank: from the reduced flags
+    return start, h, c, {"sweeps": sweeps, "meet_steps": meet_steps}
+
+
+def _end(cell: Cell, h, c) -> torch.Tensor:
+    """The slice's end state, a copy (a rerun rewrites h and c in place)."""
+    return cell.state(h[-1], None if c is None else c[-1]).clone()
 
 
 class SplitLayer(torch.autograd.Function):
@@ -138,15 +230,13 @@ class SplitLayer(torch.autograd.Function):
                              f"got {lengths.tolist()}")
         valid = _bw.valid_steps(lengths, T_r, x.device, t0)
         with torch.no_grad(), _bw.no_autocast(x.device):
+            state0 = None
             if r == 0:
                 zero_c = x.new_zeros(B, cell.hidden(w)) if cell.cell_state else None
-                state_in = cell.state(h0 if h0 is not None else x.new_zeros(B, w.out_size),
-                                      c0 if c0 is not None else zero_c)
-            else:
-                state_in = _dist.recv_from(x.new_empty(B, S), r - 1, group, timeout)
-            h, c = _local_forward(cell, x, state_in, w, valid)
-            if r < p - 1:
-                _dist.send_to(cell.state(h[-1], None if c is None else c[-1]).contiguous(), r + 1, group, timeout)
+                state0 = cell.state(h0 if h0 is not None else x.new_zeros(B, w.out_size),
+                                    c0 if c0 is not None else zero_c)
+            state_in, h, c, stats = ranks_forward(cell, x, state0, w, valid, spec)
+            _fw.record(stats)
         ctx.save_for_backward(x, state_in, h, c, *w.tensors())
         ctx.spec, ctx.valid, ctx.where = spec, valid, (r, p, h0 is not None or c0 is not None)
         ctx.set_materialize_grads(False)
@@ -314,12 +404,12 @@ def _returned(cell: Cell, w: Weights, dx, ds0, grads: dict, need) -> tuple:
     return (None, dx if need[1] else None, dh0 if need[2] else None, dc0 if need[3] else None, *weights)
 
 
-def layer(cell: Cell, x, state0: tuple, w: Weights, lengths, options: _bw.Options, ranks: Ranks):
+def layer(cell: Cell, x, state0: tuple, w: Weights, lengths, options: _bw.Options, ranks: Ranks, key=None):
     """``(h, h_end, c_end or None)`` of one layer over this rank's slice (time-major ``x`` [T_r, B, I]);
     ``state0 = (h0, c0)`` is read on rank 0."""
     _bw.check_layer(cell, x, *state0, w, None)
     if lengths is not None and (lengths.dtype != torch.int64 or tuple(lengths.shape) != (x.shape[1],)):
         raise ValueError(f"bppsa.nn: lengths must be int64 [B] = [{x.shape[1]}], got {lengths.dtype} "
                          f"{tuple(lengths.shape)}")
-    h, h_end, c_end = SplitLayer.apply(Spec(cell, lengths, options, ranks), x, *state0, *w.tensors())
+    h, h_end, c_end = SplitLayer.apply(Spec(cell, lengths, options, ranks, key), x, *state0, *w.tensors())
     return h, h_end, (c_end if cell.cell_state else None)

@@ -28,7 +28,7 @@ from ... import scan as _scan
 from ..base import check_operands
 from ..chain import FactoredChain, PaperChain, RnnChain
 from ..twin import TorchBackend
-from . import native
+from . import forward, native, sliced
 from .chain import gru_chain, native_chain_scan, rnn_chain, rnn_chain_product, rnn_chain_scan
 from .dense import dense_tree_scan
 
@@ -91,6 +91,31 @@ class CpuBackend(TorchBackend):
         if sequential:
             self.name = "cpu-sequential"
         self._split = "slices" if sequential else "auto"
+
+    def forward(self, kernel: str, x, state0: tuple, weights: tuple, lengths=None, slices: int | None = 1):
+        """The compiled forward (:mod:`.forward`; with ``slices`` >= 2 split over the sequence, :mod:`.sliced`;
+        None: :func:`.sliced.auto_slices` decides); None where it cannot run the case (no compiler, tensors off the
+        CPU, another dtype, an LSTM with a projection)."""
+        w_ih, w_hh, b_ih, b_hh, w_hr = weights
+        if w_hr is not None or x.device.type != "cpu":
+            return None
+        h0, c0 = state0
+        k = sliced.auto_slices(kernel, x, lengths) if slices is None else slices
+        if k <= 1:
+            out = forward.compiled_forward(kernel, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths)
+            return None if out is None else (*out, None)
+        out = sliced.sliced_forward(kernel, x, h0, c0, (w_ih, w_hh, b_ih, b_hh), lengths, k, guess="last")
+        if out is not None and slices is None:
+            sliced.remember(kernel, x, out[2])
+        return out
+
+    def forward_until_meet(self, kernel: str, x, state0: tuple, weights: tuple, lengths, stored: tuple):
+        """:func:`.forward.forward_until_meet` over all the steps, bitwise; None where it cannot run the case."""
+        w_ih, w_hh, b_ih, b_hh, w_hr = weights
+        if w_hr is not None or x.device.type != "cpu":
+            return None
+        return forward.forward_until_meet(kernel, x, *state0, w_ih, w_hh, b_ih, b_hh, 0, x.shape[0], *stored,
+                                          lengths=lengths)
 
     def _L_m(self, L_m):
         return 0 if self.sequential else L_m

@@ -47,6 +47,34 @@ __all__ = ["sliced_forward", "MAX_SWEEPS", "worst_case"]
 
 MAX_SWEEPS = 3  # sweep 0 and two corrections: at K <= 3 slices every run converges before the hand-off
 _last: dict = {}  # guess="last": the start states of the last call, per shape
+# The shortest slice worth running apart: its corrections rerun a layer's meeting length (tens to hundreds of steps
+# for the layers that forget), which must stay a small share of the slice.
+SLICE_MIN_STEPS = 512
+_paid: dict = {}  # (kernel, T, B, dtype) -> whether the last automatic sliced call of that shape paid
+
+
+def auto_slices(kernel: str, x: torch.Tensor, lengths=None) -> int:
+    """The slices the layers' ``parallel_forward=None`` runs: as many as the threads the batch leaves idle (the
+    compiled forward gives the threads the batch's lane slices first), where each has at least
+    :data:`SLICE_MIN_STEPS` steps and the last such call of this shape paid (:func:`remember`); else 1, the serial
+    compiled forward."""
+    T, B = x.shape[:2]
+    p = torch.get_num_threads()
+    jobs = -(-B // forward.plan_lanes(B, x.dtype, p))
+    K = p // jobs
+    if K < 2 or T // K < SLICE_MIN_STEPS or not _paid.get((kernel, T, B, x.dtype), True):
+        return 1
+    return K
+
+
+def remember(kernel: str, x: torch.Tensor, stats: dict) -> None:
+    """Whether an automatic sliced call paid: no hand-off, and its corrections ran less than half a slice (a layer
+    that remembers, or a tanh RNN whose trajectories stay an ulp apart, reruns whole slices): if not, this shape's
+    later calls run serially."""
+    T, B = x.shape[:2]
+    K = len(stats["starts"][0])
+    steps = [m for sweep in stats["meet_steps"] for m in sweep.values()]
+    _paid[(kernel, T, B, x.dtype)] = not stats["fallback"] and all(m < T // K // 2 for m in steps)
 
 
 def worst_case(K: int, L: int, p: int, max_sweeps: int) -> float:

@@ -105,6 +105,7 @@ class Cell:
 
     name: str  # the op's name (bppsa::<name>) and the key of CELLS
     kind: str  # the chain kind a backend scans ("rnn", "gru", "lstm": Backend.scanner)
+    kernel: str  # the forward kernel's name: torch's (torch.<kernel>) and a backend's (Backend.forward)
     gates: int  # gate blocks of H rows in weight_ih / weight_hh
     torch_cls: type  # the torch.nn module it stands in for
     layouts = ("fused",)  # the chains' layouts it has (the RNN also the paper's)
@@ -129,7 +130,8 @@ class Cell:
     @torch.no_grad()
     def forward(self, x: torch.Tensor, h0, c0, w: Weights, lengths) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The states h [T, B, P] (and c [T, B, H] for a cell state) from h0 (and c0; None: zero), by torch's own
-        kernels (cuDNN on a GPU), the steps past each sequence's end carrying its last state."""
+        kernels (cuDNN on a GPU), the steps past each sequence's end carrying its last state: the twin a backend's
+        own forward (:func:`bppsa.nn.forward.layer_forward`) is held to."""
         T, B, _ = x.shape
         state0 = self.initial_states(x, h0, c0, w)
         if lengths is None or bool((lengths == T).all()):

@@ -21,6 +21,7 @@ def module_view(w: Weights) -> SimpleNamespace:
 
 class Gru(Cell):
     name, kind, gates, torch_cls = "gru", "gru", 3, nn.GRU
+    kernel = "gru"
 
     def torch_run(self, x, state0, w: Weights, batch_sizes=None):
         train = torch.is_grad_enabled()

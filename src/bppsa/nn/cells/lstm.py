@@ -17,6 +17,7 @@ from .base import Cell, Saved, Weights
 
 class Lstm(Cell):
     name, kind, gates, torch_cls = "lstm", "lstm", 4, nn.LSTM
+    kernel = "lstm"
     cell_state = True
 
     def torch_run(self, x, state0, w: Weights, batch_sizes=None):

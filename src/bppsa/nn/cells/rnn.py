@@ -15,9 +15,9 @@ from .base import Cell, Saved, Weights
 
 class TanhRnn(Cell):
     name, kind, gates, torch_cls = "rnn", "rnn", 1, nn.RNN
+    kernel = "rnn_tanh"  # torch's, and the compiled forward's (looked up at the call)
     layouts = ("fused", "paper")
     act = "tanh"
-    kernel = "rnn_tanh"  # torch's (looked up at the call)
 
     def torch_run(self, x, state0, w: Weights, batch_sizes=None):
         train, run = torch.is_grad_enabled(), getattr(torch, self.kernel)
