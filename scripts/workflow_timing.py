@@ -1,10 +1,14 @@
 """Where a workflow run's time goes, from Snakemake's own log (.snakemake/log/*.snakemake.log).
 
     python scripts/workflow_timing.py RUN_DIR/.snakemake/log/<latest>.snakemake.log
+    python scripts/workflow_timing.py --caps RUN_DIR/results/<device>     # the timing caps against the intervals
 
 Each job's time is from the timestamp Snakemake prints when it starts the job to the one it prints when the job
 finishes (one-second resolution). Prints the run's wall time and, per rule, its jobs, their summed seconds and the
-longest one.
+longest one.  With --caps, per benchmark CSV (rnn/bench_*.csv, gru/bench_*.csv): the rounds timed, whether the
+stop rule stopped it as stable or at its cap (config bench.max_iters, bench.max_seconds), the timed seconds, and the
+widest 95 % interval of its backward speedups as a fraction of the speedup (bench.rel_ci is the aim), so a cap
+that binds while the intervals are still wide, or never binds, shows.
 """
 
 import collections
@@ -49,5 +53,28 @@ def summary(path):
         print(f"| {rule} | {len(secs)} | {sum(secs):.0f} | {max(secs):.0f} |")
 
 
+def caps(folder):
+    from pathlib import Path
+
+    import pandas as pd
+
+    from bppsa.analysis.speedups import speedups
+
+    print("| benchmark | rounds | stopped by | timed s | cap s | widest backward CI, ± | noisy |")
+    print("|---|---|---|---|---|---|---|")
+    for csv in sorted(Path(folder).glob("*/bench_*.csv")):
+        bench = pd.read_csv(csv)
+        sp = speedups(bench)
+        back = sp[(sp["phase"] == "backward") & sp["resolved"]]
+        half = ((back["ci_high"] - back["ci_low"]) / 2 / back["speedup"]).max()
+        first = bench.iloc[0]
+        print(f"| {csv.parent.name}/{csv.name} | {first['rounds']} | {first['stopped_by']} | "
+              f"{first['timed_seconds']:.1f} | {first['max_seconds']:g} | {100 * half:.1f} % | "
+              f"{', '.join(sorted(set(bench[bench['noisy']]['variant']))) or 'none'} |")
+
+
 if __name__ == "__main__":
-    summary(sys.argv[1])
+    if sys.argv[1] == "--caps":
+        caps(sys.argv[2])
+    else:
+        summary(sys.argv[1])

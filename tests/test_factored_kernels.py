@@ -158,6 +158,7 @@ def _affine_reference(chain, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("I", [1, 12])
 @pytest.mark.parametrize("B", [1, 3, 16])
