@@ -20,10 +20,13 @@ returns non-zero and :func:`emulated_launch` / :func:`launch` fail naming the er
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
+import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +34,7 @@ import pytest
 import torch
 
 from bppsa.backends.cuda import cost_model, plan, runtime
+from bppsa.process import cache_root
 
 KERNEL_NAMES = {
     "blelloch.cu": [f"bppsa_{k}_{s}" for k in ("up_sweep", "down_sweep", "middle_scan") for s in ("f32", "f64")],
@@ -271,63 +275,78 @@ template <typename... A> struct Emu<void (*)(A...)> {
 """
 
 
-def _build(build_dir: str, sources: str, names: list[str], stem: str):
-    """``sources`` (CUDA C++) with the shim and driver as one shared library ``build_dir/stem.so``, each kernel ``k``
-    of ``names`` exported as ``emu_k``; skips the test where there is no g++."""
+_FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-pthread"]
+
+
+@functools.cache
+def _compiler_id() -> str:
+    return subprocess.run(["g++", "--version"], capture_output=True, text=True, timeout=60).stdout
+
+
+def _build(sources: str, names: list[str], stem: str):
+    """``sources`` (CUDA C++) with the shim and driver as one shared library, each kernel ``k`` of ``names`` exported
+    as ``emu_k``; skips the test where there is no g++.  Built once per text, flags and compiler into the package's
+    cache (``$BPPSA_CACHE_DIR/emulator``, beside the CPU kernels), which every file and worker of a suite, and the
+    suites after it, share: a second builder waits on the first's lock, and a build is renamed into place whole."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not on PATH: cannot emulate the kernels on the CPU")
     exports = "\n".join(
         f'extern "C" {{ auto emu_{n} = &Emu<decltype(&{n})>::template run<&{n}>; }}' for n in names
     )
-    src = Path(build_dir) / f"{stem}.cpp"
-    src.write_text(SHIM + sources + DRIVER + exports)
-    lib = Path(build_dir) / f"{stem}.so"
-    proc = subprocess.run(
-        ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", "-o", str(lib), str(src)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = SHIM + sources + DRIVER + exports
+    key = hashlib.sha256("\0".join([text, *_FLAGS, _compiler_id()]).encode()).hexdigest()[:20]
+    folder = cache_root() / "emulator"
+    folder.mkdir(parents=True, exist_ok=True)
+    lib = folder / f"{stem}_{key}.so"
+    with open(lib.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not lib.exists():
+            with tempfile.TemporaryDirectory(dir=folder) as tmp:
+                src, out = Path(tmp) / f"{stem}.cpp", Path(tmp) / f"{stem}.so"
+                src.write_text(text)
+                proc = subprocess.run(["g++", *_FLAGS, "-o", str(out), str(src)], capture_output=True, text=True,
+                                      timeout=300)
+                assert proc.returncode == 0, proc.stderr[-4000:]
+                os.replace(out, lib)
     return ctypes.CDLL(str(lib))
 
 
 @functools.cache
-def build_emulator(build_dir: str):
-    """The package's kernel sources as one shared library built in ``build_dir`` (once per process): each kernel
-    ``k`` is exported as ``emu_k``, which :func:`emulated_launch` calls."""
+def build_emulator():
+    """The package's kernel sources as one shared library (once per process): each kernel ``k`` is exported as
+    ``emu_k``, which :func:`emulated_launch` calls."""
     sources = [s for s in runtime.SOURCES if not runtime.reference_constants(s)]
     names = [n for src in sources for n in KERNEL_NAMES[src]]
     # Each source is its own module on the GPU; here they share one translation unit, which works
     # because they define disjoint names (and typedef idx_t identically, which C++ allows).  The sources compiled
     # per constants (factored_up.cu) are built per constants by :func:`build_with_constants`.
     body = "".join((runtime.KERNEL_DIR / s).read_text() + "\n" for s in sources)
-    return _build(build_dir, body, names, "emu")
+    return _build(body, names, "emu")
 
 
 @functools.cache
-def build_with_constants(build_dir: str, source: str, consts: tuple, text: str | None = None):
+def build_with_constants(source: str, consts: tuple, text: str | None = None):
     """``source`` compiled with its compile-time constants ``consts`` (the ``#define`` lines NVRTC's ``-D`` gives),
     as its own library; exports the kernels that exist for these constants (factored_up.cu: a dtype whose
     BPPSA_NC32 / BPPSA_NC64 is 0 has none).  ``text``: the source's text instead of the file's (a mutant)."""
     names = kernels_for(source, consts)
     defines = "".join(f"#define {k} {int(v)}\n" for k, v in consts)
     text = (runtime.KERNEL_DIR / source).read_text() if text is None else text
-    stem = "c_" + hashlib.sha1((source + defines + text).encode()).hexdigest()[:12]
-    return _build(build_dir, defines + text, names, stem)
+    return _build(defines + text, names, "c_" + Path(source).stem)
 
 
 def library_for(lib, step):
     """The library that runs ``step``: ``lib`` (:func:`build_emulator`), or for a launch with compile-time constants
-    its source built with them, beside ``lib``."""
+    its source built with them."""
     if not step.consts:
         return lib
-    return build_with_constants(str(Path(lib._name).parent), plan.factored_source(step), step.consts)
+    return build_with_constants(plan.factored_source(step), step.consts)
 
 
 @functools.cache
-def build_source(build_dir: str, source: str, names: tuple[str, ...]):
+def build_source(source: str, names: tuple[str, ...]):
     """A CUDA source of the tests' own (extern "C" kernels ``names``) built like :func:`build_emulator`."""
-    stem = "src_" + hashlib.sha1(source.encode()).hexdigest()[:12]
-    return _build(build_dir, source, list(names), stem)
+    return _build(source, list(names), "src")
 
 
 def _check_rc(lib, rc: int, name: str, smem: int) -> None:

@@ -83,6 +83,46 @@ def test_graphed_bench_on_a_cpu_is_refused_before_any_work(tmp_path, capsys):
     assert not out.exists()
 
 
+def _bench_checked(tmp_path, variants, verify_out):
+    data = tmp_path / "T37.npz"
+    if not data.exists():
+        assert main(["make-bitstream", "--seq-len", "37", "--samples", "16", "--out", str(data)]) == 0
+    return main(["bench", "--data", str(data), "--batch", "4", "--warmup", "0", "--min-iters", "1", "--max-iters",
+                 "1", "--min-seconds", "0", "--backend", "torch", "--variants", *variants, "--lr", "1e-3",
+                 "--dtype", "float64", "--seed", "3", "--device-slug", "here", "--out", str(tmp_path / "b.csv"),
+                 "--verify-out", *map(str, verify_out)])
+
+
+def test_bench_checks_each_bppsa_variant_first_as_verify_does(tmp_path, capsys):
+    """--verify-out: the bench's gradient check of each BPPSA layout writes what `bppsa verify` writes at that
+    shape, one file per BPPSA variant in the order of --variants; then the timing."""
+    outs = [tmp_path / "v_fused.json", tmp_path / "v_paper.json"]
+    assert _bench_checked(tmp_path, ["baseline", "bppsa-fused", "bppsa-paper"], outs) == 0
+    assert (tmp_path / "b.csv").exists()
+    for layout, out in zip(["fused", "paper"], outs):
+        alone = tmp_path / f"alone_{layout}.json"
+        assert main(["verify", "--model", "rnn", "--seq-len", "37", "--batch", "4", "--backend", "torch",
+                     "--layout", layout, "--dtype", "float64", "--seed", "3", "--device-slug", "here",
+                     "--out", str(alone)]) == 0
+        got, want = json.loads(out.read_text()), json.loads(alone.read_text())
+        assert got["layout"] == layout and got["ok"] and got == want
+    capsys.readouterr()
+    assert _bench_checked(tmp_path, ["baseline", "bppsa-fused", "bppsa-paper"], outs[:1]) == 2  # one file, 2 variants
+    assert "--verify-out: 1 file(s) for 2 BPPSA variant(s)" in capsys.readouterr().err
+
+
+def test_bench_stops_before_any_timing_when_a_check_fails(tmp_path, monkeypatch, capsys):
+    import bppsa.backends as backends
+
+    real = backends.TorchBackend.scan
+    monkeypatch.setattr(backends.TorchBackend, "scan", lambda self, g, J, L_m=None: real(self, g, J, L_m) * 1.001)
+    out = tmp_path / "v.json"
+    assert _bench_checked(tmp_path, ["baseline", "bppsa-paper"], [out]) == 1
+    err = capsys.readouterr().err
+    assert "paper layout at T=37, B=4: max_rel_err" in err and "exceeds the float64 tolerance" in err
+    assert not out.exists() and not (tmp_path / "b.csv").exists()
+
+
 def test_corrupt_dataset_error_names_the_file(tmp_path, capsys):
     bad = tmp_path / "T10.npz"
     bad.write_bytes(b"not a zip")

@@ -20,7 +20,7 @@ TARGETS = {"x86-64-v3": ("cc", ["-march=x86-64-v3"], 32), "x86-64-v4": ("cc", ["
 CHECKS = ["-Wall", "-Werror", "-Werror=vector-operation-performance"]
 
 
-@pytest.mark.slow
+@pytest.mark.matrix
 @pytest.mark.parametrize("kind", [0, 1, 2])
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_every_kernel_variant_compiles_without_a_piecewise_vector(target, kind, tmp_path):
@@ -94,7 +94,7 @@ def isa(request, monkeypatch):
     native.reset()
 
 
-@pytest.mark.slow
+@pytest.mark.matrix
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_gradients_equal_autograd_under_each_x86_build(isa, dtype):
     """The RNN (both layouts) and the GRU through the CPU fast path, lengths whose N = T + 1 is no power of two,
@@ -160,6 +160,10 @@ def _damage(so, how: str) -> None:
         so.write_bytes(data)
 
 
+# the tests of a damaged cache go to one worker together (--dist loadgroup), which builds their cache once
+built_once = pytest.mark.xdist_group("built_cache")
+
+
 @pytest.fixture(scope="module")
 def built_cache(tmp_path_factory):
     """A kernel cache that `bppsa verify` built (each test damages a copy of it)."""
@@ -170,6 +174,7 @@ def built_cache(tmp_path_factory):
     return path
 
 
+@built_once
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncated", "garbled"])
 def test_a_damaged_kernel_in_the_cache_is_rebuilt_and_the_run_finishes(how, built_cache, tmp_path):
@@ -185,6 +190,7 @@ def test_a_damaged_kernel_in_the_cache_is_rebuilt_and_the_run_finishes(how, buil
     assert all(native._intact(so) for so in kernels)  # whole again
 
 
+@built_once
 @pytest.mark.slow
 def test_a_damaged_kernel_whose_rebuild_fails_falls_back_with_the_reason(built_cache, tmp_path):
     """The rebuild itself yields no loadable kernel (a compiler that writes garbage): the run finishes on the

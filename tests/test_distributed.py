@@ -12,6 +12,8 @@ from bppsa.distributed import RankFailure, compose, default_strategy, local_carr
 from bppsa.distributed.launch import LaunchError, _first_node, launcher_env, run_local
 from bppsa.distributed.rank_scan import NAMING_WINDOW_S
 
+# one worker takes the whole file (--dist loadgroup): the spawn of four gloo ranks (four_ranks) is made once
+pytestmark = pytest.mark.xdist_group("test_distributed")
 SCAN_CASES = [(dense, reverse, strategy, initial, batch)
               for dense in (True, False) for reverse in (False, True) for strategy in ("rounds", "allgather")
               for initial in (False, True) for batch in ((3,), (2, 2))]

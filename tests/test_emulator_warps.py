@@ -104,8 +104,8 @@ DTYPES = {np.int32: "shfl_i32", np.int64: "shfl_i64", np.float32: "shfl_f32", np
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    return build_source(str(tmp_path_factory.mktemp("warps")), SOURCE, NAMES)
+def lib():
+    return build_source(SOURCE, NAMES)
 
 
 def _ptr(a: np.ndarray) -> ctypes.c_void_p:

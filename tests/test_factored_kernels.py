@@ -26,8 +26,8 @@ TOL = {np.float64: 1e-10, np.float32: 1e-4}
 
 
 @pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    return build_emulator(str(tmp_path_factory.mktemp("emu")))
+def emu():
+    return build_emulator()
 
 
 def _mv(a, v):
@@ -158,6 +158,7 @@ def _affine_reference(chain, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("I", [1, 12])
 @pytest.mark.parametrize("B", [1, 3, 16])
@@ -236,9 +237,7 @@ def test_a_broken_middle_kernel_fails(emu, mutation):
     g, c = torch.randn(2, H, dtype=torch.float64, generator=gen), torch.randn(37, 2, H, dtype=torch.float64,
                                                                               generator=gen)
     want = _affine_reference(chain, g, c)
-    real = library_for(emu, plan.Launch("bppsa_factored_middle", 1, 32, 0, (), consts=plan.warp_constants(H, 1)))
-    broken = build_with_constants(str(real._name).rsplit("/", 1)[0], "factored_warp.cu", plan.warp_constants(H, 1),
-                                  text.replace(*mutation))
+    broken = build_with_constants("factored_warp.cu", plan.warp_constants(H, 1), text.replace(*mutation))
     orig = cuda_emulator.library_for
     try:
         cuda_emulator.library_for = lambda lib, step: broken if step.kernel == "bppsa_factored_middle" else orig(lib,
@@ -256,7 +255,7 @@ def test_a_broken_middle_kernel_fails(emu, mutation):
     ("const unsigned s = c * C, e", "const unsigned s = c * C + (c > 0), e"),              # a chunk's first step lost
 ])
 def test_a_broken_register_up_kernel_fails(emu, kind, mutation):
-    from cuda_emulator import build_with_constants, library_for
+    from cuda_emulator import build_with_constants
 
     from bppsa.backends.cuda import plan, runtime
 
@@ -266,9 +265,7 @@ def test_a_broken_register_up_kernel_fails(emu, kind, mutation):
     g = torch.randn(3, 20, dtype=torch.float64)
     P_ref, _ = _reference(chain, g)
     consts = plan.up_constants(20)
-    real = library_for(emu, plan.Launch("bppsa_factored_up_rnn", 1, 32, 0, (), consts=consts))
-    broken = build_with_constants(str(real._name).rsplit("/", 1)[0], "factored_up.cu", consts,
-                                  text.replace(*mutation))
+    broken = build_with_constants("factored_up.cu", consts, text.replace(*mutation))
     import cuda_emulator
 
     orig = cuda_emulator.library_for
@@ -306,14 +303,12 @@ def test_a_broken_warp_down_kernel_or_reduction_fails(emu, source, mutation):
     g, c = torch.randn(B, H, dtype=torch.float64, generator=gen), torch.randn(37, B, H, dtype=torch.float64,
                                                                               generator=gen)
     A_ref = _affine_reference(chain, g, c)
-    real = library_for(emu, plan.Launch("bppsa_factored_middle", 1, 32, 0, (), consts=plan.warp_constants(H, I)))
-    folder = str(real._name).rsplit("/", 1)[0]
     if source == "factored_warp.cu":
-        broken = build_with_constants(folder, source, plan.warp_constants(H, I), text.replace(*mutation))
+        broken = build_with_constants(source, plan.warp_constants(H, I), text.replace(*mutation))
         pick = lambda lib, step: broken if plan.factored_source(step) == source else orig(lib, step)  # noqa: E731
     else:
         body = (runtime.KERNEL_DIR / "blelloch.cu").read_text() + "\n" + text.replace(*mutation)
-        broken = build_source(folder, body, tuple(KERNEL_NAMES["blelloch.cu"] + KERNEL_NAMES["factored.cu"]))
+        broken = build_source(body, tuple(KERNEL_NAMES["blelloch.cu"] + KERNEL_NAMES["factored.cu"]))
         pick = lambda lib, step: orig(lib, step) if step.consts else broken  # noqa: E731
     orig = cuda_emulator.library_for
     try:
@@ -350,8 +345,7 @@ def test_gru_factor_kernel_is_the_torch_twin(emu, dtype, mutation):
     if mutation is not None:
         text = (runtime.KERNEL_DIR / "factored.cu").read_text()
         assert mutation[0] in text
-        lib = build_source(str(emu._name).rsplit("/", 1)[0], text.replace(*mutation),
-                           tuple(KERNEL_NAMES["factored.cu"]))
+        lib = build_source(text.replace(*mutation), tuple(KERNEL_NAMES["factored.cu"]))
     launch = plan.gru_factors_launch(T, B, H, I)
     ops = [x, h, cell.weight_ih_l0, cell.weight_hh_l0, cell.bias_ih_l0, cell.bias_hh_l0]
     bufs = [Buf(t.detach().numpy().astype(dtype)) for t in ops] + [Buf(np.full(want.shape, np.nan, dtype=dtype))]

@@ -10,6 +10,8 @@ import pytest
 from bppsa.analysis import speedups
 from bppsa.plots import common, gru, registry, rnn
 
+# one worker takes the whole file (--dist loadgroup): the figures drawn once per reference setting (drawn)
+pytestmark = pytest.mark.xdist_group("test_figures")
 PLAIN = re.compile(r"^\d+(\.\d+)?×?$")
 
 

@@ -157,8 +157,8 @@ def test_block_threads_and_shared_memory():
 # 3. the kernel sources themselves, emulated on the CPU
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    return build_emulator(str(tmp_path_factory.mktemp("emu")))
+def emu():
+    return build_emulator()
 
 
 @pytest.mark.parametrize(

@@ -585,7 +585,7 @@ def test_readme_example_runs_as_written():
 
 
 @pytest.fixture(scope="module")
-def emulated_cupy_factored(tmp_path_factory):
+def emulated_cupy_factored():
     """CupyFactoredBackend (the GPU's 'auto') with its kernels run by tests/cuda_emulator.py: the same launch
     plans and buffers, on CPU tensors; what the layers get for backend='cupy-factored' here."""
     from types import SimpleNamespace
@@ -595,7 +595,7 @@ def emulated_cupy_factored(tmp_path_factory):
 
     from bppsa.backends.cuda import CupyBackend, CupyFactoredBackend, runtime
 
-    lib = build_emulator(str(tmp_path_factory.mktemp("emu")))
+    lib = build_emulator()
     mp = pytest.MonkeyPatch()
     mp.setattr(runtime, "import_cupy", lambda: None)
     mp.setattr(runtime, "check_cuda", lambda dtype, *ts: torch.device("cpu"))

@@ -27,6 +27,8 @@ import pytest
 
 from bppsa.backends.cuda import nvrtc, runtime
 
+# one worker takes the whole file (--dist loadgroup): the kernels compiled and disassembled once (record)
+pytestmark = pytest.mark.xdist_group("test_sass")
 ARCHS = (80, 90)
 RECORD = Path(__file__).parent / "data" / "sass_kernels.json"
 REGISTER_GROWTH = 1.10

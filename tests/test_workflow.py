@@ -2,6 +2,7 @@
 (data -> verify -> bench -> speedups -> figures -> report and claims), and `snakemake --report` of the run:
 one HTML file with every figure, its caption and the claims table."""
 import base64
+import dataclasses
 import json
 import re
 import shutil
@@ -13,6 +14,8 @@ import pandas as pd
 import pytest
 import yaml
 
+# one worker takes the whole file (--dist loadgroup): the one whole-DAG run (resumed_run) is built once
+pytestmark = pytest.mark.xdist_group("test_workflow")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -58,17 +61,54 @@ def test_no_twin_without_also_dtypes_or_in_the_workflow_dtype(tmp_path):
 TEST_CONFIG = ROOT / ".test" / "config" / "config.yaml"
 
 
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """The .test run, killed mid-job and resumed: the folder and what the kill left."""
+    run: Path
+    lock_left: bool  # the killed run's lock was still there
+    report_before: bool  # report.md existed when the run was killed (it must not: the run was mid-way)
+    resume_output: str  # what the resuming command printed
+
+
 @pytest.fixture(scope="session")
-def test_run(tmp_path_factory):
-    """`snakemake all` on the .test configuration in a fresh folder (2 cores: about 2-4 min), shared by the
-    tests below: every experiment, figure and table, the report and the claims.  Session-scoped: a worker of
-    ``-n auto`` may run other modules' tests between these, which would tear a module fixture down."""
-    tmp_path = tmp_path_factory.mktemp("test_run")
-    r = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", str(TEST_CONFIG),
-                        "--directory", str(tmp_path), "all"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+def resumed_run(tmp_path_factory):
+    """`snakemake all` on the .test configuration in a fresh folder, with the README's command (2 cores: about 2-4
+    min): SIGKILL to the whole run (what a lost node or a walltime does) while a timing job runs, after the first
+    benchmark CSV was written, then the README's line on resuming, run as written, finishes it.  The one whole-DAG
+    run of the suite: every test of this file reads it.  Session-scoped: a worker of ``-n auto`` may run other
+    modules' tests between these, which would tear a module fixture down."""
+    import os
+    import signal
+    import time
+
+    run = tmp_path_factory.mktemp("test_run")
+    cmd = _readme_resume_command()
+    assert cmd[0] == "snakemake"
+    argv = [sys.executable, "-m", *cmd, "--configfile", str(TEST_CONFIG), "--directory", str(run), "all"]
+    p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    incomplete = run / ".snakemake" / "incomplete"
+    deadline = time.time() + 1200
+    try:  # mid-job: some jobs done (bench CSVs written), one running (its outputs marked incomplete)
+        while time.time() < deadline and p.poll() is None:
+            done = list((run / "results").rglob("bench_*.csv")) if (run / "results").is_dir() else []
+            if done and incomplete.is_dir() and any(incomplete.iterdir()):
+                break
+            time.sleep(0.1)
+        assert p.poll() is None, "the run ended before it could be killed mid-job"
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    lock_left = bool(list((run / ".snakemake" / "locks").glob("*.lock")))
+    report_before = (run / "results" / "report.md").exists()
+    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    return tmp_path
+    return Resumed(run, lock_left, report_before, r.stdout + r.stderr)
+
+
+@pytest.fixture(scope="session")
+def test_run(resumed_run):
+    """The folder of the whole .test run (every experiment, figure and table, the report and the claims)."""
+    return resumed_run.run
 
 
 @pytest.mark.slow
@@ -302,43 +342,18 @@ def _planned_files(run, target):
     return sorted({row[0] for row in rows} | {log for row in rows for log in row[3].split(",") if log not in ("", "-")})
 
 
-# a part of the .test DAG with timing jobs in it (the RNN's bench CSVs, then their speedups): 12 jobs
-KILLED_TARGET = "results/cpu/rnn/speedups.csv"
-
-
 @pytest.mark.slow
-def test_a_run_killed_mid_job_resumes_with_the_readmes_line(test_run, tmp_path):
-    """SIGKILL to the whole run (what a lost node or a walltime does) while a job runs leaves a lock and
-    half-done jobs; the README's line, run as written, finishes it with the files of an uninterrupted run."""
-    import os
-    import signal
-    import time
-
-    run = tmp_path / "killed"
-    run.mkdir()
-    cmd = _readme_resume_command()
-    assert cmd[0] == "snakemake"
-    extra = ["--configfile", str(TEST_CONFIG), "--directory", str(run), KILLED_TARGET]
-    p = subprocess.Popen([sys.executable, "-m", *cmd] + extra, cwd=ROOT, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
-    incomplete = run / ".snakemake" / "incomplete"
-    deadline = time.time() + 600
-    try:  # mid-job: some jobs done (bench CSVs written), one running (its outputs marked incomplete)
-        while time.time() < deadline and p.poll() is None:
-            done = list((run / "results").rglob("bench_*.csv")) if (run / "results").is_dir() else []
-            if done and incomplete.is_dir() and any(incomplete.iterdir()):
-                break
-            time.sleep(0.1)
-        assert p.poll() is None, "the run ended before it could be killed mid-job"
-    finally:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-    assert list((run / ".snakemake" / "locks").glob("*.lock")), "a killed run leaves its lock"
-    assert not (run / "results" / "report.md").exists()
-
-    r = subprocess.run([sys.executable, "-m", *cmd] + extra, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
-    assert "which is no longer running" in out  # the killed run's lock was removed, not --unlock'ed
+def test_a_run_killed_mid_job_resumes_with_the_readmes_line(resumed_run):
+    """The kill left a lock and half-done jobs; the README's line, run as written, finished the run with exactly
+    the files the DAG plans (every job's outputs and logs, nothing half-written beside them)."""
+    assert resumed_run.lock_left, "a killed run leaves its lock"
+    assert not resumed_run.report_before
+    assert "which is no longer running" in resumed_run.resume_output  # the lock was removed, not --unlock'ed
+    run = resumed_run.run
     claim = "results/cpu/hardware.json"  # the device folder's claim, written by its first job (no rule's output)
-    assert _files(run) == sorted({*_planned_files(test_run, KILLED_TARGET), claim})
+    files = _files(run)
+    # the stand-in's clips, which irmas_make writes under the root its declared manifest names
+    manifest = json.loads((run / "data" / "irmas" / "corpus.json").read_text())
+    clips = [f for f in files if f.startswith(manifest["root"] + "/")]
+    assert len([f for f in clips if f.endswith(".wav")]) == manifest["clips"] > 0
+    assert [f for f in files if f not in clips] == sorted({*_planned_files(run, "all"), claim})

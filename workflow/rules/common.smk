@@ -155,12 +155,6 @@ def get_method_args(wildcards):
     return f"--method {method}" + (f" --layout {layout}" if layout else "")
 
 
-def get_mfcc_shape(wildcards):
-    """(frames, features) of an MFCC set (Table 3)."""
-    spec = MFCC_SETS[wildcards.set]
-    return spec.frames, spec.features
-
-
 def get_rnn_bench():
     return [f"{RNN_DIR}/bench_T{T}_B{B}.csv" for T, B in RNN_GRID]
 

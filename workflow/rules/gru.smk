@@ -46,32 +46,14 @@ rule irmas_mfcc:
         "--out {output.npz} 2> {log}"
 
 
-rule gru_verify:
-    output:
-        f"{GRU_DIR}/verify_{{set}}_B{{B}}.json",
-    log:
-        "logs/gru_verify/{set}_B{B}.log",
-    threads: job_threads("verify")
-    resources:
-        **job_resources("verify"),
-    params:
-        args=runtime_args(),
-        T=lambda wc: get_mfcc_shape(wc)[0],
-        F=lambda wc: get_mfcc_shape(wc)[1],
-        hidden=GRU["hidden"],
-        backend=config["backend"],
-    shell:
-        "bppsa verify --model gru --seq-len {params.T} --input-size {params.F} --batch {wildcards.B} "
-        "--hidden {params.hidden} --layout fused --backend {params.backend} {params.args} --out {output} > {log} 2>&1"
-
-
 rule gru_bench:
-    # every variant of one (set, B), interleaved round by round in one process (docs/timing.md)
+    # every variant of one (set, B), interleaved round by round in one process (docs/timing.md), after the BPPSA
+    # variant's gradient check against autograd in the same process (verify_*.json)
     input:
         data="data/irmas/mfcc_{set}.npz",
-        verified=f"{GRU_DIR}/verify_{{set}}_B{{B}}.json",
     output:
-        f"{GRU_DIR}/bench_{{set}}_B{{B}}.csv",
+        csv=f"{GRU_DIR}/bench_{{set}}_B{{B}}.csv",
+        verified=f"{GRU_DIR}/verify_{{set}}_B{{B}}.json",
     log:
         "logs/gru_bench/{set}_B{B}.log",
     threads: job_threads("timing")
@@ -87,7 +69,7 @@ rule gru_bench:
     shell:
         "bppsa bench --model gru --data {input.data} --batch {wildcards.B} --hidden {params.hidden} "
         "--variants {params.variants} --backend {params.backend} --lr {params.lr} {params.protocol} "
-        "--threads {threads} {params.args} --out {output} 2> {log}"
+        "--threads {threads} {params.args} --verify-out {output.verified} --out {output.csv} 2> {log}"
 
 
 rule gru_speedups:

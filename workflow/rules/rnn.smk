@@ -1,37 +1,20 @@
-# RNN experiments (Sec 4.1 / 5.1): exactness checks, per-phase timings over the T and B grids and
+# RNN experiments (Sec 4.1 / 5.1): per-phase timings, each after its exactness check, over the T and B grids and
 # training curves (Fig 7); the CPU benchmarks of both models are in cpu.smk, the figures in
 # figures.smk.
 
 
-rule rnn_verify:
-    output:
-        f"{RNN_DIR}/verify_T{{T}}_B{{B}}_{{layout}}.json",
-    log:
-        "logs/rnn_verify/T{T}_B{B}_{layout}.log",
-    threads: job_threads("verify")
-    resources:
-        **job_resources("verify"),
-    params:
-        args=runtime_args(),
-        L_m=L_m_arg(RNN["L_m"]),
-        hidden=RNN["hidden"],
-        backend=config["backend"],
-    shell:
-        "bppsa verify --model rnn --seq-len {wildcards.T} --batch {wildcards.B} --hidden {params.hidden} "
-        "--layout {wildcards.layout} --backend {params.backend} --L-m {params.L_m} {params.args} "
-        "--out {output} > {log} 2>&1"
-
-
 rule rnn_bench:
-    # every variant of one (T, B), interleaved round by round in one process (docs/timing.md)
+    # every variant of one (T, B), interleaved round by round in one process (docs/timing.md), after each BPPSA
+    # layout's gradient check against autograd in the same process (verify_*.json; a failed check stops the job
+    # before any timing)
     input:
         data="data/bitstream/T{T}.npz",
+    output:
+        csv=f"{RNN_DIR}/bench_T{{T}}_B{{B}}.csv",
         verified=expand(
             f"{RNN_DIR}/verify_T{{{{T}}}}_B{{{{B}}}}_{{layout}}.json",
             layout=RNN["layouts"],
         ),
-    output:
-        f"{RNN_DIR}/bench_T{{T}}_B{{B}}.csv",
     log:
         "logs/rnn_bench/T{T}_B{B}.log",
     threads: job_threads("timing")
@@ -48,7 +31,8 @@ rule rnn_bench:
     shell:
         "bppsa bench --model rnn --data {input.data} --batch {wildcards.B} --hidden {params.hidden} "
         "--variants {params.variants} --backend {params.backend} --L-m {params.L_m} --lr {params.lr} "
-        "{params.protocol} --threads {threads} {params.args} --out {output} 2> {log}"
+        "{params.protocol} --threads {threads} {params.args} --verify-out {output.verified} --out {output.csv} "
+        "2> {log}"
 
 
 rule rnn_speedups:

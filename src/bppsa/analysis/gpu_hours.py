@@ -105,7 +105,4 @@ def gpu_time_estimate(cfg: Mapping, counts: Mapping[str, int], vgg_step_ms: floa
                                 + (f" (this CPU's measured step, {vgg_step_ms:.0f} ms, would take "
                                    f"{steps * vgg_step_ms / 3.6e6:.1f} h: a CPU figure, not a GPU estimate)"
                                    if vgg_step_ms and math.isfinite(vgg_step_ms) else "")))
-    nv = counts.get("rnn_verify", 0) + counts.get("gru_verify", 0)
-    rows.append(dict(item="rnn_verify + gru_verify", jobs=nv, hours=float("nan"),
-                     derivation="one batch each; PAPER.md gives no time for them, so not estimated"))
     return rows

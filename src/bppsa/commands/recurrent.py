@@ -62,6 +62,10 @@ def register(sub) -> None:
     p.add_argument("--lr", type=float, required=True, help="config rnn.lr / gru.lr")
     add_stop_rule_args(p)
     p.add_argument("--no-nobp", dest="nobp", action="store_false", help="skip the paper's forward-only runs")
+    p.add_argument("--verify-out", nargs="+", default=[], metavar="JSON",
+                   help="first check every BPPSA variant's gradients against autograd at this (T, B), as `bppsa "
+                        "verify` does, and write each result here (one file per BPPSA variant, in the order of "
+                        "--variants); a failed check stops the command before any timing")
     p.add_argument("--graphed", action="store_true",
                    help="CUDA only: capture each variant's iteration, phase by phase, in CUDA graphs and time their "
                         "replays (the device's time, no host work per launch; checked against an eager step first)")
@@ -85,20 +89,25 @@ def _setup(args):
     return setup(args)
 
 
+def _check(args, dev, seq_len, input_size, layout, out, show=None) -> bool:
+    """One batch through autograd and BPPSA (bppsa.verify), the result printed to ``show``; written to ``out``
+    only where it passes, so the workflow cannot proceed past a failure."""
+    res = verify(args.model, seq_len, args.batch, args.hidden, input_size, dtype=args.dtype, backend=args.backend,
+                 layout=layout, L_m=args.L_m, seed=args.seed, device=str(dev))
+    res["device_slug"] = args.device_slug
+    print(json.dumps(res, sort_keys=True), file=show or sys.stdout)
+    if not res["ok"]:
+        print(f"bppsa {args.command}: {layout} layout at T={seq_len}, B={args.batch}: max_rel_err "
+              f"{res['max_rel_err']:.3e} exceeds the {args.dtype} tolerance {res['tolerance']:.0e}", file=sys.stderr)
+        return False
+    if out:
+        io.write_json(out, res)
+    return True
+
+
 def _verify(args) -> int:
     dev = _setup(args)
-    res = verify(args.model, args.seq_len, args.batch, args.hidden, args.input_size, dtype=args.dtype,
-                 backend=args.backend, layout=args.layout, L_m=args.L_m, seed=args.seed, device=str(dev))
-    res["device_slug"] = args.device_slug
-    text = json.dumps(res, sort_keys=True)
-    print(text)
-    if not res["ok"]:
-        print(f"bppsa verify: max_rel_err {res['max_rel_err']:.3e} exceeds the {args.dtype} tolerance "
-              f"{res['tolerance']:.0e}", file=sys.stderr)
-        return 1
-    if args.out:  # only a passing check is kept, so the workflow cannot proceed past a failure
-        io.write_json(args.out, res)
-    return 0
+    return 0 if _check(args, dev, args.seq_len, args.input_size, args.layout, args.out) else 1
 
 
 def _model_for(args, ds, dev):
@@ -120,6 +129,13 @@ def _bench(args) -> int:
     ds = open_dataset(args.data, DTYPES[args.dtype], dev)
     if ds.n < args.batch:
         raise ValueError(f"{args.data}: {ds.n} samples, fewer than one batch of {args.batch}")
+    checked = [v for v in variants if parse_variant(v)[0] == "bppsa"]
+    if args.verify_out and len(args.verify_out) != len(checked):
+        raise ValueError(f"--verify-out: {len(args.verify_out)} file(s) for {len(checked)} BPPSA variant(s) "
+                         f"({', '.join(checked)})")
+    for v, out in zip(checked, args.verify_out):  # the gradient check before the timing, in this process
+        if not _check(args, dev, ds.seq_len, ds.input_size, parse_variant(v)[1], out, show=sys.stderr):
+            return 1
     starts = ds.n // args.batch
 
     def batches(i):
