@@ -33,14 +33,18 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=1)
     ap.add_argument("--loss", choices=("hn", "steps"), default="hn")
     ap.add_argument("--L-m", type=_L, nargs="+", default=[None], help="the bppsa layers' L_m (none: the full tree)")
+    ap.add_argument("--parallel-forward", dest="forwards", nargs="+", default=["none"],
+                    choices=("none", "true", "false"), help="the bppsa layers' parallel_forward (none: where it pays)")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-seconds", type=float, default=60.0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.set_flush_denormal(True)  # as the bppsa commands do: the long products underflow
+    forwards = tuple({"none": None, "true": True, "false": False}[f] for f in a.forwards)
     df = layers.run(a.layer, a.seq_len, a.batch, a.hidden, a.input_size, a.num_layers, a.loss, tuple(a.L_m),
-                    StopRule(max_seconds=a.max_seconds))
+                    StopRule(max_seconds=a.max_seconds), forwards=forwards, device=a.device)
     io.write_csv(a.out, df)
     s = layers.summary(df)
     print(s.to_string(index=False, float_format=lambda v: f"{v:.4g}"))

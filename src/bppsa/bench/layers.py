@@ -3,7 +3,8 @@
 
 Methods, per layer (``rnn``, ``rnn_relu``, ``gru``, ``lstm``; ``num_layers`` of them):
 
-* ``bppsa`` (``bppsa-L<L_m>`` for each heterogeneous scan asked for): the bppsa.nn layer, its backward the scan;
+* ``bppsa`` (``bppsa-L<L_m>`` for each heterogeneous scan asked for, ``-sliced``/``-serial`` for the forward
+  split over slices or not): the bppsa.nn layer, its backward the scan;
 * ``torch``: torch.nn's layer as it comes (on a CPU the LSTM runs oneDNN's fused kernel: the rival a user has);
 * ``torch-generic`` (the LSTM): the same with oneDNN off, torch's generic recurrent loop, as torch.nn.RNN and GRU
   always run.
@@ -33,9 +34,11 @@ def _finals(h_n) -> torch.Tensor:
     return h_n[0] if isinstance(h_n, tuple) else h_n
 
 
-def methods_for(layer: str, input_size: int, hidden: int, num_layers: int, L_ms=(None,), backend: str = "cpu"):
-    """name -> module, on one set of weights: the bppsa.nn layer per L_m, torch.nn's, and (oneDNN's layers) its
-    generic loop."""
+def methods_for(layer: str, input_size: int, hidden: int, num_layers: int, L_ms=(None,), backend: str = "auto",
+                forwards=(None,), device="cpu"):
+    """name -> module, on one set of weights: the bppsa.nn layer per L_m and per ``parallel_forward`` in
+    ``forwards`` (``-sliced`` True, ``-serial`` False; None, the default, unnamed), torch.nn's, and (oneDNN's layers
+    on a CPU) its generic loop."""
     import bppsa.nn as bnn
 
     name, kw = LAYERS[layer]
@@ -43,42 +46,53 @@ def methods_for(layer: str, input_size: int, hidden: int, num_layers: int, L_ms=
     ours = getattr(bnn, name)(input_size, hidden, num_layers, backend=backend, **kw)
     out = {}
     for L_m in L_ms:
-        m = getattr(bnn, name)(input_size, hidden, num_layers, backend=backend, L_m=L_m, **kw)
-        m.load_state_dict(ours.state_dict())
-        out["bppsa" if L_m is None else f"bppsa-L{L_m}"] = (m, contextlib.nullcontext)
-    out["torch"] = (ours.to_torch(), contextlib.nullcontext)
-    if layer in FUSED_ON_CPU:
+        for pf in forwards:
+            m = getattr(bnn, name)(input_size, hidden, num_layers, backend=backend, L_m=L_m, parallel_forward=pf,
+                                   **kw)
+            m.load_state_dict(ours.state_dict())
+            tag = ("" if L_m is None else f"-L{L_m}") + {None: "", True: "-sliced", False: "-serial"}[pf]
+            out[f"bppsa{tag}"] = (m.to(device), contextlib.nullcontext)
+    out["torch"] = (ours.to_torch().to(device), contextlib.nullcontext)
+    if layer in FUSED_ON_CPU and torch.device(device).type == "cpu":
         out["torch-generic"] = (ours.to_torch(), lambda: torch.backends.mkldnn.flags(enabled=False))
     return out
 
 
 def run(layer: str, seq_len: int, batch: int, hidden: int = 20, input_size: int = 1, num_layers: int = 1,
-        loss: str = "hn", L_ms=(None,), rule: StopRule | None = None, seed: int = 0) -> pd.DataFrame:
-    """Interleaved rounds of every method of :func:`methods_for`: tidy rows (method, iter, phase, seconds)."""
+        loss: str = "hn", L_ms=(None,), rule: StopRule | None = None, seed: int = 0, forwards=(None,),
+        device="cpu") -> pd.DataFrame:
+    """Interleaved rounds of every method of :func:`methods_for`: tidy rows (method, iter, phase, seconds); on a
+    GPU the device is synchronised around every phase."""
     gen = torch.Generator().manual_seed(seed)
-    x = (torch.rand(seq_len, batch, input_size, generator=gen) < 0.3).float()  # bitstream-like inputs
-    w = torch.randn(seq_len, batch, hidden, generator=gen)  # the loss's weights: sum_t <w_t, h_t>, or <w_T, h_n>
+    x = (torch.rand(seq_len, batch, input_size, generator=gen) < 0.3).float().to(device)  # bitstream-like inputs
+    w = torch.randn(seq_len, batch, hidden, generator=gen).to(device)  # the loss: sum_t <w_t, h_t>, or <w_T, h_n>
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     fns = {}
-    for name, (mod, ctx) in methods_for(layer, input_size, hidden, num_layers, L_ms).items():
+    for name, (mod, ctx) in methods_for(layer, input_size, hidden, num_layers, L_ms, forwards=forwards,
+                                        device=device).items():
         opt = torch.optim.SGD(mod.parameters(), lr=1e-6)  # a real update, small enough to keep the weights
 
         def step(i: int, mod=mod, ctx=ctx, opt=opt) -> dict:
             opt.zero_grad(set_to_none=True)
             with ctx():
+                sync()
                 t0 = time.perf_counter()
                 out, h_n = mod(x)
                 obj = (out * w).sum() if loss == "steps" else (_finals(h_n)[-1] * w[-1]).sum()
+                sync()
                 t1 = time.perf_counter()
                 obj.backward()
+                sync()
                 t2 = time.perf_counter()
                 opt.step()
+                sync()
                 t3 = time.perf_counter()
             return {"forward": t1 - t0, "backward": t2 - t1, "sgd": t3 - t2}
 
         fns[name] = step
     m = interleave(fns, rule or StopRule(), reference="bppsa" if "bppsa" in fns else next(iter(fns)),
                    metric="backward")
-    return pd.DataFrame(m.rows).assign(layer=layer, seq_len=seq_len, batch=batch, hidden=hidden,
+    return pd.DataFrame(m.rows).assign(layer=layer, device=str(device), seq_len=seq_len, batch=batch, hidden=hidden,
                                        input_size=input_size, num_layers=num_layers, loss=loss,
                                        threads=torch.get_num_threads(), noisy=lambda d: d.method.map(m.noisy))
 

@@ -73,14 +73,16 @@ class RecurrentClassifier(nn.Module):
         return loss.detach()
 
     def bppsa_step(self, x, y, backend, layout: str = "fused", L_m: int | None = None,
-                   phase: Phase = no_phase, backward: bool = True) -> torch.Tensor:
+                   phase: Phase = no_phase, backward: bool = True, forward: str = "torch") -> torch.Tensor:
         """One BPPSA training step through the layer: its forward, the head, ``loss.backward()`` (every
         parameter's ``.grad``), with the layer's backward on ``backend`` (a Backend instance) over ``layout``'s
-        chain and the scan of ``L_m``.  Phases: ``forward``, ``jacobian`` (the chain's construction, inside the
-        backward, which does not count it again) and ``backward``.  ``backward=False`` is the paper's forward-only
-        run: the forward and the chain."""
+        chain and the scan of ``L_m``.  ``forward``: the backend whose forward the layer runs, "torch" (torch's own
+        kernels, the baseline's forward: the paper compares the backward with the same forward on both sides) or
+        "auto" (the CPU's compiled forward, a variant of its own).  Phases: ``forward``, ``jacobian`` (the chain's
+        construction, inside the backward, which does not count it again) and ``backward``.  ``backward=False`` is
+        the paper's forward-only run: the forward and the chain."""
         check_layout(self.model, layout)
-        self.cell.layout, self.cell.L_m = layout, L_m
+        self.cell.layout, self.cell.L_m, self.cell.backend = layout, L_m, forward
         if not backward:
             with torch.no_grad():
                 with phase("forward"):
