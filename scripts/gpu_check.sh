@@ -11,7 +11,9 @@
 #   2. bppsa bench --graphed at the four headline shapes (RNN T = 1000 / B = 16, T = 30,000 / B = 16, T = 1000 /
 #      B = 256, the GRU on set L / B = 16): BPPSA against graphed cuDNN, default and per-step (the per-step algorithm's
 #      401 ms iterations at T = 30,000 left out), and their speedups
-#   3. JAX's compiled BPTT backward at T = 1000 and 30,000 (scripts/jax_rival.py)
+#   3. this turn's layers (scripts/bench_nn.py): bppsa.nn.LSTM against cuDNN's LSTM at T = 1000 / B = 16, and the
+#      forward over slices on CUDA streams against cuDNN's forward at T = 1000 and 30,000 / B = 16; then JAX's
+#      compiled BPTT backward at T = 1000 and 30,000 (scripts/jax_rival.py)
 #   4. the per-kernel profile (scripts/gpu_profile.py)
 #   5. the workflow itself: snakemake --cores all --configfile config/gpu-minutes.yaml, its results in RESULTS_DIR
 #      (the GPU panels of Fig 7, 8, 9, 13 and claims.md from the DAG)
@@ -181,6 +183,17 @@ grnn 1000 256 45 on
 step speedups_graphed 20 bash -c "\"$PY\" -m bppsa speedups $RES/rnn/graphed/bench_T*_B*.csv \
   --out $RES/rnn/graphed/speedups.csv; \"$PY\" -m bppsa speedups $RES/gru/graphed/bench_l_B16.csv \
   --out $RES/gru/graphed/speedups.csv; cat $RES/rnn/graphed/speedups.csv $RES/gru/graphed/speedups.csv"
+# this turn's layers against cuDNN (issue 51; a first measurement, no aim): bppsa.nn.LSTM (its backward the torch
+# twin's dense scan: no CUDA kernel has the LSTM's state yet) against torch.nn.LSTM; the forward split over slices of
+# the sequence on CUDA streams (parallel_forward=True) against cuDNN's forward and the layer's serial one
+mkdir -p "$RES/layers"
+LAYERS=(--device "$DEVICE" --batch 16 --hidden 20 --max-seconds 8)
+step layers_lstm_T1000_B16 30 "$PY" scripts/bench_nn.py --layer lstm --seq-len 1000 "${LAYERS[@]}" \
+  --out "$RES/layers/lstm_T1000_B16.csv"
+for T in 1000 30000; do
+  step "sliced_forward_T${T}_B16" 40 "$PY" scripts/bench_nn.py --layer rnn --seq-len "$T" --parallel-forward true false \
+    "${LAYERS[@]}" --out "$RES/layers/rnn_forward_T${T}_B16.csv"
+done
 # JAX's compiled BPTT backward of the same RNN, the rival a user would pick (where JAX is installed; else a note)
 step jax_rival 60 "$PY" scripts/jax_rival.py --out "$RES/rnn/jax_rival.csv" --seq-len 1000 30000 --batch 16 \
   --data-dir "$DATA" --min-iters 3 --max-seconds 4

@@ -14,7 +14,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["install", "machine", "environment", "doctor", "data", "sanitizer", "gpu_tests", "graphed_rnn_T1000_B16",
-         "graphed_gru_l_B16", "graphed_rnn_T30000_B16", "graphed_rnn_T1000_B256", "speedups_graphed", "jax_rival",
+         "graphed_gru_l_B16", "graphed_rnn_T30000_B16", "graphed_rnn_T1000_B256", "speedups_graphed",
+         "layers_lstm_T1000_B16", "sliced_forward_T1000_B16", "sliced_forward_T30000_B16", "jax_rival",
          "profile", "workflow", "scaling", "workers", "workers_plot"]
 
 
