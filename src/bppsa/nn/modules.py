@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from ..backends import BACKENDS
-from ..distributed import all_gather_ints
+from ..distributed import GroupRef, all_gather_ints
 from ..jacobians.recurrent import LAYOUTS
 from . import ops, split
 from .backward import no_autocast
@@ -78,6 +78,17 @@ class _Recurrent(nn.Module):
                 setattr(self, f"bias_ih_l{k}", nn.Parameter(torch.empty(G, **kw)))
                 setattr(self, f"bias_hh_l{k}", nn.Parameter(torch.empty(G, **kw)))
         self.reset_parameters()
+
+    @property
+    def process_group(self):
+        """The torch.distributed group the sequence is split over (None: one process), held weakly
+        (:class:`bppsa.distributed.GroupRef`): a layer kept after ``destroy_process_group`` does not keep its group,
+        and the group's threads, alive into the interpreter's shutdown."""
+        return None if self._group is None else self._group()
+
+    @process_group.setter
+    def process_group(self, group) -> None:
+        self._group = None if group is None else GroupRef(group)
 
     def reset_parameters(self) -> None:
         """torch.nn.RNN/GRU's initialisation: every weight uniform in ±1/√hidden_size."""

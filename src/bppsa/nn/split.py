@@ -129,14 +129,16 @@ class SplitLayer(torch.autograd.Function):
             if r < p - 1:
                 _dist.send_to(h[-1], r + 1, group, timeout)
         ctx.save_for_backward(x, h_in, w_ih, w_hh, b_ih, b_hh, h)
-        ctx.options = (cell, valid, lengths, backend, L_m, group, timeout, r, p, h0 is not None)
+        # the graph of the outputs may outlive the group: it must not keep it alive (distributed.GroupRef)
+        ctx.options = (cell, valid, lengths, backend, L_m, _dist.GroupRef(group), timeout, r, p, h0 is not None)
         ctx.set_materialize_grads(False)
         return h, h[-1].clone()
 
     @staticmethod
     def backward(ctx, grad_h, grad_h_end):
         x, h_in, w_ih, w_hh, b_ih, b_hh, h = ctx.saved_tensors
-        cell, valid, lengths, backend, L_m, group, timeout, r, p, has_h0 = ctx.options
+        cell, valid, lengths, backend, L_m, group_ref, timeout, r, p, has_h0 = ctx.options
+        group = group_ref()
         need = ctx.needs_input_grad
         if p == 1:  # one rank: the single-process layer's backward, its fast paths included
             need_h0 = has_h0 and bool(need[2])
