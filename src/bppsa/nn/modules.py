@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from ..backends import BACKENDS
-from ..distributed import all_gather_ints
+from ..distributed import GroupRef, all_gather_ints
 from . import ops, split
 from .backward import Options, no_autocast, valid_steps
 from .cells import CELLS, Cell, Weights
@@ -98,6 +98,17 @@ class _Recurrent(nn.Module):
 
     def _suffixes(self) -> tuple[str, ...]:
         return ("", "_reverse")[:self.directions]
+
+    @property
+    def process_group(self):
+        """The torch.distributed group the sequence is split over (None: one process), held weakly
+        (:class:`bppsa.distributed.GroupRef`): a layer kept after ``destroy_process_group`` does not keep its group,
+        and the group's threads, alive into the interpreter's shutdown."""
+        return None if self._group is None else self._group()
+
+    @process_group.setter
+    def process_group(self, group) -> None:
+        self._group = None if group is None else GroupRef(group)
 
     def reset_parameters(self) -> None:
         """torch.nn's initialisation: every weight uniform in ±1/√hidden_size."""
@@ -234,8 +245,8 @@ class _Recurrent(nn.Module):
 
     def _layer(self, x, state0, w: Weights, lengths, options: Options):
         if self.process_group is not None:
-            return split.layer(self.cell, x, state0, w, lengths, options,
-                               split.Ranks(self.process_group, self.group_timeout), key=(id(self), id(w.w_ih)))
+            return split.layer(self.cell, x, state0, w, lengths, options, split.Ranks(self._group, self.group_timeout),
+                               key=(id(self), id(w.w_ih)))
         return ops.layer(self.cell, x, state0, w, lengths, options)
 
     # -- conversions --------------------------------------------------------------------------------

@@ -55,10 +55,16 @@ _summary: list = []
 
 @dataclass(frozen=True)
 class Ranks:
-    """The process group a layer's sequence is split over, and how long an exchange waits for a peer."""
+    """The process group a layer's sequence is split over, held weakly (:class:`bppsa.distributed.GroupRef`: the
+    autograd context of the layer's outputs, which may outlive the user's ``destroy_process_group``, must not keep
+    the group and its threads alive), and how long an exchange waits for a peer."""
 
-    group: object
+    ref: _dist.GroupRef
     timeout: float | None = None
+
+    @property
+    def group(self):
+        return self.ref()
 
 
 @dataclass(frozen=True)

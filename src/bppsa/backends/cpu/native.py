@@ -502,8 +502,13 @@ class Team:
         t.dst = ctypes.addressof(self.dst) if grads else None
         self.lib.team_drain(ctypes.byref(t))  # the last call's stragglers gone: its operands may go too
         # a thread held up by the host may still run a unit of this call when it returns (its result is dropped):
-        # what it reads lives until the next call
-        self.live = (W, src, g, direct, fill)
+        # what it reads lives until the next call -- its memory only, not the autograd graph the tensors came from
+        # (a layer's states carry their op's backward node, and through it the whole last step's graph)
+        def bare(t):
+            return t.detach() if isinstance(t, torch.Tensor) else tuple(bare(u) for u in t) if isinstance(t, tuple) \
+                else t
+
+        self.live = (bare(W), bare(src), bare(g), bare(direct), fill)
         if self.lib.team_go(ctypes.byref(t)):
             raise RuntimeError("the scan could not start its threads")
         return dict(zip(self.names, grads)) if self.mode else None
