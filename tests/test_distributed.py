@@ -357,9 +357,10 @@ torch.distributed.destroy_process_group()
 
 
 def test_split_layers_under_torchrun_equal_autograd(tmp_path):
-    """The same cases launched as users launch them: `torchrun --standalone --nproc-per-node 2`, each rank joining
-    the group through init_from_env (RANK, WORLD_SIZE, MASTER_ADDR/PORT), its gradients held to autograd's, and
-    every rank exiting 0 (an abort at interpreter shutdown fails a torchrun or SLURM job as any error does)."""
+    """The same cases (the split LSTM's among them) launched as users launch them: `torchrun --standalone
+    --nproc-per-node 3`, each rank joining the group through init_from_env (RANK, WORLD_SIZE, MASTER_ADDR/PORT), its
+    gradients held to autograd's and the single process's, and every rank exiting 0 (an abort at interpreter
+    shutdown fails a torchrun or SLURM job as any error does)."""
     import json
     import subprocess
     import sys
@@ -367,12 +368,12 @@ def test_split_layers_under_torchrun_equal_autograd(tmp_path):
 
     script = tmp_path / "ranks.py"
     script.write_text(TORCHRUN_SCRIPT)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                         str(script), str(Path(__file__).parent), str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    members = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
-    _check_layer_results([[(tuple(case), err) for case, err in m] for m in members], 2)
+    members = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(3)]
+    _check_layer_results([[(tuple(case), err) for case, err in m] for m in members], 3)
 
 
 def held_layers_worker(rank: int, p: int) -> dict:
