@@ -114,25 +114,6 @@ def _first_step_t(cell: Cell, s: Saved, w: Weights, lam_first: torch.Tensor) -> 
     return out if s.valid is None else torch.where(s.valid[0][:, None], out, lam_first)
 
 
-def _local_forward(cell: Cell, x, state_in: torch.Tensor, w: Weights, valid):
-    """The slice's states ``(h, c)`` from the state before it (the scan's state vector) by torch's own kernels, the
-    steps past a sequence's end carrying its last state (a sequence that ended before the slice carries the state in
-    throughout)."""
-    h_in, c_in = cell.split_state(state_in, w)
-    h, c = cell.forward(x, h_in, c_in, w, None)
-    if valid is None:
-        return h, c
-    T = x.shape[0]
-    n = valid.sum(0)  # each sequence's valid steps in this slice [B]
-    last = torch.minimum(torch.arange(T, device=x.device)[:, None], (n - 1).clamp_min(0)[None, :])
-
-    def carried(t, t_in):
-        out = t.gather(0, last.unsqueeze(-1).expand_as(t))
-        return torch.where((n == 0)[None, :, None], t_in.unsqueeze(0), out).contiguous()
-
-    return carried(h, h_in), (None if c is None else carried(c, c_in))
-
-
 class _Slice:
     """This rank's slice of the forward: its steps run from a start state, by the backend's own forward where it has
     one (the compiled CPU kernel, which also reruns until a stored trajectory is met), else torch's."""
@@ -144,7 +125,7 @@ class _Slice:
     def run(self, start: torch.Tensor):
         cell, w = self.cell, self.w
         out = self.be.forward(cell.kernel, self.x, cell.split_state(start, w), w.tensors(), self.lengths, 1)
-        return out[:2] if out is not None else _local_forward(cell, self.x, start, w, self.valid)
+        return out[:2] if out is not None else _fw.torch_slice(cell, self.x, start, w, self.valid)
 
     def rerun(self, start: torch.Tensor, h, c) -> int:
         """h, c (in place) from a new start: the steps until each sequence meets the stored trajectory (the last
