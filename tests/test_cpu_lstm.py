@@ -5,9 +5,12 @@ import math
 import pytest
 import torch
 
+from bppsa import scan
 from bppsa.backends import TorchBackend
 from bppsa.backends.chain import LstmChain
-from bppsa.jacobians.lstm import lstm_gate_grads, lstm_gates, lstm_jacobians_t
+from bppsa.backends.cpu import CpuBackend, native, plan
+from bppsa.backends.cpu.chain import chain_product, native_chain_scan
+from bppsa.jacobians.lstm import LstmGates, lstm_gate_grads, lstm_gates, lstm_jacobians_t
 
 
 def _rel(a, b):
@@ -22,8 +25,8 @@ def _rel_grads(got: dict, ref: dict) -> float:
 
 
 class Case:
-    """An LSTM layer (torch.nn.LSTM, random weights), a batch, its forward stepped by torch.nn.LSTM itself (so every
-    c_t is at hand), the recomputed gates and the cell's parameter gradients from a scan's output (time order)."""
+    """An LSTM layer (torch.nn.LSTM, random weights), a batch, its forward (every c_t at hand), the recomputed gates
+    and the cell's parameter gradients from a scan's output (time order)."""
 
     def __init__(self, T, B, I, H, seed, dtype=torch.float64, scale=1.0, h0=True):
         gen = torch.Generator().manual_seed(seed)
@@ -34,38 +37,49 @@ class Case:
         self.x = torch.randn(T, B, I, generator=gen, dtype=dtype)
         self.h0 = torch.randn(B, H, generator=gen, dtype=dtype) if h0 else torch.zeros(B, H, dtype=dtype)
         self.c0 = torch.randn(B, H, generator=gen, dtype=dtype) if h0 else torch.zeros(B, H, dtype=dtype)
-        hs, cs, h, c = [], [], self.h0[None], self.c0[None]
-        with torch.no_grad():
-            for t in range(T):
-                _, (h, c) = self.lstm(self.x[t:t + 1], (h, c))
-                hs.append(h[0])
-                cs.append(c[0])
-        self.h, self.c = torch.stack(hs), torch.stack(cs)
         self.T, self.B, self.I, self.H, self.dtype = T, B, I, H, dtype
+        self.h, self.c = self._forward()
         self.g = torch.randn(B, 2 * H, generator=gen, dtype=dtype)
+
+    @torch.no_grad()
+    def _forward(self):
+        """Every h_t and c_t, torch.nn.LSTM's equations step by step (it returns only the last c_t)."""
+        m, (T, B, _), H = self.lstm, self.x.shape, self.H
+        xin = torch.addmm(m.bias_ih_l0 + m.bias_hh_l0, self.x.reshape(T * B, -1), m.weight_ih_l0.t()).view(T, B, -1)
+        hs, cs, h, c = [], [], self.h0, self.c0
+        for t in range(T):
+            pre = torch.addmm(xin[t], h, m.weight_hh_l0.t())
+            i, f, o = pre[:, :H].sigmoid(), pre[:, H:2 * H].sigmoid(), pre[:, 3 * H:].sigmoid()
+            c = f * c + i * pre[:, 2 * H:3 * H].tanh()
+            h = o * c.tanh()
+            hs.append(h)
+            cs.append(c)
+        return torch.stack(hs), torch.stack(cs)
 
     @property
     def W_hh(self):
         return self.lstm.weight_hh_l0.detach()
 
-    def gates(self):
-        m = self.lstm
-        return lstm_gates(self.x, self.h, self.c, m.weight_ih_l0.detach(), m.weight_hh_l0.detach(),
-                          m.bias_ih_l0.detach(), m.bias_hh_l0.detach(), self.h0, self.c0)
+    def gates(self, dtype=None):
+        """The gates recomputed from the states (``dtype``: from the states and weights cast to it)."""
+        m, d = self.lstm, dtype or self.dtype
+        w = [t.detach().to(d) for t in (m.weight_ih_l0, m.weight_hh_l0, m.bias_ih_l0, m.bias_hh_l0)]
+        return lstm_gates(*(t.to(d) for t in (self.x, self.h, self.c)), *w, self.h0.to(d), self.c0.to(d))
 
     def chain(self, x=True):
         return LstmChain.from_states(self.x if x else None, self.gates(), self.W_hh)
 
-    def from_scan(self, out):
+    def from_scan(self, out, dtype=torch.float64):
         """The parameter gradients from the scan's output ``out`` [T, B, 2H] (scan order: out[k] = λ at s_{T-k}),
-        as GEMMs over the T·B rows: what the kernel's mode 1 sums as it scans."""
-        lam = out.flip(0)
+        as GEMMs over the T·B rows, in ``dtype`` (the gates recomputed in it): what the kernel's mode 1 sums as it
+        scans."""
+        lam = out.to(dtype).flip(0)
         H, T, B = self.H, self.T, self.B
-        dpre, _, _ = lstm_gate_grads(self.gates(), lam[..., :H], lam[..., H:])
+        dpre, _, _ = lstm_gate_grads(self.gates(dtype), lam[..., :H], lam[..., H:])
         d2 = dpre.reshape(T * B, 4 * H)
-        hp = torch.cat([self.h0[None], self.h[:-1]]).reshape(T * B, H)
+        hp = torch.cat([self.h0[None], self.h[:-1]]).to(dtype).reshape(T * B, H)
         bias = d2.sum(0)
-        return {"weight_ih_l0": d2.t() @ self.x.reshape(T * B, self.I), "bias_ih_l0": bias,
+        return {"weight_ih_l0": d2.t() @ self.x.to(dtype).reshape(T * B, self.I), "bias_ih_l0": bias,
                 "bias_hh_l0": bias.clone(), "weight_hh_l0": d2.t() @ hp}
 
 
@@ -140,3 +154,114 @@ def test_the_twins_gradients_from_the_scan_equal_autograd_of_torch_lstm():
         else:
             got = case.from_scan(twin.scan(g, J))
         assert _rel_grads(got, want) <= 1e-10, per_step
+
+
+# -- the compiled kernel's kind --------------------------------------------------------------------------------
+
+kernel = pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+# (T, B, I, H): lengths whose N = T + 1 is no power of two but at T = 1 (a single position), one batch element (its
+# blocks as the lanes), one lane slice and more, both hidden sizes and inputs.  Few sizes: each (H, I, lanes, dtype)
+# is a C build (~1-10 s).
+CASES = [(1, 1, 1, 3), (2, 3, 4, 3), (7, 17, 1, 3), (100, 1, 1, 3), (100, 17, 1, 20), (1001, 3, 4, 20),
+         (1001, 1, 1, 20)]
+
+
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request, monkeypatch):
+    """The kernel's team on one thread, or two (every split worth a hand-off: the shapes here are small)."""
+    monkeypatch.setattr(plan, "MIN_CHUNK_FLOP", 1)
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("T,B,I,H", CASES)
+def test_the_kernel_scans_the_lstm_chain_as_the_twin_scans_its_dense_chain(threads, T, B, I, H, dtype):
+    """CpuBackend's LSTM chain through the kernel: the scan, the affine scan (a direct gradient at every state,
+    c's both halves), and the parameter gradients it sums as the prefixes come out (mode 1), for L_m None, 0, 2,
+    against the twin over chain.dense() (fp64) and the gradients from the twin's scan."""
+    case = Case(T, B, I, H, seed=T * B + I + H, dtype=dtype, scale=0.5)
+    be = CpuBackend()
+    chain = be.lstm_jacobians_t(case.x, case.h, case.gates, case.W_hh)
+    assert isinstance(chain, LstmChain) and chain.shape == (T, B, 2 * H, 2 * H)
+    J, g = chain.dense().double(), case.g.double()
+    c = torch.randn(T, B, 2 * H, generator=torch.Generator().manual_seed(T), dtype=dtype)
+    # the twin's linear scans in fp64 (every tree computes the same prefixes; the linear one is the cheapest)
+    ref, aref = TorchBackend().scan(g, J, 0), TorchBackend().affine_scan(g, J, c.double(), 0)
+    want, awant = case.from_scan(ref), case.from_scan(aref)
+    tol = TOL[dtype]
+    for L_m in (None, 0, 2):
+        L = scan.tree_levels(T + 1, L_m)
+        assert native_chain_scan(case.g, chain, L, be.workspace) is not None  # the kernel, not a fallback
+        assert _rel(be.scan(case.g, chain, L_m), ref) <= tol, ("scan", L_m)
+        got = be.cell_grads(case.g, chain, L_m, lambda out: pytest.fail("the kernel sums them"))
+        assert _rel_grads(got, want) <= tol, ("grads", L_m)
+        assert _rel(be.affine_scan(case.g, chain, c, L_m), aref) <= tol, ("affine", L_m)
+        got = be.cell_grads(case.g, chain, L_m, lambda out: pytest.fail("the kernel sums them"), c=c)
+        assert _rel_grads(got, awant) <= tol, ("affine grads", L_m)
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("T,B,I,H", [(7, 17, 1, 3), (100, 17, 1, 20), (1001, 3, 4, 20)])
+def test_both_thread_splits_and_a_chain_without_x(T, B, I, H, dtype, monkeypatch):
+    """Threads owning lane slices or sharing every slice's blocks give the same scan; a chain built without x (the
+    protocol's x None) scans through the kernel and leaves the gradients to from_scan."""
+    monkeypatch.setattr(plan, "MIN_CHUNK_FLOP", 1)
+    case = Case(T, B, I, H, seed=5, dtype=dtype, scale=0.5)
+    chain = case.chain()
+    ref = TorchBackend().scan(case.g.double(), chain.dense().double(), 0)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for split in ("slices", "blocks"):
+            got = native_chain_scan(case.g, chain, scan.tree_levels(T + 1, None), scan.Workspace(), split)
+            assert _rel(got, ref) <= TOL[dtype], split
+        bare = CpuBackend().lstm_jacobians_t(None, case.h, case.gates, case.W_hh)
+        assert isinstance(bare, LstmChain) and bare.I == 0
+        seen = []
+        CpuBackend().cell_grads(case.g, bare, None, seen.append)
+        assert len(seen) == 1 and _rel(seen[0], ref) <= TOL[dtype]
+    finally:
+        torch.set_num_threads(old)
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("T,B,I,H", [(1, 3, 4, 3), (100, 17, 1, 3), (100, 3, 4, 20), (7, 1, 1, 20)])
+def test_the_kernels_chain_product_is_the_dense_chains(T, B, I, H, dtype):
+    """chain_product (a middle rank's map): P = J_{n-1} ... J_0 and the affine offset q, against the dense chain
+    multiplied out in fp64 (T = 100 at most: a longer product of contractions falls below fp32's normal range)."""
+    case = Case(T, B, I, H, seed=7, dtype=dtype, scale=0.5)
+    chain = case.chain()
+    c = torch.randn(T, B, 2 * H, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    J = chain.dense().double()
+    P, q = J[0], c[0].double()
+    for k in range(1, T):
+        P = J[k] @ P
+        q = (J[k] @ q.unsqueeze(-1)).squeeze(-1) + c[k].double()
+    got, none = chain_product(chain)
+    assert none is None and _rel(got, P) <= TOL[dtype]
+    got, off = chain_product(chain, c)
+    assert _rel(got, P) <= TOL[dtype] and _rel(off, q) <= TOL[dtype]
+
+
+@kernel
+def test_the_lstm_chain_takes_the_twins_dense_chain_with_a_projection_or_without_the_kernel(monkeypatch):
+    T, B, H, P = 7, 3, 4, 2
+    gen = torch.Generator().manual_seed(9)
+    r = lambda *shape: torch.rand(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    gates = LstmGates(i=r(T, B, H), f=r(T, B, H), g=r(T, B, H), o=r(T, B, H), tc=r(T, B, H), cp=r(T, B, H),
+                      hp=r(T, B, P))
+    W_hh, W_hr, h = r(4 * H, P), r(P, H), r(T, B, P)
+    J = CpuBackend().lstm_jacobians_t(r(T, B, 1), h, lambda: gates, W_hh, W_hr)
+    assert isinstance(J, torch.Tensor) and torch.equal(J, lstm_jacobians_t(gates, W_hh, W_hr))
+    case = Case(7, 3, 4, 3, seed=9)
+    monkeypatch.setattr(native, "available", lambda: False)
+    J = CpuBackend().lstm_jacobians_t(case.x, case.h, case.gates, case.W_hh)
+    assert isinstance(J, torch.Tensor) and torch.equal(J, lstm_jacobians_t(case.gates(), case.W_hh))

@@ -14,16 +14,18 @@ from __future__ import annotations
 import torch
 
 from ... import scan as _scan
-from ..chain import FactoredChain, GruChain, PaperChain, RnnChain, factor_buffer
+from ..chain import FactoredChain, GruChain, LstmChain, PaperChain, RnnChain, factor_buffer
 from . import native, plan, pool
 from .dense import dense_tree_scan
 
 FACTOR_FLOP = 50  # a factor builder's cost per value written (~1 ns, a strided store), in those FLOP
 
 
-def _kernel_has(kind: str, h: torch.Tensor, I: int) -> bool:
-    """The compiled kernel reads host memory: CUDA tensors (the factored GPU path) take torch's factors."""
-    return h.device.type == "cpu" and native.available() and native.library(kind, h.shape[2], I, 1, h.dtype) is not None
+def _kernel_has(kind: str, h: torch.Tensor, I: int, act: str = "tanh", S: int | None = None) -> bool:
+    """The compiled kernel reads host memory: CUDA tensors (the factored GPU path) take torch's factors.  ``S``: the
+    chain's state size, where it is not the states' (the LSTM's [h; c])."""
+    S = h.shape[2] if S is None else S
+    return h.device.type == "cpu" and native.available() and native.library(kind, S, I, 1, h.dtype, act) is not None
 
 
 def rnn_chain(cls: type[RnnChain] | type[PaperChain], h: torch.Tensor, W_hh: torch.Tensor,
@@ -37,7 +39,17 @@ def rnn_chain(cls: type[RnnChain] | type[PaperChain], h: torch.Tensor, W_hh: tor
         return cls.from_states(h, W_hh, x, out, act)
     xc = x if x is not None else h[:, :, :0]
     return cls(W_hh, None, I, states=(h if h.is_contiguous() else h.contiguous(),
-                                      xc if xc.is_contiguous() else xc.contiguous()))
+                                      xc if xc.is_contiguous() else xc.contiguous()), act=act)
+
+
+def lstm_chain(x: torch.Tensor | None, h: torch.Tensor, gates, W_hh: torch.Tensor, out=None) -> LstmChain | None:
+    """The LSTM's chain (no projection) for the compiled kernel: the factors written by torch from ``gates()``
+    (:class:`~bppsa.jacobians.lstm.LstmGates`) into ``out`` where its shape fits; ``x`` None: a chain without x (no
+    gradients summed by the kernel).  None where the kernel is not at hand (no compiler, tensors off the CPU)."""
+    I = 0 if x is None else x.shape[2]
+    if not _kernel_has("lstm", h, I, S=2 * W_hh.shape[1]):
+        return None
+    return LstmChain.from_states(x, gates(), W_hh, out)
 
 
 class _GruFill(native.GruFill):
@@ -61,33 +73,23 @@ def gru_chain(x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor | None =
     return GruChain(cell.weight_hh_l0, f, I, _GruFill(x.detach().contiguous(), h.detach().contiguous(), cell, f))
 
 
-def rnn_chain_product(h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor,
-                      c: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The RNN's whole fused chain over the states ``h`` [T, B, H] (inputs ``x`` [T, B, I]) as one map, by the
-    compiled kernel (``chain_scan.c``'s ``chain_product``, one thread; a call per slice of batch lanes):
-    ``P`` [B, H, H] = J_{T-1} ... J_0 (scan order, J_k = W_hhᵀ diag(1 - h_{T-1-k}²)) and, with ``c`` [T, B, H]
-    (scan order, c[k] entering after J_k), the offset ``q`` [B, H] with which the affine recurrence maps v to
-    ``P v + q``.  None where the kernel is not at hand (no compiler, or tensors off the CPU)."""
-    T, B, H = h.shape
-    I = x.shape[2]
-    if T == 0 or not _kernel_has("rnn", h, I):
-        return None
-    dtype = h.dtype
-    Wt = W_hh.detach().t().contiguous()
-    h, x = h.detach().contiguous(), x.detach().contiguous()
-    c = None if c is None else c.detach().contiguous()
-    P = torch.empty((B, H, H), dtype=dtype)
-    q = None if c is None else torch.empty((B, H), dtype=dtype)
-    vl, b0 = native.lane_width("rnn", dtype), 0
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _product(kind, T, B, S, I, dtype, Wt, f, h, x, c, act="tanh"):
+    """``chain_scan.c``'s ``chain_product`` over the whole chain, a call per slice of batch lanes (powers of two)."""
+    P = torch.empty((B, S, S), dtype=dtype)
+    q = None if c is None else torch.empty((B, S), dtype=dtype)
+    vl, b0 = native.lane_width(kind, dtype), 0
     while b0 < B:
         w = min(vl, 1 << (B - b0).bit_length() - 1)  # a kernel's lanes are a power of two
-        lib = native.library("rnn", H, I, w, dtype)
+        lib = native.library(kind, S, I, w, dtype, act)
         if lib is None:
             return None
-        M = torch.empty((H, H, w), dtype=dtype)
-        qv = None if c is None else torch.empty((H, w), dtype=dtype)
-        lib.chain_product(Wt.data_ptr(), None, h.data_ptr(), x.data_ptr(), None if c is None else c.data_ptr(), T, B,
-                          b0, 0, T, M.data_ptr(), None if qv is None else qv.data_ptr())
+        M = torch.empty((S, S, w), dtype=dtype)
+        qv = None if c is None else torch.empty((S, w), dtype=dtype)
+        lib.chain_product(Wt.data_ptr(), _ptr(f), _ptr(h), _ptr(x), _ptr(c), T, B, b0, 0, T, M.data_ptr(), _ptr(qv))
         P[b0:b0 + w] = M.permute(2, 0, 1)
         if qv is not None:
             q[b0:b0 + w] = qv.t()
@@ -95,14 +97,49 @@ def rnn_chain_product(h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor,
     return P, q
 
 
+def rnn_chain_product(h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor, c: torch.Tensor | None = None,
+                      act: str = "tanh") -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The RNN's whole fused chain over the states ``h`` [T, B, H] (inputs ``x`` [T, B, I]) as one map, by the
+    compiled kernel (``chain_scan.c``'s ``chain_product``, one thread; a call per slice of batch lanes):
+    ``P`` [B, H, H] = J_{T-1} ... J_0 (scan order, J_k = W_hhᵀ diag(1 - h_{T-1-k}²), relu's 1[h > 0] for ``act``
+    "relu") and, with ``c`` [T, B, H] (scan order, c[k] entering after J_k), the offset ``q`` [B, H] with which
+    the affine recurrence maps v to ``P v + q``.  None where the kernel is not at hand (no compiler, or tensors off
+    the CPU)."""
+    T, B, H = h.shape
+    I = x.shape[2]
+    if T == 0 or not _kernel_has("rnn", h, I, act):
+        return None
+    Wt = W_hh.detach().t().contiguous()
+    h, x = h.detach().contiguous(), x.detach().contiguous()
+    c = None if c is None else c.detach().contiguous()
+    return _product("rnn", T, B, H, I, h.dtype, Wt, None, h, x, c, act)
+
+
+def chain_product(chain: FactoredChain, c: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A chain of written factors (the GRU's, the LSTM's; not the paper layout) as one map by the compiled kernel, as
+    :func:`rnn_chain_product` does the RNN's states: ``P`` [B, S, S] = J_{n-1} ... J_0 and, with ``c`` [n, B, S],
+    the offset ``q`` [B, S].  None where the kernel is not at hand."""
+    n, B, S, _ = chain.shape
+    if n == 0 or chain.kind == "paper" or not _kernel_has(chain.kind, chain.f, chain.I, S=S):
+        return None
+    c = None if c is None else c.detach().contiguous()
+    return _product(chain.kind, n, B, S, chain.I, chain.dtype, chain.Wt, chain.f, None, None, c)
+
+
 def synthetic(kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype):
     """A chain of ``kind`` (n Jacobians, batch B, hidden H, input I) with well-scaled random values (no subnormals
     in its products), built with x as the fast path builds it, and ∇h_T: what a plan is measured on (:mod:`.plan`)."""
     g = torch.Generator().manual_seed(0)
-    W = (torch.randn(3 * H if kind == "gru" else H, H, generator=g) * (0.9 / H ** 0.5)).to(dtype)
+    hc = native.hidden(kind, H)
+    W = (torch.randn(native.WEIGHTS[kind] * hc, hc, generator=g) * (0.9 / hc ** 0.5)).to(dtype)
     T = n // 2 if kind == "paper" else n
     if kind == "gru":
         chain = GruChain(W, (torch.rand(T, 6 * H + I, B, generator=g) * 0.5).to(dtype), I)
+    elif kind == "lstm":
+        f = torch.rand(T, 7 * hc + I, B, generator=g) * 0.5
+        f[:, 5 * hc:6 * hc] += 0.5  # forget gates in [0.5, 1): products of 2^c steps stay normal numbers
+        chain = LstmChain(W, f.to(dtype), I)
     else:
         h = (torch.rand(T, B, H, generator=g) * 1.8 - 0.9).to(dtype)
         x = torch.rand(T, B, I, generator=g).to(dtype)
@@ -128,7 +165,8 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     n, B, H, _ = chain.shape
     threads = pool.threads()
     affine = c is not None
-    team = ws.memo(("cpu", "team", chain.kind, n, B, H, chain.I, chain.dtype, L, split, grads, threads, affine),
+    act = getattr(chain, "act", "tanh")
+    team = ws.memo(("cpu", "team", chain.kind, act, n, B, H, chain.I, chain.dtype, L, split, grads, threads, affine),
                    lambda: plan.team_for(chain, L, split, grads, threads, affine, synthetic))
     if team is None:
         return None

@@ -39,12 +39,28 @@ import torch
 
 from ...process import cache_root
 
-__all__ = ["available", "unavailable_reason", "library", "Team", "GruFill", "KINDS", "ISAS",
-           "target", "lane_width", "rnn_factors", "reset", "isa", "build_key"]
+__all__ = ["available", "unavailable_reason", "library", "Team", "GruFill", "KINDS", "ACTS", "ISAS",
+           "target", "lane_width", "rnn_factors", "reset", "isa", "build_key", "hidden", "sums_shape"]
 
 _REAL = {torch.float32: "float", torch.float64: "double"}
-# The chains the kernel runs (chain_scan.c's KIND): the RNN's fused and paper layouts, the GRU.
-KINDS = {"rnn": 0, "paper": 1, "gru": 2}
+# The chains the kernel runs (chain_scan.c's KIND): the RNN's fused and paper layouts, the GRU, the LSTM (no
+# projection; its state [h; c]).  A kernel's H is the chain's state size (chain.shape[2]: the LSTM's 2H).
+KINDS = {"rnn": 0, "paper": 1, "gru": 2, "lstm": 3}
+# The RNN's nonlinearity, whose derivative the kernel reads from the states (chain_scan.c's ACT).
+ACTS = {"tanh": 0, "relu": 1}
+# Weight matrices (NW), and the cell's hidden size from the state size.
+WEIGHTS = {"rnn": 1, "paper": 1, "gru": 3, "lstm": 4}
+
+
+def hidden(kind: str, S: int) -> int:
+    """The cell's hidden size of a chain of ``kind`` whose state is ``S`` wide (the LSTM's state is [h; c])."""
+    return S // 2 if kind == "lstm" else S
+
+
+def sums_shape(kind: str, S: int, I: int) -> tuple[int, int]:
+    """The kernel's parameter-gradient sums (NA rows: the gates' pre-activations; I + 1 + H columns: x, 1, h')."""
+    H = hidden(kind, S)
+    return (4 * H if kind in ("gru", "lstm") else H), I + 1 + H
 # BPPSA_CPU_ISA: the build targets (-march values) and the CPU flags each needs to run.
 ISAS = {"native": (), "x86-64-v3": ("avx2", "fma", "bmi2"),
         "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")}
@@ -146,11 +162,14 @@ def reset() -> None:
 
 
 @functools.cache
-def library(kind: str, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
-    """The kernel for a chain ``kind`` (:data:`KINDS`), hidden size H, input size I, ``lanes`` batch lanes
-    and ``dtype``; None where it cannot be built (why: :func:`unavailable_reason`)."""
+def library(kind: str, H: int, I: int, lanes: int, dtype: torch.dtype, act: str = "tanh") -> ctypes.CDLL | None:
+    """The kernel for a chain ``kind`` (:data:`KINDS`), state size H (the hidden size; the LSTM's 2H), input size
+    I, ``lanes`` batch lanes and ``dtype`` (``act``: the RNN's nonlinearity, :data:`ACTS`); None where it cannot
+    be built (why: :func:`unavailable_reason`)."""
+    if kind == "lstm" and H % 2:
+        raise ValueError(f"the LSTM's state [h; c] has an even size, not {H}")
     try:
-        return _build(KINDS[kind], H, I, lanes, dtype)
+        return _build(KINDS[kind], H, I, lanes, dtype, ACTS[act] if kind in ("rnn", "paper") else 0)
     except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, compiler killed, bad .so ...
         _errors["cc"] = f"{type(e).__name__}: {e}"
         return None
@@ -180,7 +199,7 @@ def build_key(extra: str = "") -> str | None:
                                        extra.encode()])).hexdigest()[:20]
 
 
-def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
+def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype, act: int = 0) -> ctypes.CDLL | None:
     tg = target()
     if tg is None:
         _errors.setdefault("cc", f"no C compiler ({compiler_name()!r} not on PATH)")
@@ -193,10 +212,11 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
     if real is None:  # e.g. half precision: the numpy path takes it
         return None
     defs = [f"-DKIND={kind}", f"-DHID={H}", f"-DINP={I}", f"-DLANES={lanes}", f"-DREAL={real}",
-            f"-DREALBITS={8 * dtype.itemsize}"]
+            f"-DREALBITS={8 * dtype.itemsize}", f"-DACT={act}"]
     cc, flags = tg["compiler"], _FLAGS + tg["flags"]
     key = build_key(" ".join(defs))
-    out = cache_dir() / f"chain_scan_k{kind}_{real}_H{H}_I{I}_L{lanes}_{tg['isa']}_{key}.so"
+    tag = f"k{kind}" + (f"a{act}" if act else "")  # act: relu's RNN
+    out = cache_dir() / f"chain_scan_{tag}_{real}_H{H}_I{I}_L{lanes}_{tg['isa']}_{key}.so"
     if not _intact(out):
         out.parent.mkdir(parents=True, exist_ok=True)
         # one build per kernel: processes that want the same one (test workers, cluster jobs starting
@@ -225,7 +245,7 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.
     lib = ctypes.CDLL(str(out))
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     factors = ({"gru_factors": [p, p, p, p, p, p, l, l, l, l, p]} if kind == KINDS["gru"]
-               else {"rnn_factors": [p, p, l, l, l, l, p]})
+               else {} if kind == KINDS["lstm"] else {"rnn_factors": [p, p, l, l, l, l, p]})
     for name, args in {"team_go": [p], "team_drain": [p], "team_scratch": [l, i, i],
                        "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i], "fma_chain": [l],
                        "chain_product": [p, p, p, p, p, l, l, l, l, l, p, p], **factors}.items():
@@ -267,12 +287,13 @@ def lane_width(kind: str, dtype: torch.dtype) -> int:
     return max(1, (tg["vector_bytes"] if tg else 16) // dtype.itemsize)
 
 
-def rnn_factors(h: torch.Tensor, x: torch.Tensor, out: torch.Tensor, k0: int, k1: int) -> None:
-    """``out`` [T, H + I + H, B] = the RNN's d_k = 1 - h_{T-k}^2, x_{T-k} and h_{T-k-1} (scan order, lane
-    order; steps k0 .. k1 - 1) from ``h`` [T, B, H] and ``x`` [T, B, I], all contiguous: what the kernel
-    reads from ``h`` and ``x`` itself, written for other readers."""
+def rnn_factors(h: torch.Tensor, x: torch.Tensor, out: torch.Tensor, k0: int, k1: int, act: str = "tanh") -> None:
+    """``out`` [T, H + I + H, B] = the RNN's d_k = 1 - h_{T-k}^2 (relu: 1[h_{T-k} > 0]), x_{T-k} and h_{T-k-1}
+    (scan order, lane order; steps k0 .. k1 - 1) from ``h`` [T, B, H] and ``x`` [T, B, I], all contiguous: what
+    the kernel reads from ``h`` and ``x`` itself, written for other readers."""
     T, B, H = h.shape
-    library("rnn", H, x.shape[2], 1, h.dtype).rnn_factors(h.data_ptr(), x.data_ptr(), T, B, k0, k1, out.data_ptr())
+    library("rnn", H, x.shape[2], 1, h.dtype, act).rnn_factors(h.data_ptr(), x.data_ptr(), T, B, k0, k1,
+                                                               out.data_ptr())
 
 
 _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -339,8 +360,9 @@ def _units(u: _Units, lib, fn: str, args, lo: int, hi: int, per: int, part0: int
 def stall_ns(kind: str, H: int, lanes: int) -> int:
     """How long a thread's heartbeat (bumped at every step of a unit) may stand still before the team takes the
     thread as held up by the host and runs its unit again: 20 µs, plus 8 of the longest steps at a pessimistic
-    16 lane multiply-adds per ns (an up step is NW·H³ of them per lane) -- far above any step of a running thread,
-    far below the host's time slices (milliseconds)."""
+    16 lane multiply-adds per ns (an up step is NW·H³ of them per lane; the LSTM's H³/2 with H its state, and a
+    product of the tree's H³) -- far above any step of a running thread, far below the host's time slices
+    (milliseconds)."""
     return int(20_000 + 8 * (3 if kind == "gru" else 1) * H ** 3 * lanes / 16)
 
 
@@ -381,19 +403,19 @@ class Team:
 
     def __init__(self, kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype, L: int,
                  groups: list[list[tuple[int, int]]], by_slice: bool, threads: int, parts: int, mode: int,
-                 layout=None, *, fused: int, affine: bool = False):
+                 layout=None, *, fused: int, affine: bool = False, act: str = "tanh"):
         self.t = t = _Team()
         self.call, self.mode, self.dtype, self.affine = t.call, mode, dtype, affine
         t.closed = 1
         vl = lane_width(kind, dtype)
-        na, nbv = (4 * H if kind == "gru" else H), I + 1 + H
+        na, nbv = sums_shape(kind, H, I)
         owned = [(o if by_slice else 0, b0, w) for o, gr in enumerate(groups) for b0, w in gr]
         self.sl = (_Slice * len(owned))()
         self.keep, accs, scratch = [], [], 0
         for e, (owner, b0, w) in zip(self.sl, owned):
-            lib = library(kind, H, I, w, dtype)
+            lib = library(kind, H, I, w, dtype, act)
             blocks = int(lib.chain_blocks(n, L, fused))
-            wide = library(kind, H, I, vl, dtype) if w == 1 and blocks > 1 and not affine else None
+            wide = library(kind, H, I, vl, dtype, act) if w == 1 and blocks > 1 and not affine else None
             size = 1 << min(fused, L)  # blocks hold `size` Jacobians; the last one may be clipped at J_{n-1}
             full = blocks - (blocks > 0 and n - (blocks * size - 1) < size) if wide is not None else 0
             p = parts
@@ -429,11 +451,11 @@ class Team:
         t.scratch, t.scratch_size, t.beat = self.scratch.data_ptr(), self.scratch_size, self.beat.data_ptr()
         t.stall_ns = stall_ns(kind, H, vl)
         self.live = None  # the last call's operands: a thread held up in it may still read them
-        self.lib = library(kind, H, I, owned[0][2], dtype)
+        self.lib = library(kind, H, I, owned[0][2], dtype, act)
         self.acc = (_Acc * max(1, len(accs)))(*[(a_.data_ptr(), p, ln) for a_, p, ln in accs])
         t.acc, t.nacc = ctypes.addressof(self.acc), len(accs)
-        nw = 3 if kind == "gru" else 1
-        self.Wt = torch.empty(nw * H * H, dtype=dtype)
+        hc = hidden(kind, H)
+        self.Wt = torch.empty(WEIGHTS[kind] * hc * hc, dtype=dtype)
         self.call.Wt = self.Wt.data_ptr()
         self.layout = [] if not mode else [shape for _, shape, _ in layout]
         self.names = [] if not mode else [name for name, _, _ in layout]

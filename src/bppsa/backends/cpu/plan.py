@@ -286,11 +286,12 @@ def choose(kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype, L: int
 def _team(chain, L: int, plan: Plan, grads: bool, affine: bool = False):
     n, B, H, _ = chain.shape
     groups = plan.groups(B)
-    if any(native.library(chain.kind, H, chain.I, w, chain.dtype) is None for gr in groups for _, w in gr):
+    act = getattr(chain, "act", "tanh")
+    if any(native.library(chain.kind, H, chain.I, w, chain.dtype, act) is None for gr in groups for _, w in gr):
         return None
     return native.Team(chain.kind, n, B, H, chain.I, chain.dtype, L, groups, plan.by_slice, plan.threads,
                        plan.parts, int(grads), chain.grad_layout() if grads else None, fused=plan.fused,
-                       affine=affine)
+                       affine=affine, act=getattr(chain, "act", "tanh"))
 
 
 def team_for(chain, L: int, split: str, grads: bool, threads: int, affine: bool = False, synthetic=None):
