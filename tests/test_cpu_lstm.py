@@ -11,6 +11,7 @@ from bppsa.backends.chain import LstmChain
 from bppsa.backends.cpu import CpuBackend, native, plan
 from bppsa.backends.cpu.chain import chain_product, native_chain_scan
 from bppsa.jacobians.lstm import LstmGates, lstm_gate_grads, lstm_gates, lstm_jacobians_t
+from bppsa.jacobians.recurrent import rnn_jacobians_t
 
 
 def _rel(a, b):
@@ -265,3 +266,47 @@ def test_the_lstm_chain_takes_the_twins_dense_chain_with_a_projection_or_without
     monkeypatch.setattr(native, "available", lambda: False)
     J = CpuBackend().lstm_jacobians_t(case.x, case.h, case.gates, case.W_hh)
     assert isinstance(J, torch.Tensor) and torch.equal(J, lstm_jacobians_t(case.gates(), case.W_hh))
+
+
+# -- relu's RNN read from its states by the kernel (chain_scan.c's ACT) ----------------------------------------
+
+@kernel
+@pytest.mark.parametrize("layout", ["fused", "paper"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("B", [1, 3, 17])
+def test_relus_rnn_takes_the_kernels_states_path_as_tanhs_does(layout, dtype, B):
+    """rnn_jacobians_t(act="relu") keeps the states (no factor written by torch): the kernel's d = 1[h > 0] from them
+    gives the scan and gradients of the same kernel over torch's written factors bit for bit, its compiled writer
+    writes torch's factors bit for bit (+0 and -0 states included), and the scan equals the twin's over the dense
+    relu chain."""
+    T, H, I = 101, 20, 2
+    gen = torch.Generator().manual_seed(B)
+    h = torch.relu(torch.randn(T, B, H, generator=gen, dtype=dtype))
+    h[h == 0] = torch.where(torch.rand(int((h == 0).sum()), generator=gen) < 0.5, 0.0, -0.0).to(dtype)
+    assert (h == 0).any() and torch.signbit(h[h == 0]).any()
+    x = torch.randn(T, B, I, generator=gen, dtype=dtype)
+    W = torch.randn(H, H, generator=gen, dtype=dtype) / math.sqrt(H)
+    g = torch.randn(B, H, generator=gen, dtype=dtype)
+    chain = CpuBackend().rnn_jacobians_t(h, W, layout, x, act="relu")
+    assert chain.states is not None and chain._f is None and chain.act == "relu"
+    L = scan.tree_levels(chain.shape[0] + 1, None)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = [native_chain_scan(g, chain, L, scan.Workspace(), grads=grads) for grads in (False, True)]
+        written = type(chain)(chain.W_hh, chain.f.clone(), chain.I, act="relu")  # torch's rnn_factors
+        compiled = torch.empty_like(written.f)
+        native.rnn_factors(h, x, compiled, 0, T, act="relu")
+        torch.testing.assert_close(compiled, written.f, rtol=0, atol=0)
+        for grads, a in zip((False, True), got):
+            want = native_chain_scan(g, written, L, scan.Workspace(), grads=grads)
+            if grads:
+                assert a.keys() == want.keys() and all(torch.equal(a[k], want[k]) for k in want)
+            else:
+                assert torch.equal(a, want)
+        dense = rnn_jacobians_t(h, W, layout, act="relu")
+        assert torch.equal(chain.dense(), dense)
+        ref = TorchBackend().scan(g.double(), dense.double(), 0)
+        assert _rel(got[0], ref) <= TOL[dtype]
+    finally:
+        torch.set_num_threads(old)

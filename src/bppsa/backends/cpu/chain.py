@@ -31,12 +31,12 @@ def _kernel_has(kind: str, h: torch.Tensor, I: int, act: str = "tanh", S: int | 
 def rnn_chain(cls: type[RnnChain] | type[PaperChain], h: torch.Tensor, W_hh: torch.Tensor,
               x: torch.Tensor | None = None, out=None, act: str = "tanh") -> RnnChain | PaperChain:
     """The RNN's chain of layout ``cls`` from the forward's states ``h`` [T, B, H] and inputs ``x`` [T, B, I]: with
-    the kernel at hand, the states themselves (contiguous; the kernel writes each step's factors as it scans it,
-    and torch only where something reads :attr:`~bppsa.backends.chain.FactoredChain.f`); else
-    ``cls.from_states`` (torch; ``out``: its buffer)."""
+    the kernel at hand, the states themselves (contiguous; the kernel writes each step's factors -- tanh's
+    1 - h², relu's 1[h > 0] -- as it scans it, and torch only where something reads
+    :attr:`~bppsa.backends.chain.FactoredChain.f`); else ``cls.from_states`` (torch; ``out``: its buffer)."""
     I = 0 if x is None else x.shape[2]
-    if act != "tanh" or not _kernel_has("rnn", h, I):  # (the kernel reads tanh's derivative from the states)
-        return cls.from_states(h, W_hh, x, out, act)
+    if act not in native.ACTS or not _kernel_has("rnn", h, I, act):
+        return cls.from_states(h, W_hh, x, out, act)  # (its error names an unknown nonlinearity)
     xc = x if x is not None else h[:, :, :0]
     return cls(W_hh, None, I, states=(h if h.is_contiguous() else h.contiguous(),
                                       xc if xc.is_contiguous() else xc.contiguous()), act=act)

@@ -2,8 +2,9 @@
  *
  * Compiled at first use by bppsa.backends.cpu.native (cc -O3 -march=native) once per chain KIND, state size
  * HID (the hidden size; the LSTM's [h; c]: twice it), lane count LANES and REAL type, and called through ctypes
- * (the GIL released): one call, team_go, runs a whole scan on a team of threads (the caller and a pool of pthreads), which claim its units -- ranges of a
- * slice's blocks in the phases chain_up / chain_tree / chain_down -- as they come (the end of this file).
+ * (the GIL released): one call, team_go, runs a whole scan on a team of threads (the caller and a pool of
+ * pthreads), which claim its units -- ranges of a slice's blocks in the phases chain_up / chain_tree / chain_down --
+ * as they come (the end of this file).
  *
  * Layout: the LANES batch elements of a slice are the vector dimension of every operation: a matrix is
  * [H][H][LANES], a vector [H][LANES], so each of the H^3 multiply-adds of a product is one vector FMA
@@ -12,7 +13,8 @@
  * The chains (scan order, positions s = 0 .. n-1), never stored as matrices: each is kept as its weights
  * Wt (NW matrices W^T, [NW][HC][HC]) and per-step factors f [steps][NF][HC][B] (lane-major over the whole
  * batch B; this slice reads lanes b0 .. b0 + LANES - 1):
- *   KIND 0, the RNN's fused layout:  J_s = Wt diag(d_s)                     (NF = 1: d = 1 - h^2; n = T)
+ *   KIND 0, the RNN's fused layout:  J_s = Wt diag(d_s)                     (NF = 1: d = 1 - h^2, or with
+ *                                    ACT 1 relu's 1[h > 0], read from the states h themselves; n = T)
  *   KIND 1, the RNN's paper layout:  J_2k = diag(d_k), J_2k+1 = Wt          (NF = 1; n = 2T)
  *   KIND 2, the GRU (Appendix E):    J_s = sum_g Wt_g diag(c_g,s) + diag(z_s)  (NF = 5: c_r, c_z, c_n, z, e
  *                                    with e = (1 - z)(1 - n^2); Wt_g = W_hg^T for g = r, z, n)
@@ -58,6 +60,9 @@
 #endif
 
 #define H HID /* the scan's state: every vector, matrix and prefix is H wide */
+#ifndef ACT
+#define ACT 0 /* the RNN's nonlinearity: 0 tanh, 1 relu */
+#endif
 #if KIND == 3
 #define HC (HID / 2) /* the cell's hidden size: the weights, the factor rows, h' */
 _Static_assert(HID % 2 == 0, "the LSTM's state [h; c] has an even size");
@@ -714,11 +719,29 @@ static inline vec lanes_at(const real *p, int stride) {
 #endif
 }
 
-/* d = 1 - h * h, every lane. */
-static inline vec one_minus_sq(vec h) {
+/* The nonlinearity's derivative read from the state itself, as torch's rnn_factors writes it (bit for bit):
+ * tanh's d = 1 - h * h, the square rounded before the subtraction; relu's (ACT 1) d = 1[h > 0], 1 or +0 (h = relu(a)
+ * is positive exactly where a is; NaN gives 0, as (h > 0).to(dtype) does).  Every lane; deriv_one: one value. */
+static inline vec deriv(vec h) {
+#if ACT == 1 && NL == 1
+    return h > 0 ? (real)1 : (real)0;
+#elif ACT == 1
+    return (vec)((__typeof__(h > h))((vec){0} + 1) & (h > (vec){0})); /* 1.0's bits where the compare is true */
+#else
     vec sq = h * h;
     ROUNDED(sq);
     return ((vec){0} + 1) - sq;
+#endif
+}
+
+static inline real deriv_one(real h) {
+#if ACT == 1
+    return h > 0 ? (real)1 : (real)0;
+#else
+    real sq = h * h;
+    ROUNDED(sq);
+    return 1 - sq;
+#endif
 }
 
 /* dst [rows][NL] (rows: H, d only; or NR, all): lane q's rows of step k[q] of batch element b[q] of a chain
@@ -739,7 +762,7 @@ static void rnn_tile(const chain_src *S, long T, long B, const long *k, const lo
             for (int i = 0; i < H; ++i) dst[(XROW + NI + i) * NL + q] = 0;
         }
     }
-    for (int i = 0; i < H; ++i) ST(dst + i * NL) = one_minus_sq(LD(hv + i * NL));
+    for (int i = 0; i < H; ++i) ST(dst + i * NL) = deriv(LD(hv + i * NL));
 }
 
 #if defined(__AVX2__) && REALBITS == 32 && (NL == 8 || NL == 16)
@@ -782,14 +805,14 @@ static void rnn_lanes(const chain_src *S, long T, long B, long b0, long k, int r
     const real *ht = S->h + (t * B + b0) * H;
 #ifdef LANE_ROWS
     if (next) {
-        for (int i = 0; i < H; ++i) ST(dst + i * NL) = one_minus_sq(LD(dst + (XROW + NI + i) * NL));
+        for (int i = 0; i < H; ++i) ST(dst + i * NL) = deriv(LD(dst + (XROW + NI + i) * NL));
     } else {
         lane_rows(ht, dst);
-        for (int i = 0; i < H; ++i) ST(dst + i * NL) = one_minus_sq(LD(dst + i * NL));
+        for (int i = 0; i < H; ++i) ST(dst + i * NL) = deriv(LD(dst + i * NL));
     }
 #else
     for (int i = 0; i < H; ++i)
-        ST(dst + i * NL) = one_minus_sq(next ? LD(dst + (XROW + NI + i) * NL) : lanes_at(ht + i, H));
+        ST(dst + i * NL) = deriv(next ? LD(dst + (XROW + NI + i) * NL) : lanes_at(ht + i, H));
 #endif
     if (rows == H) return;
     const real *xt = S->x + (t * B + b0) * NI, *hp = t ? S->h + ((t - 1) * B + b0) * H : 0;
@@ -1075,11 +1098,10 @@ real fma_chain(long n) {
 /* -- the factors, from the forward's states ------------------------------------------------------- */
 
 /* The RNN's factors [T][NR][B] in scan order (step T first) from h and x ([T][B][H], [T][B][INP]): rows
- * d_k = 1 - h_{T-k}^2 (rounded as torch rounds it, so that the factors equal the dense chains' bit for bit),
- * then x_{T-k} and h_{T-k-1} (0 for the first step); steps k0 .. k1 - 1.  What the scan reads from h and x
- * itself (rnn_tile, rnn_lanes), written for other readers.  Loops run along the
- * output rows (contiguous stores; faster than along the inputs': docs/measurements.md, "Measurements the code
- * cites"). */
+ * d_k = 1 - h_{T-k}^2 (relu: 1[h_{T-k} > 0]; rounded as torch rounds it, so that the factors equal the dense
+ * chains' bit for bit), then x_{T-k} and h_{T-k-1} (0 for the first step); steps k0 .. k1 - 1.  What the scan
+ * reads from h and x itself (rnn_tile, rnn_lanes), written for other readers.  Loops run along the output rows
+ * (contiguous stores; faster than along the inputs': docs/measurements.md, "Measurements the code cites"). */
 #if KIND < 2
 void rnn_factors(const real *h, const real *x, long T, long B, long k0, long k1, real *f) {
     for (long k = k0; k < k1; ++k) {
@@ -1087,11 +1109,7 @@ void rnn_factors(const real *h, const real *x, long T, long B, long k0, long k1,
         const real *ht = h + t * B * H, *hp = h + (t - 1) * B * H, *xt = x + t * B * NI;
         real *fk = f + k * NR * B;
         for (int i = 0; i < H; ++i)
-            for (long b = 0; b < B; ++b) {
-                real sq = ht[b * H + i] * ht[b * H + i];
-                ROUNDED(sq);
-                fk[i * B + b] = 1 - sq;
-            }
+            for (long b = 0; b < B; ++b) fk[i * B + b] = deriv_one(ht[b * H + i]);
         for (int j = 0; j < NI; ++j)
             for (long b = 0; b < B; ++b) fk[(XROW + j) * B + b] = xt[b * NI + j];
         for (int i = 0; i < H; ++i)
