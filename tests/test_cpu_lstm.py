@@ -7,7 +7,7 @@ import torch
 
 from bppsa import scan
 from bppsa.backends import TorchBackend
-from bppsa.backends.chain import LstmChain
+from bppsa.backends.chain import LstmChain, LstmStates
 from bppsa.backends.cpu import CpuBackend, native, plan
 from bppsa.backends.cpu.chain import chain_product, native_chain_scan
 from bppsa.jacobians.lstm import LstmGates, lstm_gate_grads, lstm_gates, lstm_jacobians_t
@@ -29,9 +29,9 @@ class Case:
     """An LSTM layer (torch.nn.LSTM, random weights), a batch, its forward (every c_t at hand), the recomputed gates
     and the cell's parameter gradients from a scan's output (time order)."""
 
-    def __init__(self, T, B, I, H, seed, dtype=torch.float64, scale=1.0, h0=True):
+    def __init__(self, T, B, I, H, seed, dtype=torch.float64, scale=1.0, h0=True, bias=True):
         gen = torch.Generator().manual_seed(seed)
-        self.lstm = torch.nn.LSTM(I, H).to(dtype)
+        self.lstm = torch.nn.LSTM(I, H, bias=bias).to(dtype)
         with torch.no_grad():
             for p in self.lstm.parameters():
                 p.copy_(scale * torch.randn(p.shape, generator=gen, dtype=dtype) / math.sqrt(H))
@@ -46,7 +46,8 @@ class Case:
     def _forward(self):
         """Every h_t and c_t, torch.nn.LSTM's equations step by step (it returns only the last c_t)."""
         m, (T, B, _), H = self.lstm, self.x.shape, self.H
-        xin = torch.addmm(m.bias_ih_l0 + m.bias_hh_l0, self.x.reshape(T * B, -1), m.weight_ih_l0.t()).view(T, B, -1)
+        b = m.bias_ih_l0 + m.bias_hh_l0 if m.bias else self.x.new_zeros(4 * H)
+        xin = torch.addmm(b, self.x.reshape(T * B, -1), m.weight_ih_l0.t()).view(T, B, -1)
         hs, cs, h, c = [], [], self.h0, self.c0
         for t in range(T):
             pre = torch.addmm(xin[t], h, m.weight_hh_l0.t())
@@ -58,13 +59,23 @@ class Case:
         return torch.stack(hs), torch.stack(cs)
 
     @property
+    def weights(self):
+        m = self.lstm
+        return (m.weight_ih_l0, m.weight_hh_l0, getattr(m, "bias_ih_l0", None), getattr(m, "bias_hh_l0", None))
+
+    def states(self, h0=True):
+        """What the kernel's own gate pass reads beside x and h."""
+        W_ih, _, b_ih, b_hh = (None if t is None else t.detach() for t in self.weights)
+        return LstmStates(self.c, W_ih, b_ih, b_hh, self.h0 if h0 else None, self.c0 if h0 else None)
+
+    @property
     def W_hh(self):
         return self.lstm.weight_hh_l0.detach()
 
     def gates(self, dtype=None):
         """The gates recomputed from the states (``dtype``: from the states and weights cast to it)."""
-        m, d = self.lstm, dtype or self.dtype
-        w = [t.detach().to(d) for t in (m.weight_ih_l0, m.weight_hh_l0, m.bias_ih_l0, m.bias_hh_l0)]
+        d = dtype or self.dtype
+        w = [None if t is None else t.detach().to(d) for t in self.weights]
         return lstm_gates(*(t.to(d) for t in (self.x, self.h, self.c)), *w, self.h0.to(d), self.c0.to(d))
 
     def chain(self, x=True):
@@ -308,5 +319,46 @@ def test_relus_rnn_takes_the_kernels_states_path_as_tanhs_does(layout, dtype, B)
         assert torch.equal(chain.dense(), dense)
         ref = TorchBackend().scan(g.double(), dense.double(), 0)
         assert _rel(got[0], ref) <= TOL[dtype]
+    finally:
+        torch.set_num_threads(old)
+
+
+# -- the kernel's own gate pass (lstm_factors, native.LstmFill) -----------------------------------------------
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("B,h0,bias", [(1, True, True), (3, False, True), (17, True, False)])
+def test_the_kernels_gate_pass_writes_torchs_factors_in_the_scans_threads(B, h0, bias, dtype):
+    """With the forward's states (LstmStates), the chain's factors are left to the kernel's gate pass, which the
+    scan's team writes in units of steps: gates() is never called, the factors are torch's to a few ulp (its exp,
+    1 - p and 1 - tanh² computed, not from rounded gates; fp64 1e-14, fp32 1e-6 of each row block's largest) and x
+    and h' (h_0, or 0, first) bit for bit, and the scan and gradients are those of the same kernel over the factors
+    written before it, bit for bit."""
+    T, I, H = 101, 4, 20
+    case = Case(T, B, I, H, seed=B, dtype=dtype, h0=h0, bias=bias)
+    if not h0:
+        assert not case.h0.any() and not case.c0.any()
+    be = CpuBackend()
+    lazy = be.lstm_jacobians_t(case.x, case.h, lambda: pytest.fail("the kernel recomputes the gates"), case.W_hh,
+                               states=case.states(h0))
+    assert isinstance(lazy, LstmChain) and lazy._fill is not None
+    L = scan.tree_levels(T + 1, None)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = native_chain_scan(case.g, lazy, L, scan.Workspace(), grads=True)
+        assert lazy.claim_fill() is None  # the threads wrote it
+        eager = case.chain()
+        for r, name in enumerate(("a", "ci", "cf", "cg", "co", "f")):
+            rows = slice(r * H, (r + 1) * H)
+            assert _rel(lazy.f[:, rows], eager.f[:, rows]) <= (1e-14 if dtype == torch.float64 else 1e-6), name
+        torch.testing.assert_close(lazy.f[:, 6 * H:], eager.f[:, 6 * H:], rtol=0, atol=0)
+        written = LstmChain(lazy.W_hh, lazy.f.clone(), I)
+        want = native_chain_scan(case.g, written, L, scan.Workspace(), grads=True)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        # a reader of f before any scan: the pass spread over the pool's threads, the same bits
+        again = CpuBackend().lstm_jacobians_t(case.x, case.h, None, case.W_hh, states=case.states(h0))
+        again._f.fill_(math.nan)  # whatever the pass leaves unwritten shows
+        torch.testing.assert_close(again.f, written.f, rtol=0, atol=0)
     finally:
         torch.set_num_threads(old)

@@ -25,7 +25,8 @@ class Backend(Protocol):
     * :meth:`rnn_jacobians_t`, :meth:`gru_jacobians_t`, :meth:`lstm_jacobians_t`: the transposed Jacobians of an
       Elman RNN (``act`` "tanh" or "relu"), a GRU or an LSTM in scan order (dense ``[n, B, S, S]``, or a chain kept
       as its factors, which also keeps the inputs ``x`` for the parameter gradients; ``gates()`` gives the
-      recomputed gates to a backend that builds from them);
+      recomputed gates to a backend that builds from them; the LSTM's optional ``states``,
+      :class:`~bppsa.backends.chain.LstmStates`, to one that recomputes them itself: the CPU kernel's gate pass);
     * :meth:`cell_grads`: the cell's parameter gradients, ``from_scan(scan)`` of the single seed's scan (``c``
       None) or of the affine one, unless the backend accumulates them as it scans.
     """
@@ -46,7 +47,7 @@ class Backend(Protocol):
     def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates: Callable | None = None): ...
 
     def lstm_jacobians_t(self, x: torch.Tensor | None, h: torch.Tensor, gates: Callable, W_hh: torch.Tensor,
-                         W_hr: torch.Tensor | None = None): ...
+                         W_hr: torch.Tensor | None = None, states: Any = None): ...
 
     def cell_grads(self, g: torch.Tensor, J: Any, L_m: int | None, from_scan: Callable[[torch.Tensor], dict],
                    c: torch.Tensor | None = None) -> dict[str, torch.Tensor]: ...

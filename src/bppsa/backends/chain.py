@@ -10,6 +10,7 @@ written by torch; a backend with a kernel of its own may instead hand the chain 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -261,6 +262,19 @@ class GruChain(FactoredChain):
                 ("bias_ih_l0", (3 * H,), [(slice(0, 3 * H), slice(I, I + 1))]),
                 ("weight_hh_l0", (3 * H, H), [(r, slice(I + 1, I + 1 + H)) for r in rzm]),
                 ("bias_hh_l0", (3 * H,), [(r, slice(I, I + 1)) for r in rzm])]
+
+
+class LstmStates(NamedTuple):
+    """What a compiled LSTM gate pass reads beside x and h (:class:`bppsa.backends.cpu.native.LstmFill`): the cell
+    states ``c`` [T, B, H] (c_1 .. c_T), the cell's ``W_ih`` [4H, I] and biases [4H] (None: none), and h_0, c_0
+    [B, H] (None: zero)."""
+
+    c: torch.Tensor
+    W_ih: torch.Tensor
+    b_ih: torch.Tensor | None = None
+    b_hh: torch.Tensor | None = None
+    h0: torch.Tensor | None = None
+    c0: torch.Tensor | None = None
 
 
 class LstmChain(FactoredChain):

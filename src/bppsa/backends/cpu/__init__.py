@@ -109,13 +109,15 @@ class CpuBackend(TorchBackend):
         out = self.workspace.get(("factors", "gru"), (T, 6 * H + x.shape[2], B), h)
         return gru_chain(x, h, cell, out=out)
 
-    def lstm_jacobians_t(self, x: torch.Tensor | None, h: torch.Tensor, gates, W_hh: torch.Tensor, W_hr=None):
-        """The LSTM's chain over [h; c] kept as its factors (:class:`~bppsa.backends.chain.LstmChain`, written by
-        torch from ``gates()``) for the compiled kernel; with a projection (``W_hr``), off the CPU or without the
-        kernel, the twin's dense chain."""
+    def lstm_jacobians_t(self, x: torch.Tensor | None, h: torch.Tensor, gates, W_hh: torch.Tensor, W_hr=None,
+                         states=None):
+        """The LSTM's chain over [h; c] kept as its factors (:class:`~bppsa.backends.chain.LstmChain`) for the
+        compiled kernel, written by its own gate pass from ``states`` (:class:`~bppsa.backends.chain.LstmStates`;
+        with x) in the scan's threads, else by torch from ``gates()``; with a projection (``W_hr``), off the CPU or
+        without the kernel, the twin's dense chain."""
         if W_hr is None and h.device.type == "cpu":
             chain = lstm_chain(x, h, gates, W_hh,
-                               out=lambda shape: self.workspace.get(("factors", "lstm"), shape, h))
+                               out=lambda shape: self.workspace.get(("factors", "lstm"), shape, h), states=states)
             if chain is not None:
                 return chain
         return super().lstm_jacobians_t(x, h, gates, W_hh, W_hr)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ... import scan as _scan
-from ..chain import FactoredChain, GruChain, LstmChain, PaperChain, RnnChain, factor_buffer
+from ..chain import FactoredChain, GruChain, LstmChain, LstmStates, PaperChain, RnnChain, factor_buffer
 from . import native, plan, pool
 from .dense import dense_tree_scan
 
@@ -42,23 +42,41 @@ def rnn_chain(cls: type[RnnChain] | type[PaperChain], h: torch.Tensor, W_hh: tor
                                       xc if xc.is_contiguous() else xc.contiguous()), act=act)
 
 
-def lstm_chain(x: torch.Tensor | None, h: torch.Tensor, gates, W_hh: torch.Tensor, out=None) -> LstmChain | None:
-    """The LSTM's chain (no projection) for the compiled kernel: the factors written by torch from ``gates()``
-    (:class:`~bppsa.jacobians.lstm.LstmGates`) into ``out`` where its shape fits; ``x`` None: a chain without x (no
-    gradients summed by the kernel).  None where the kernel is not at hand (no compiler, tensors off the CPU)."""
+def lstm_chain(x: torch.Tensor | None, h: torch.Tensor, gates, W_hh: torch.Tensor, out=None,
+               states: LstmStates | None = None) -> LstmChain | None:
+    """The LSTM's chain (no projection) for the compiled kernel, its factors in ``out`` where its shape fits: with
+    ``states`` (and x), written by one compiled gate pass from the forward's states (:class:`.native.LstmFill`, left
+    for the first reader: the scan's team writes it, in units of steps; ``gates`` is not called); else by torch from
+    ``gates()`` (:class:`~bppsa.jacobians.lstm.LstmGates`).  ``x`` None: a chain without x (no gradients summed by
+    the kernel).  None where the kernel is not at hand (no compiler, tensors off the CPU)."""
     I = 0 if x is None else x.shape[2]
-    if not _kernel_has("lstm", h, I, S=2 * W_hh.shape[1]):
+    H = W_hh.shape[1]
+    if not _kernel_has("lstm", h, I, S=2 * H):
         return None
-    return LstmChain.from_states(x, gates(), W_hh, out)
+    if states is None or x is None:
+        return LstmChain.from_states(x, gates(), W_hh, out)
+    f = factor_buffer(h, 7 * H + I, out)
+    x, h, c, h0, c0 = (None if t is None else t.detach().contiguous() for t in (x, h, states.c, states.h0, states.c0))
+    fill = _LstmFill(x, h, c, (states.W_ih, W_hh, states.b_ih, states.b_hh), h0, c0, f)
+    return LstmChain(W_hh.detach(), f, I, fill)
 
 
-class _GruFill(native.GruFill):
-    """The GRU's gate pass left for later: a team's scan runs it in units of steps (:meth:`units`); a reader of
-    :attr:`~bppsa.backends.chain.FactoredChain.f` calls it for all steps, spread over the pool's threads."""
+class _Spread:
+    """A gate pass left for later: a team's scan runs it in units of steps (:meth:`~.native.Fill.units`); a reader
+    of :attr:`~bppsa.backends.chain.FactoredChain.f` calls it for all steps, spread over the pool's threads."""
 
     def __call__(self, k0: int, k1: int) -> None:
-        B, rows = self.h.shape[1], self.out.shape[1]
-        pool.parallel(lambda a, b: native.GruFill.__call__(self, k0 + a, k0 + b), k1 - k0, FACTOR_FLOP * B * rows)
+        B, rows = self.out.shape[2], self.out.shape[1]
+        fill = super().__call__
+        pool.parallel(lambda a, b: fill(k0 + a, k0 + b), k1 - k0, FACTOR_FLOP * B * rows)
+
+
+class _GruFill(_Spread, native.GruFill):
+    pass
+
+
+class _LstmFill(_Spread, native.LstmFill):
+    pass
 
 
 def gru_chain(x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor | None = None) -> GruChain:
@@ -176,7 +194,7 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     if n == 0:
         return out
     fill = chain.claim_fill() if chain.states is None else None
-    if fill is not None and not isinstance(fill, native.GruFill):
+    if fill is not None and not isinstance(fill, native.Fill):
         fill(0, chain._f.shape[0])  # a writer the kernel cannot run: here, first
         fill = None
     if affine:

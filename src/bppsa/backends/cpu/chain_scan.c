@@ -1117,8 +1117,8 @@ void rnn_factors(const real *h, const real *x, long T, long B, long k0, long k1,
     }
 }
 
-#elif KIND == 2
-/* -- the GRU's gates, recomputed (the forward keeps none), with vector exp -------------------------- */
+#else
+/* -- the GRU's and the LSTM's gates, recomputed (the forward keeps none), with vector exp -------------------------- */
 #define FV RVL /* lanes of the builder's vectors: one register */
 typedef real fvec __attribute__((vector_size(VREG_BYTES), aligned(sizeof(real))));
 #if REALBITS == 32
@@ -1236,6 +1236,7 @@ static inline void store_lanes(real *dst, const real *src, int nb) {
     else memcpy(dst, src, nb * sizeof(real));
 }
 
+#if KIND == 2
 void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, const real *bi, const real *bh,
                  long T, long B, long k0, long k1, real *f) {
     for (long k = k0; k < k1; ++k) {
@@ -1287,6 +1288,75 @@ void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, c
     _mm_sfence(); /* the streaming stores are weakly ordered: visible before the threads that read f are told */
 #endif
 }
+
+#else
+/* Lanes q < nb of rows [n][FV] from src's batch elements b0 + q (rows `stride` apart, row r at + r), or 0 where src is
+ * NULL (h_0, c_0 not given). */
+static inline void lanes_of(const real *src, long stride, int n, int nb, real (*dst)[FV]) {
+    if (!src) {
+        memset(dst, 0, sizeof(real) * n * FV);
+    } else if (nb == FV) { /* a whole block: the transposes without a test per element */
+        for (int i = 0; i < n; ++i)
+            UNROLL for (int q = 0; q < FV; ++q) dst[i][q] = src[q * stride + i];
+    } else {
+        for (int i = 0; i < n; ++i)
+            for (int q = 0; q < FV; ++q) dst[i][q] = q < nb ? src[q * stride + i] : 0;
+    }
+}
+
+/* The LSTM's factors [T][NR][B] in scan order for steps k0 .. k1 - 1, as bppsa.backends.chain.LstmChain.from_states
+ * writes them from lstm_factors(lstm_gates(...)), straight from x ([T][B][INP]), the states h and c ([T][B][HC]:
+ * h_1 .. h_T, c_1 .. c_T), h_0 and c_0 ([B][HC], NULL: zero) and the cell's weights (W_ih [4HC][INP], W_hh
+ * [4HC][HC], biases [4HC]; gate order i, f, g, o): per step and block of FV lanes, the gates' pre-activations
+ * in registers, i, f, o = sigmoid, g = tanh (with 1 - p and 1 - g^2 each to a few ulp, not from the rounded
+ * gate), tanh(c_t) and 1 - tanh^2(c_t) from the state, then the rows a, ci, cf, cg, co, f, x_t and h' written: one
+ * pass over memory where torch's gate recomputation and factors take some twenty. */
+void lstm_factors(const real *x, const real *h, const real *c, const real *Wi, const real *Wh, const real *bi,
+                  const real *bh, const real *h0, const real *c0, long T, long B, long k0, long k1, real *f) {
+    for (long k = k0; k < k1; ++k) {
+        long t = T - 1 - k;
+        real *fk = f + k * NR * B;
+        for (long b0 = 0; b0 < B; b0 += FV) {
+            int nb = B - b0 < FV ? (int)(B - b0) : FV;
+            real xs[NI > 0 ? NI : 1][FV] __attribute__((aligned(64))), hs[HC][FV] __attribute__((aligned(64)));
+            real cp[HC][FV] __attribute__((aligned(64))), ct[HC][FV] __attribute__((aligned(64)));
+            real out[6][HC][FV] __attribute__((aligned(64)));
+            lanes_of(x + (t * B + b0) * NI, NI, NI, nb, xs);
+            lanes_of(t ? h + ((t - 1) * B + b0) * HC : h0 ? h0 + b0 * HC : 0, HC, HC, nb, hs);
+            lanes_of(t ? c + ((t - 1) * B + b0) * HC : c0 ? c0 + b0 * HC : 0, HC, HC, nb, cp);
+            lanes_of(c + (t * B + b0) * HC, HC, HC, nb, ct);
+            fvec pre[4 * HC];
+            for (int g = 0; g < 4 * HC; ++g) {
+                fvec a = SPLAT(bi[g] + bh[g]);
+                for (int j = 0; j < NI; ++j) a += Wi[g * NI + j] * *(fvec *)xs[j];
+                UNROLL for (int i = 0; i < HC; ++i) a += Wh[g * HC + i] * *(fvec *)hs[i];
+                pre[g] = a;
+            }
+            for (int i = 0; i < HC; ++i) {
+                fvec ip, iq, fp, fq, gn, gs, op, oq, tc, ts;
+                vsigmoid(pre[i], &ip, &iq);
+                vsigmoid(pre[HC + i], &fp, &fq);
+                vtanh(pre[2 * HC + i], &gn, &gs);
+                vsigmoid(pre[3 * HC + i], &op, &oq);
+                vtanh(*(fvec *)ct[i], &tc, &ts);
+                *(fvec *)out[0][i] = op * ts;                    /* a = o (1 - tanh^2 c) */
+                *(fvec *)out[1][i] = gn * ip * iq;               /* ci = g i (1 - i) */
+                *(fvec *)out[2][i] = *(fvec *)cp[i] * fp * fq;   /* cf = c' f (1 - f) */
+                *(fvec *)out[3][i] = ip * gs;                    /* cg = i (1 - g^2) */
+                *(fvec *)out[4][i] = tc * op * oq;               /* co = tanh(c) o (1 - o) */
+                *(fvec *)out[5][i] = fp;                         /* f */
+            }
+            for (int q = 0; q < 6; ++q)
+                for (int i = 0; i < HC; ++i) store_lanes(fk + (q * HC + i) * B + b0, out[q][i], nb);
+            for (int j = 0; j < NI; ++j) store_lanes(fk + (XROW + j) * B + b0, xs[j], nb);
+            for (int i = 0; i < HC; ++i) store_lanes(fk + (XROW + NI + i) * B + b0, hs[i], nb);
+        }
+    }
+#if defined(__AVX512F__) || defined(__AVX__)
+    _mm_sfence(); /* the streaming stores are weakly ordered: visible before the threads that read f are told */
+#endif
+}
+#endif
 #endif
 
 /* -- the team: every thread of one scan over claimable units -----------------------------------------------
@@ -1471,6 +1541,19 @@ void team_fill(const void *args, long j0, long j1, long part, real *priv, long *
     const fill_args *a = args;
     (void)part, (void)priv, (void)beat;
     gru_factors(a->x, a->h, a->Wi, a->Wh, a->bi, a->bh, a->T, a->B, j0, j1, a->f);
+}
+#elif KIND == 3
+/* The LSTM's gate pass over steps j0 .. j1 - 1 (lstm_factors' operands), in place. */
+typedef struct {
+    const real *x, *h, *c, *Wi, *Wh, *bi, *bh, *h0, *c0;
+    real *f;
+    long T, B;
+} fill_args;
+
+void team_fill(const void *args, long j0, long j1, long part, real *priv, long *beat) {
+    const fill_args *a = args;
+    (void)part, (void)priv, (void)beat;
+    lstm_factors(a->x, a->h, a->c, a->Wi, a->Wh, a->bi, a->bh, a->h0, a->c0, a->T, a->B, j0, j1, a->f);
 }
 #endif
 

@@ -39,7 +39,7 @@ import torch
 
 from ...process import cache_root
 
-__all__ = ["available", "unavailable_reason", "library", "Team", "GruFill", "KINDS", "ACTS", "ISAS",
+__all__ = ["available", "unavailable_reason", "library", "Team", "Fill", "GruFill", "LstmFill", "KINDS", "ACTS", "ISAS",
            "target", "lane_width", "rnn_factors", "reset", "isa", "build_key", "hidden", "sums_shape"]
 
 _REAL = {torch.float32: "float", torch.float64: "double"}
@@ -245,7 +245,8 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype, act: int =
     lib = ctypes.CDLL(str(out))
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     factors = ({"gru_factors": [p, p, p, p, p, p, l, l, l, l, p]} if kind == KINDS["gru"]
-               else {} if kind == KINDS["lstm"] else {"rnn_factors": [p, p, l, l, l, l, p]})
+               else {"lstm_factors": [p] * 9 + [l, l, l, l, p]} if kind == KINDS["lstm"]
+               else {"rnn_factors": [p, p, l, l, l, l, p]})
     for name, args in {"team_go": [p], "team_drain": [p], "team_scratch": [l, i, i],
                        "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i], "fma_chain": [l],
                        "chain_product": [p, p, p, p, p, l, l, l, l, l, p, p], **factors}.items():
@@ -338,6 +339,11 @@ class _FillArgs(ctypes.Structure):
     _fields_ = [("x", _p), ("h", _p), ("Wi", _p), ("Wh", _p), ("bi", _p), ("bh", _p), ("f", _p), ("T", _l), ("B", _l)]
 
 
+class _LstmFillArgs(ctypes.Structure):
+    _fields_ = [("x", _p), ("h", _p), ("c", _p), ("Wi", _p), ("Wh", _p), ("bi", _p), ("bh", _p), ("h0", _p),
+                ("c0", _p), ("f", _p), ("T", _l), ("B", _l)]
+
+
 
 
 def _ceil(a: int, b: int) -> int:
@@ -366,9 +372,24 @@ def stall_ns(kind: str, H: int, lanes: int) -> int:
     return int(20_000 + 8 * (3 if kind == "gru" else 1) * H ** 3 * lanes / 16)
 
 
-class GruFill:
-    """The GRU's gate pass left for the scan (:func:`gru_factors` over steps k0 .. k1 - 1 when called): the
-    units of a team's scan write it in its threads instead."""
+class Fill:
+    """A chain's gate pass left for the scan (the kernel's ``<kind>_factors`` over steps k0 .. k1 - 1 when called):
+    the units of a team's scan write it in its threads instead (:meth:`units`: ``team_fill``)."""
+
+    lib: ctypes.CDLL
+    out: torch.Tensor
+
+    def _args(self) -> ctypes.Structure:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def units(self, u: _Units, threads: int) -> None:
+        T = self.out.shape[0]
+        self.args = self._args()
+        self.st = _units(u, self.lib, "team_fill", self.args, 0, T, _ceil(T, 4 * threads))
+
+
+class GruFill(Fill):
+    """The GRU's gate pass (``gru_factors``) from x, h and the cell's weights."""
 
     def __init__(self, x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor):
         self.x, self.h, self.out = x, h, out
@@ -381,11 +402,34 @@ class GruFill:
         self.lib.gru_factors(self.x.data_ptr(), self.h.data_ptr(), *(t.data_ptr() for t in self.w), T, B, k0, k1,
                              self.out.data_ptr())
 
-    def units(self, u: _Units, threads: int) -> None:
+    def _args(self):
         T, B, _ = self.h.shape
-        self.args = _FillArgs(self.x.data_ptr(), self.h.data_ptr(), *(t.data_ptr() for t in self.w),
-                              self.out.data_ptr(), T, B)
-        self.st = _units(u, self.lib, "team_fill", self.args, 0, T, _ceil(T, 4 * threads))
+        return _FillArgs(self.x.data_ptr(), self.h.data_ptr(), *(t.data_ptr() for t in self.w), self.out.data_ptr(),
+                         T, B)
+
+
+class LstmFill(Fill):
+    """The LSTM's gate pass (``lstm_factors``) from x [T, B, I], the states h and c [T, B, H], the cell's weights
+    ``(W_ih, W_hh, b_ih, b_hh)`` (biases None: zero) and h_0, c_0 [B, H] (None: zero), all contiguous."""
+
+    def __init__(self, x, h, c, weights, h0, c0, out: torch.Tensor):
+        T, B, H = h.shape
+        self.x, self.h, self.c, self.h0, self.c0, self.out = x, h, c, h0, c0, out
+        zero = h.new_zeros(4 * H)
+        self.w = [zero if t is None else t.detach().contiguous() for t in weights]
+        self.lib = library("lstm", 2 * H, x.shape[2], 1, h.dtype)
+
+    def _ptrs(self):
+        return ([t.data_ptr() for t in (self.x, self.h, self.c, *self.w)]
+                + [None if t is None else t.data_ptr() for t in (self.h0, self.c0)])
+
+    def __call__(self, k0: int, k1: int) -> None:
+        T, B, _ = self.h.shape
+        self.lib.lstm_factors(*self._ptrs(), T, B, k0, k1, self.out.data_ptr())
+
+    def _args(self):
+        T, B, _ = self.h.shape
+        return _LstmFillArgs(*self._ptrs(), self.out.data_ptr(), T, B)
 
 
 class Team:
@@ -471,7 +515,7 @@ class Team:
             self.dst = (_p * len(layout))()
 
     def go(self, W: torch.Tensor, src, g: torch.Tensor, out: torch.Tensor | None = None,
-           fill: GruFill | None = None, direct: torch.Tensor | None = None):
+           fill: Fill | None = None, direct: torch.Tensor | None = None):
         """One scan: the recurrent weights ``W`` [NW·H, H] (transposed here), ``src`` (the factors f, or the RNN's
         states (h, x)), ∇h_T in ``g``, ``out`` [n, B, H] (mode 0), ``fill``: the factors' writer left to
         the team; ``direct``: the loss's direct gradients c [n, B, H] in scan order, c[k] entering after J_k
