@@ -438,7 +438,8 @@ class Team:
     ``groups[t]``; with ``by_slice`` False one list, whose slices every thread shares block by block), the down
     phase of each slice in ``parts`` units (each with its own sums), their scratch and sums, and the units of
     each phase.  ``mode`` 0: the scan, 1:
-    the parameter gradients (``layout``: the chain's :meth:`~.chain.FactoredChain.grad_layout`).
+    the parameter gradients (``layout``: the chain's :meth:`~.chain.FactoredChain.grad_layout`).  ``H`` is the
+    chain's state (``chain.shape[2]``: the LSTM's 2H), ``act`` the RNN's nonlinearity (:data:`ACTS`).
 
     A one-lane slice (B = 1) runs the up and down phases of its full blocks ``VL`` at a time as the lanes of the
     kernel built for ``VL`` lanes (a vector register's worth), where that builds; only a clipped last block
