@@ -9,6 +9,7 @@ import sys
 from importlib import resources
 
 import pytest
+import torch
 
 from bppsa.backends.cpu import native
 from bppsa.verify import verify
@@ -21,21 +22,24 @@ CHECKS = ["-Wall", "-Werror", "-Werror=vector-operation-performance"]
 
 
 @pytest.mark.matrix
-@pytest.mark.parametrize("kind", [0, 1, 2])
+@pytest.mark.parametrize("kind,act", [(0, 0), (0, 1), (1, 0), (2, 0), (3, 0)],
+                         ids=["rnn", "rnn-relu", "paper", "gru", "lstm"])
 @pytest.mark.parametrize("target", list(TARGETS))
-def test_every_kernel_variant_compiles_without_a_piecewise_vector(target, kind, tmp_path):
+def test_every_kernel_variant_compiles_without_a_piecewise_vector(target, kind, act, tmp_path):
     """The lane widths whose code differs (one lane: the rows as the vector; a whole register) in both dtypes, at
-    the benchmarks' H = 20, and a whole register at an odd H = 33 (several column tiles on every target): no vector
-    operation expanded piecewise (a vector wider than the target's register, or an operation it lacks) and no
-    warning at all.  (A narrower slice's vectors are strictly smaller than a register's.)"""
+    the benchmarks' hidden size 20, and a whole register at an odd hidden size 33 (several column tiles on every
+    target; the LSTM's state is twice it): no vector operation expanded piecewise (a vector wider than the target's
+    register, or an operation it lacks) and no warning at all.  (A narrower slice's vectors are strictly smaller
+    than a register's.)"""
     cc, march, vbytes = TARGETS[target]
     if shutil.which(cc) is None:
         pytest.skip(f"no {cc} (Debian: apt-get install gcc-aarch64-linux-gnu)")
+    state = 2 if kind == 3 else 1
     for real, bits in (("float", 32), ("double", 64)):
         full = vbytes * 8 // bits
-        for lanes, H, I in ((1, 20, 12 if kind == 2 else 1), (full, 20, 12 if kind == 2 else 1), (full, 33, 5)):
-                defs = [f"-DKIND={kind}", f"-DHID={H}", f"-DINP={I}", f"-DLANES={lanes}", f"-DREAL={real}",
-                        f"-DREALBITS={bits}"]
+        for lanes, H, I in ((1, 20, 12 if kind >= 2 else 1), (full, 20, 12 if kind >= 2 else 1), (full, 33, 5)):
+                defs = [f"-DKIND={kind}", f"-DHID={state * H}", f"-DINP={I}", f"-DLANES={lanes}", f"-DREAL={real}",
+                        f"-DREALBITS={bits}", f"-DACT={act}"]
                 r = subprocess.run([cc, *march, "-O3", "-fPIC", "-std=gnu11", "-pthread", *CHECKS, *defs, "-c",
                                     "-o", str(tmp_path / "k.o"), str(SRC)], capture_output=True, text=True,
                                    timeout=300)
@@ -106,6 +110,40 @@ def test_gradients_equal_autograd_under_each_x86_build(isa, dtype):
         for model, layout, T in (("rnn", "fused", 100), ("rnn", "paper", 37), ("gru", "fused", 37)):
             r = verify(model, seq_len=T, batch=B, dtype=dtype, backend="cpu", layout=layout, seed=B)
             assert r["backend"] == "cpu" and r["ok"], (isa, model, layout, B, r["max_rel_err"])
+    _lstm_equals_autograd(torch.float64 if dtype == "float64" else torch.float32)
+
+
+def _lstm_equals_autograd(dtype):
+    """The LSTM's kernel kind under this build (bppsa.verify has no LSTM model yet): torch.nn.LSTM's parameter
+    gradients of a loss on h_T, from the kernel's sums (mode 1, full tree and linear), against autograd's."""
+    from bppsa.backends.chain import LstmChain
+    from bppsa.backends.cpu import CpuBackend
+    from bppsa.jacobians.lstm import lstm_gates
+
+    T, B, I, H = 37, 17, 3, 20
+    gen = torch.Generator().manual_seed(0)
+    lstm = torch.nn.LSTM(I, H).to(dtype)
+    x = torch.randn(T, B, I, generator=gen, dtype=dtype)
+    out, _ = lstm(x)
+    w = torch.randn(B, H, generator=gen, dtype=dtype)
+    (out[-1] * w).sum().backward()
+    with torch.no_grad():  # every c_t, which torch.nn.LSTM does not return: the states step by step
+        cs, c, h = [], torch.zeros(B, H, dtype=dtype), torch.zeros(B, H, dtype=dtype)
+        for t in range(T):
+            _, (h1, c1) = lstm(x[t:t + 1], (h[None], c[None]))
+            h, c = h1[0], c1[0]
+            cs.append(c)
+        hs = out.detach()
+    p = [t.detach() for t in (lstm.weight_ih_l0, lstm.weight_hh_l0, lstm.bias_ih_l0, lstm.bias_hh_l0)]
+    be = CpuBackend()
+    chain = be.lstm_jacobians_t(x, hs, lambda: lstm_gates(x, hs, torch.stack(cs), *p), p[1])
+    assert isinstance(chain, LstmChain)
+    g = torch.cat([w, torch.zeros(B, H, dtype=dtype)], -1)
+    for L_m in (None, 0):
+        got = be.cell_grads(g, chain, L_m, None)
+        for k, v in lstm.named_parameters():
+            err = ((got[k] - v.grad).abs().max() / v.grad.abs().max()).item()
+            assert err <= (1e-10 if dtype == torch.float64 else 1e-4), (k, L_m, err)
 
 
 @pytest.mark.slow

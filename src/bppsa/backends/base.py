@@ -34,7 +34,8 @@ class Backend(Protocol):
     * :meth:`rnn_jacobians_t`, :meth:`gru_jacobians_t`, :meth:`lstm_jacobians_t`: the transposed Jacobians of an
       Elman RNN (``act`` "tanh" or "relu"), a GRU or an LSTM in scan order (dense ``[n, B, S, S]``, or a chain kept
       as its factors, which also keeps the inputs ``x`` for the parameter gradients; ``gates()`` gives the
-      recomputed gates to a backend that builds from them);
+      recomputed gates to a backend that builds from them; the LSTM's optional ``states``,
+      :class:`~bppsa.backends.chain.LstmStates`, to one that recomputes them itself: the CPU kernel's gate pass);
     * :meth:`chain_product`: the whole chain as one affine map ``(P, q)`` by a kernel of the backend, or None where
       it has none (a middle rank's up-sweep, :func:`bppsa.nn.split.slice_map`);
     * :meth:`cell_grads`: the cell's parameter gradients, ``from_scan(scan)`` of the single seed's scan (``c``
@@ -63,7 +64,7 @@ class Backend(Protocol):
     def gru_jacobians_t(self, x: torch.Tensor, h: torch.Tensor, cell, gates: Callable | None = None): ...
 
     def lstm_jacobians_t(self, x: torch.Tensor | None, h: torch.Tensor, gates: Callable, W_hh: torch.Tensor,
-                         W_hr: torch.Tensor | None = None): ...
+                         W_hr: torch.Tensor | None = None, states: Any = None): ...
 
     def chain_product(self, J: Any, c: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         ...

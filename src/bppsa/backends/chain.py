@@ -10,10 +10,12 @@ written by torch; a backend with a kernel of its own may instead hand the chain 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from ..jacobians.gru import gru_gates
+from ..jacobians.lstm import LstmGates, lstm_factors
 from ..jacobians.recurrent import derivative
 
 
@@ -24,15 +26,17 @@ class FactoredChain:
     :class:`~bppsa.backends.cpu.CpuBackend` builds.  The last I + H rows of a step are x_t and h' = h_{t-1},
     for the parameter gradients the kernel accumulates as it scans (zero rows where the chain was built
     without x, ``I = 0``).  It stands where a dense chain ``[n, B, H, H]`` would (``shape``, ``dim()``);
-    :meth:`dense` is that chain.  ``states``, where given (the RNN's chains, the compiled kernel at hand):
-    the forward's states h [T, B, H] and inputs x [T, B, I] (contiguous), from which the kernel reads each
-    step's factors as it scans it; ``f`` is then None, the factors written only where :attr:`f` is read (a
-    training step never does).  ``fill(k0, k1)``, where given, writes the factors of steps [k0, k1) later:
+    :meth:`dense` is that chain (the LSTM's state is [h; c]: ``shape`` [n, B, 2H, 2H], :attr:`hidden` H).
+    ``states``, where given (the RNN's chains, the compiled kernel at hand): the forward's states h [T, B, H]
+    and inputs x [T, B, I] (contiguous), from which the kernel reads each step's factors as it scans it; ``f``
+    is then None, the factors written only where :attr:`f` is read (a training step never does).
+    ``fill(k0, k1)``, where given, writes the factors of steps [k0, k1) later:
     :attr:`f` runs it on first use, or the scan's threads take it (:meth:`claim_fill`)."""
 
     kind: str
     NF: int  # rows of H factors per step before x and h'
     NW = 1  # weight matrices
+    STATE = 1  # the scan's state in hidden sizes: the LSTM's is [h; c]
 
     def __init__(self, W_hh: torch.Tensor, f: torch.Tensor | None, n: int, I: int, fill=None,
                  states: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -48,7 +52,8 @@ class FactoredChain:
                              f"{tuple(W_hh.shape)} {W_hh.dtype} and input size {I}")
         self._W, self._f, self._fill, self.I = W_hh, f, fill, I
         self.states = states
-        self.shape = torch.Size((n, B, H, H))
+        self.hidden = H  # the cell's hidden size; the state (shape[2]) is STATE times it
+        self.shape = torch.Size((n, B, self.STATE * H, self.STATE * H))
         self.dtype, self.device = dtype, device
 
     @property
@@ -59,7 +64,7 @@ class FactoredChain:
     @functools.cached_property
     def Wt(self) -> torch.Tensor:
         """The weights transposed, [NW, H, H] (contiguous): Wt[g] = W_hg^T."""
-        H = self.shape[2]
+        H = self.hidden
         return self.W_hh.reshape(self.NW, H, H).transpose(1, 2).contiguous()
 
     @property
@@ -87,7 +92,7 @@ class FactoredChain:
 
     def lanes(self, i: int) -> torch.Tensor:
         """Factor i ([steps, H, B]) of every step."""
-        H = self.shape[2]
+        H = self.hidden
         return self.f[:, i * H:(i + 1) * H]
 
     def dense(self) -> torch.Tensor:  # pragma: no cover - abstract
@@ -257,3 +262,76 @@ class GruChain(FactoredChain):
                 ("bias_ih_l0", (3 * H,), [(slice(0, 3 * H), slice(I, I + 1))]),
                 ("weight_hh_l0", (3 * H, H), [(r, slice(I + 1, I + 1 + H)) for r in rzm]),
                 ("bias_hh_l0", (3 * H,), [(r, slice(I, I + 1)) for r in rzm])]
+
+
+class LstmStates(NamedTuple):
+    """What a compiled LSTM gate pass reads beside x and h (:class:`bppsa.backends.cpu.native.LstmFill`): the cell
+    states ``c`` [T, B, H] (c_1 .. c_T), the cell's ``W_ih`` [4H, I] and biases [4H] (None: none), and h_0, c_0
+    [B, H] (None: zero)."""
+
+    c: torch.Tensor
+    W_ih: torch.Tensor
+    b_ih: torch.Tensor | None = None
+    b_hh: torch.Tensor | None = None
+    h0: torch.Tensor | None = None
+    c0: torch.Tensor | None = None
+
+
+class LstmChain(FactoredChain):
+    """The LSTM's chain without projection (:mod:`bppsa.jacobians.lstm`), over the state s = [h; c] (2H wide)::
+
+        J_k = [[Σ_{q=i,f,g} W_hqᵀ diag(c_q a) + W_hoᵀ diag(co),   Σ_{q=i,f,g} W_hqᵀ diag(c_q)],
+               [diag(f a),                                         diag(f)                    ]]
+
+    ``W_hh`` [4H, H] (Wt[q] = W_hqᵀ, q = i, f, g, o) and the factors (a, ci, cf, cg, co, f) in scan order (step k is
+    t = T - k), then x_t and h' = h_{t-1} (h_0 at the first step, whatever it is).  The gates' gradients are
+    ``dpre_{i,f,g} = c_{i,f,g} ⊙ dc`` with ``dc = λ_c + a ⊙ λ_h``, and ``dpre_o = co ⊙ λ_h``: the rows of the
+    kernel's sums, whose columns (x, 1, h') give every parameter's gradient."""
+
+    kind, NF, NW, STATE = "lstm", 6, 4, 2
+
+    def __init__(self, W_hh: torch.Tensor, f: torch.Tensor, I: int = 0, fill=None):
+        super().__init__(W_hh, f, f.shape[0], I, fill)
+
+    @classmethod
+    def from_states(cls, x: torch.Tensor | None, gates: LstmGates, W_hh: torch.Tensor, out=None) -> LstmChain:
+        """From the forward's inputs ``x`` [T, B, I] (None: the scan only, no x kept) and the recomputed ``gates``
+        (:func:`bppsa.jacobians.lstm.lstm_gates`, time order; their ``hp`` holds h_0), the factors written by
+        torch (:func:`~bppsa.jacobians.lstm.lstm_factors`); ``out``: a [T, 7H + I, B] buffer (or a callable that
+        returns one for a shape), used where its shape fits."""
+        T, B, H = gates.f.shape
+        if tuple(W_hh.shape) != (4 * H, H) or gates.hp.shape[-1] != H:
+            raise ValueError(f"LstmChain: weight_hh {tuple(W_hh.shape)} and h' {tuple(gates.hp.shape)} do not fit "
+                             f"hidden size {H} without projection")
+        I = 0 if x is None else x.shape[2]
+        f = factor_buffer(gates.f, 7 * H + I, out)
+        for i, t in enumerate(lstm_factors(gates)):
+            f[:, i * H:(i + 1) * H].copy_(t.detach().flip(0).permute(0, 2, 1))
+        if I:
+            f[:, 6 * H:6 * H + I].copy_(x.detach().flip(0).permute(0, 2, 1))
+        f[:, 6 * H + I:].copy_(gates.hp.detach().flip(0).permute(0, 2, 1))
+        return cls(W_hh.detach(), f, I)
+
+    def dense(self) -> torch.Tensor:
+        n, B, S, _ = self.shape
+        H = self.hidden
+        a, ci, cf, cg, co, f = (self.lanes(i).permute(0, 2, 1).unsqueeze(-2) for i in range(6))  # column scalings
+        Wt = self.Wt
+        J = self.f.new_zeros((n, B, S, S))
+        top_right = torch.mul(Wt[0], ci)  # in the order of bppsa.jacobians.lstm.lstm_jacobians_t: the same bits
+        top_right.addcmul_(Wt[1], cf)
+        top_right.addcmul_(Wt[2], cg)
+        top_left = torch.mul(top_right, a)
+        top_left.addcmul_(Wt[3], co)
+        J[..., :H, :H] = top_left
+        J[..., :H, H:] = top_right
+        J[..., H:, :H].diagonal(dim1=-2, dim2=-1).copy_((f * a).squeeze(-2))
+        J[..., H:, H:].diagonal(dim1=-2, dim2=-1).copy_(f.squeeze(-2))
+        return J
+
+    def grad_layout(self):
+        H, I = self.hidden, self.I
+        rows = slice(0, 4 * H)  # dpre (i, f, g, o): both biases take its sums
+        bias = [(rows, slice(I, I + 1))]
+        return [("weight_ih_l0", (4 * H, I), [(rows, slice(0, I))]), ("bias_ih_l0", (4 * H,), bias),
+                ("bias_hh_l0", (4 * H,), bias), ("weight_hh_l0", (4 * H, H), [(rows, slice(I + 1, I + 1 + H))])]

@@ -58,7 +58,7 @@ class TorchBackend:
         T, B, H = h.shape
         return _gru.gru_jacobians_t(g, cell.weight_hh_l0, out=self.workspace.get(("jacobians", "gru"), (T, B, H, H), h))
 
-    def lstm_jacobians_t(self, x, h: torch.Tensor, gates, W_hh: torch.Tensor, W_hr=None) -> torch.Tensor:
+    def lstm_jacobians_t(self, x, h: torch.Tensor, gates, W_hh: torch.Tensor, W_hr=None, states=None) -> torch.Tensor:
         g = gates()
         T, B, P = h.shape
         S = P + g.f.shape[-1]

@@ -29,7 +29,7 @@ from ..base import check_operands
 from ..chain import FactoredChain, PaperChain, RnnChain
 from ..twin import TorchBackend
 from . import forward, native, sliced
-from .chain import gru_chain, native_chain_scan, rnn_chain, rnn_chain_product, rnn_chain_scan
+from .chain import gru_chain, lstm_chain, native_chain_scan, rnn_chain, rnn_chain_product, rnn_chain_scan
 from .dense import dense_tree_scan
 
 __all__ = ["CpuBackend", "cpu_scan", "param_grads", "native"]
@@ -133,6 +133,19 @@ class CpuBackend(TorchBackend):
         T, B, H = h.shape
         out = self.workspace.get(("factors", "gru"), (T, 6 * H + x.shape[2], B), h)
         return gru_chain(x, h, cell, out=out)
+
+    def lstm_jacobians_t(self, x: torch.Tensor | None, h: torch.Tensor, gates, W_hh: torch.Tensor, W_hr=None,
+                         states=None):
+        """The LSTM's chain over [h; c] kept as its factors (:class:`~bppsa.backends.chain.LstmChain`) for the
+        compiled kernel, written by its own gate pass from ``states`` (:class:`~bppsa.backends.chain.LstmStates`;
+        with x) in the scan's threads, else by torch from ``gates()``; with a projection (``W_hr``), off the CPU or
+        without the kernel, the twin's dense chain."""
+        if W_hr is None and h.device.type == "cpu":
+            chain = lstm_chain(x, h, gates, W_hh,
+                               out=lambda shape: self.workspace.get(("factors", "lstm"), shape, h), states=states)
+            if chain is not None:
+                return chain
+        return super().lstm_jacobians_t(x, h, gates, W_hh, W_hr)
 
     def scan(self, g: torch.Tensor, J, L_m: int | None = None) -> torch.Tensor:
         return cpu_scan(g, J, self._L_m(L_m), self.workspace, self._split)

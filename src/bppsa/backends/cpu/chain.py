@@ -14,39 +14,69 @@ from __future__ import annotations
 import torch
 
 from ... import scan as _scan
-from ..chain import FactoredChain, GruChain, PaperChain, RnnChain, factor_buffer
+from ..chain import FactoredChain, GruChain, LstmChain, LstmStates, PaperChain, RnnChain, factor_buffer
 from . import native, plan, pool
 from .dense import dense_tree_scan
 
 FACTOR_FLOP = 50  # a factor builder's cost per value written (~1 ns, a strided store), in those FLOP
 
 
-def _kernel_has(kind: str, h: torch.Tensor, I: int) -> bool:
-    """The compiled kernel reads host memory: CUDA tensors (the factored GPU path) take torch's factors."""
-    return h.device.type == "cpu" and native.available() and native.library(kind, h.shape[2], I, 1, h.dtype) is not None
+def _kernel_has(kind: str, h: torch.Tensor, I: int, act: str = "tanh", S: int | None = None) -> bool:
+    """The compiled kernel reads host memory: CUDA tensors (the factored GPU path) take torch's factors.  ``S``: the
+    chain's state size, where it is not the states' (the LSTM's [h; c])."""
+    S = h.shape[2] if S is None else S
+    return h.device.type == "cpu" and native.available() and native.library(kind, S, I, 1, h.dtype, act) is not None
 
 
 def rnn_chain(cls: type[RnnChain] | type[PaperChain], h: torch.Tensor, W_hh: torch.Tensor,
               x: torch.Tensor | None = None, out=None, act: str = "tanh") -> RnnChain | PaperChain:
     """The RNN's chain of layout ``cls`` from the forward's states ``h`` [T, B, H] and inputs ``x`` [T, B, I]: with
-    the kernel at hand, the states themselves (contiguous; the kernel writes each step's factors as it scans it,
-    and torch only where something reads :attr:`~bppsa.backends.chain.FactoredChain.f`); else
-    ``cls.from_states`` (torch; ``out``: its buffer)."""
+    the kernel at hand, the states themselves (contiguous; the kernel writes each step's factors -- tanh's
+    1 - h², relu's 1[h > 0] -- as it scans it, and torch only where something reads
+    :attr:`~bppsa.backends.chain.FactoredChain.f`); else ``cls.from_states`` (torch; ``out``: its buffer)."""
     I = 0 if x is None else x.shape[2]
-    if act != "tanh" or not _kernel_has("rnn", h, I):  # (the kernel reads tanh's derivative from the states)
-        return cls.from_states(h, W_hh, x, out, act)
+    if act not in native.ACTS or not _kernel_has("rnn", h, I, act):
+        return cls.from_states(h, W_hh, x, out, act)  # (its error names an unknown nonlinearity)
     xc = x if x is not None else h[:, :, :0]
     return cls(W_hh, None, I, states=(h if h.is_contiguous() else h.contiguous(),
-                                      xc if xc.is_contiguous() else xc.contiguous()))
+                                      xc if xc.is_contiguous() else xc.contiguous()), act=act)
 
 
-class _GruFill(native.GruFill):
-    """The GRU's gate pass left for later: a team's scan runs it in units of steps (:meth:`units`); a reader of
-    :attr:`~bppsa.backends.chain.FactoredChain.f` calls it for all steps, spread over the pool's threads."""
+def lstm_chain(x: torch.Tensor | None, h: torch.Tensor, gates, W_hh: torch.Tensor, out=None,
+               states: LstmStates | None = None) -> LstmChain | None:
+    """The LSTM's chain (no projection) for the compiled kernel, its factors in ``out`` where its shape fits: with
+    ``states`` (and x), written by one compiled gate pass from the forward's states (:class:`.native.LstmFill`, left
+    for the first reader: the scan's team writes it, in units of steps; ``gates`` is not called); else by torch from
+    ``gates()`` (:class:`~bppsa.jacobians.lstm.LstmGates`).  ``x`` None: a chain without x (no gradients summed by
+    the kernel).  None where the kernel is not at hand (no compiler, tensors off the CPU)."""
+    I = 0 if x is None else x.shape[2]
+    H = W_hh.shape[1]
+    if not _kernel_has("lstm", h, I, S=2 * H):
+        return None
+    if states is None or x is None:
+        return LstmChain.from_states(x, gates(), W_hh, out)
+    f = factor_buffer(h, 7 * H + I, out)
+    x, h, c, h0, c0 = (None if t is None else t.detach().contiguous() for t in (x, h, states.c, states.h0, states.c0))
+    fill = _LstmFill(x, h, c, (states.W_ih, W_hh, states.b_ih, states.b_hh), h0, c0, f)
+    return LstmChain(W_hh.detach(), f, I, fill)
+
+
+class _Spread:
+    """A gate pass left for later: a team's scan runs it in units of steps (:meth:`~.native.Fill.units`); a reader
+    of :attr:`~bppsa.backends.chain.FactoredChain.f` calls it for all steps, spread over the pool's threads."""
 
     def __call__(self, k0: int, k1: int) -> None:
-        B, rows = self.h.shape[1], self.out.shape[1]
-        pool.parallel(lambda a, b: native.GruFill.__call__(self, k0 + a, k0 + b), k1 - k0, FACTOR_FLOP * B * rows)
+        B, rows = self.out.shape[2], self.out.shape[1]
+        fill = super().__call__
+        pool.parallel(lambda a, b: fill(k0 + a, k0 + b), k1 - k0, FACTOR_FLOP * B * rows)
+
+
+class _GruFill(_Spread, native.GruFill):
+    pass
+
+
+class _LstmFill(_Spread, native.LstmFill):
+    pass
 
 
 def gru_chain(x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor | None = None) -> GruChain:
@@ -61,33 +91,23 @@ def gru_chain(x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor | None =
     return GruChain(cell.weight_hh_l0, f, I, _GruFill(x.detach().contiguous(), h.detach().contiguous(), cell, f))
 
 
-def rnn_chain_product(h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor,
-                      c: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The RNN's whole fused chain over the states ``h`` [T, B, H] (inputs ``x`` [T, B, I]) as one map, by the
-    compiled kernel (``chain_scan.c``'s ``chain_product``, one thread; a call per slice of batch lanes):
-    ``P`` [B, H, H] = J_{T-1} ... J_0 (scan order, J_k = W_hhᵀ diag(1 - h_{T-1-k}²)) and, with ``c`` [T, B, H]
-    (scan order, c[k] entering after J_k), the offset ``q`` [B, H] with which the affine recurrence maps v to
-    ``P v + q``.  None where the kernel is not at hand (no compiler, or tensors off the CPU)."""
-    T, B, H = h.shape
-    I = x.shape[2]
-    if T == 0 or not _kernel_has("rnn", h, I):
-        return None
-    dtype = h.dtype
-    Wt = W_hh.detach().t().contiguous()
-    h, x = h.detach().contiguous(), x.detach().contiguous()
-    c = None if c is None else c.detach().contiguous()
-    P = torch.empty((B, H, H), dtype=dtype)
-    q = None if c is None else torch.empty((B, H), dtype=dtype)
-    vl, b0 = native.lane_width("rnn", dtype), 0
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _product(kind, T, B, S, I, dtype, Wt, f, h, x, c, act="tanh"):
+    """``chain_scan.c``'s ``chain_product`` over the whole chain, a call per slice of batch lanes (powers of two)."""
+    P = torch.empty((B, S, S), dtype=dtype)
+    q = None if c is None else torch.empty((B, S), dtype=dtype)
+    vl, b0 = native.lane_width(kind, dtype), 0
     while b0 < B:
         w = min(vl, 1 << (B - b0).bit_length() - 1)  # a kernel's lanes are a power of two
-        lib = native.library("rnn", H, I, w, dtype)
+        lib = native.library(kind, S, I, w, dtype, act)
         if lib is None:
             return None
-        M = torch.empty((H, H, w), dtype=dtype)
-        qv = None if c is None else torch.empty((H, w), dtype=dtype)
-        lib.chain_product(Wt.data_ptr(), None, h.data_ptr(), x.data_ptr(), None if c is None else c.data_ptr(), T, B,
-                          b0, 0, T, M.data_ptr(), None if qv is None else qv.data_ptr())
+        M = torch.empty((S, S, w), dtype=dtype)
+        qv = None if c is None else torch.empty((S, w), dtype=dtype)
+        lib.chain_product(Wt.data_ptr(), _ptr(f), _ptr(h), _ptr(x), _ptr(c), T, B, b0, 0, T, M.data_ptr(), _ptr(qv))
         P[b0:b0 + w] = M.permute(2, 0, 1)
         if qv is not None:
             q[b0:b0 + w] = qv.t()
@@ -95,14 +115,49 @@ def rnn_chain_product(h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor,
     return P, q
 
 
+def rnn_chain_product(h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor, c: torch.Tensor | None = None,
+                      act: str = "tanh") -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The RNN's whole fused chain over the states ``h`` [T, B, H] (inputs ``x`` [T, B, I]) as one map, by the
+    compiled kernel (``chain_scan.c``'s ``chain_product``, one thread; a call per slice of batch lanes):
+    ``P`` [B, H, H] = J_{T-1} ... J_0 (scan order, J_k = W_hhᵀ diag(1 - h_{T-1-k}²), relu's 1[h > 0] for ``act``
+    "relu") and, with ``c`` [T, B, H] (scan order, c[k] entering after J_k), the offset ``q`` [B, H] with which
+    the affine recurrence maps v to ``P v + q``.  None where the kernel is not at hand (no compiler, or tensors off
+    the CPU)."""
+    T, B, H = h.shape
+    I = x.shape[2]
+    if T == 0 or not _kernel_has("rnn", h, I, act):
+        return None
+    Wt = W_hh.detach().t().contiguous()
+    h, x = h.detach().contiguous(), x.detach().contiguous()
+    c = None if c is None else c.detach().contiguous()
+    return _product("rnn", T, B, H, I, h.dtype, Wt, None, h, x, c, act)
+
+
+def chain_product(chain: FactoredChain, c: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A chain of written factors (the GRU's, the LSTM's; not the paper layout) as one map by the compiled kernel, as
+    :func:`rnn_chain_product` does the RNN's states: ``P`` [B, S, S] = J_{n-1} ... J_0 and, with ``c`` [n, B, S],
+    the offset ``q`` [B, S].  None where the kernel is not at hand."""
+    n, B, S, _ = chain.shape
+    if n == 0 or chain.kind == "paper" or not _kernel_has(chain.kind, chain.f, chain.I, S=S):
+        return None
+    c = None if c is None else c.detach().contiguous()
+    return _product(chain.kind, n, B, S, chain.I, chain.dtype, chain.Wt, chain.f, None, None, c)
+
+
 def synthetic(kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype):
     """A chain of ``kind`` (n Jacobians, batch B, hidden H, input I) with well-scaled random values (no subnormals
     in its products), built with x as the fast path builds it, and ∇h_T: what a plan is measured on (:mod:`.plan`)."""
     g = torch.Generator().manual_seed(0)
-    W = (torch.randn(3 * H if kind == "gru" else H, H, generator=g) * (0.9 / H ** 0.5)).to(dtype)
+    hc = native.hidden(kind, H)
+    W = (torch.randn(native.WEIGHTS[kind] * hc, hc, generator=g) * (0.9 / hc ** 0.5)).to(dtype)
     T = n // 2 if kind == "paper" else n
     if kind == "gru":
         chain = GruChain(W, (torch.rand(T, 6 * H + I, B, generator=g) * 0.5).to(dtype), I)
+    elif kind == "lstm":
+        f = torch.rand(T, 7 * hc + I, B, generator=g) * 0.5
+        f[:, 5 * hc:6 * hc] += 0.5  # forget gates in [0.5, 1): products of 2^c steps stay normal numbers
+        chain = LstmChain(W, f.to(dtype), I)
     else:
         h = (torch.rand(T, B, H, generator=g) * 1.8 - 0.9).to(dtype)
         x = torch.rand(T, B, I, generator=g).to(dtype)
@@ -128,7 +183,8 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     n, B, H, _ = chain.shape
     threads = pool.threads()
     affine = c is not None
-    team = ws.memo(("cpu", "team", chain.kind, n, B, H, chain.I, chain.dtype, L, split, grads, threads, affine),
+    act = getattr(chain, "act", "tanh")
+    team = ws.memo(("cpu", "team", chain.kind, act, n, B, H, chain.I, chain.dtype, L, split, grads, threads, affine),
                    lambda: plan.team_for(chain, L, split, grads, threads, affine, synthetic))
     if team is None:
         return None
@@ -138,7 +194,7 @@ def native_chain_scan(g, chain: FactoredChain, L: int, ws: _scan.Workspace, spli
     if n == 0:
         return out
     fill = chain.claim_fill() if chain.states is None else None
-    if fill is not None and not isinstance(fill, native.GruFill):
+    if fill is not None and not isinstance(fill, native.Fill):
         fill(0, chain._f.shape[0])  # a writer the kernel cannot run: here, first
         fill = None
     if affine:

@@ -1,21 +1,31 @@
 /* The BPPSA scan over a recurrent network's factored Jacobian chain on a CPU, for one slice of batch lanes.
  *
- * Compiled at first use by bppsa.backends.cpu.native (cc -O3 -march=native) once per chain KIND, hidden size
- * HID, lane count LANES and REAL type, and called through ctypes (the GIL released): one call, team_go, runs a
- * whole scan on a team of threads (the caller and a pool of pthreads), which claim its units -- ranges of a
- * slice's blocks in the phases chain_up / chain_tree / chain_down -- as they come (the end of this file).
+ * Compiled at first use by bppsa.backends.cpu.native (cc -O3 -march=native) once per chain KIND, state size
+ * HID (the hidden size; the LSTM's [h; c]: twice it), lane count LANES and REAL type, and called through ctypes
+ * (the GIL released): one call, team_go, runs a whole scan on a team of threads (the caller and a pool of
+ * pthreads), which claim its units -- ranges of a slice's blocks in the phases chain_up / chain_tree / chain_down --
+ * as they come (the end of this file).
  *
  * Layout: the LANES batch elements of a slice are the vector dimension of every operation: a matrix is
  * [H][H][LANES], a vector [H][LANES], so each of the H^3 multiply-adds of a product is one vector FMA
  * across independent chains, with no horizontal sums: each lane's sums run in the order of the plain loops.
  *
  * The chains (scan order, positions s = 0 .. n-1), never stored as matrices: each is kept as its weights
- * Wt (NW matrices W^T, [NW][H][H]) and per-step factors f [steps][NF][H][B] (lane-major over the whole
+ * Wt (NW matrices W^T, [NW][HC][HC]) and per-step factors f [steps][NF][HC][B] (lane-major over the whole
  * batch B; this slice reads lanes b0 .. b0 + LANES - 1):
- *   KIND 0, the RNN's fused layout:  J_s = Wt diag(d_s)                     (NF = 1: d = 1 - h^2; n = T)
+ *   KIND 0, the RNN's fused layout:  J_s = Wt diag(d_s)                     (NF = 1: d = 1 - h^2, or with
+ *                                    ACT 1 relu's 1[h > 0], read from the states h themselves; n = T)
  *   KIND 1, the RNN's paper layout:  J_2k = diag(d_k), J_2k+1 = Wt          (NF = 1; n = 2T)
  *   KIND 2, the GRU (Appendix E):    J_s = sum_g Wt_g diag(c_g,s) + diag(z_s)  (NF = 5: c_r, c_z, c_n, z, e
  *                                    with e = (1 - z)(1 - n^2); Wt_g = W_hg^T for g = r, z, n)
+ *   KIND 3, the LSTM without projection, over the state s = [h; c] (H = 2 HC, HC the cell's hidden size):
+ *                                    J_s = [[A_s, Bm_s], [diag(f a), diag(f)]] with Bm = sum_{q=i,f,g} Wt_q diag(c_q)
+ *                                    and A = Bm diag(a) + Wt_o diag(co)   (NF = 6: a, ci, cf, cg, co, f, each HC;
+ *                                    Wt_q = W_hq^T [HC][HC] for q = i, f, g, o)
+ *   J_s is never built whole in the fused levels: a mat-vec is dc = l_c + a l_h, l_h' = sum_{q=i,f,g} Wt_q (c_q dc)
+ *   + Wt_o (co l_h), l_c' = f dc (4 HC^2 multiply-adds straight from the factors, where a dense J_s would cost
+ *   ~5 HC^2 to build before its 4 HC^2), and a product M <- M J_s is [M_h A + M_c diag(f a), M_h Bm + M_c diag(f)]
+ *   (M_h, M_c: M's column halves; A and Bm built per step, 5 HC^2): 4 HC^3 = H^3 / 2, not the dense H^3.
  *
  * The scan is the tree of bppsa.scan.blelloch_scan with L up-sweep levels, its lowest c of them computed
  * per block instead of level by level: the entries of level c are products of 2^c consecutive Jacobians
@@ -32,14 +42,15 @@
  * blocks-as-lanes path of one batch element does not take it: bppsa.backends.cpu.native.Team never uses it then.)
  *
  * Each step's factors also hold what the parameter gradients need beside the step's gradient: x_t (INP rows)
- * and h' = h_{t-1} (H rows), so f is [steps][NR][B] with NR = NF*H + INP + H rows.
+ * and h' = h_{t-1} (HC rows), so f is [steps][NR][B] with NR = NF*HC + INP + HC rows.
  *
  * Output (runtime `mode`): 0 = the scan itself, out [n][B][H] in scan order; 1 = the cell's parameter
  * gradients, accumulated per lane as the prefixes come out (groups of GRP positions, register tiles), into
  * acc [NA][NBV][LANES]: rows a = the step's gradient w.r.t. the pre-activations (the RNN: grad a_t =
  * out_k * d_k, H rows, at the fused layout's every position or the paper layout's odd ones; the GRU: (dR, dZ,
- * dN, dM) = grad_h * (c_r, c_z, e, c_n), 4H rows), columns c = (x_t, 1, h'): so acc holds the sums over t and
- * the lanes of the weight and bias gradients, which the caller adds over lanes and slices.
+ * dN, dM) = grad_h * (c_r, c_z, e, c_n), 4H rows; the LSTM: dpre = (ci dc, cf dc, cg dc, co l_h), 4 HC rows), columns
+ * c = (x_t, 1, h'): so acc holds the sums over t and the lanes of the weight and bias gradients, which the caller
+ * adds over lanes and slices.
  */
 #include <math.h>
 #include <stdint.h>
@@ -48,7 +59,16 @@
 #include <immintrin.h>
 #endif
 
-#define H HID
+#define H HID /* the scan's state: every vector, matrix and prefix is H wide */
+#ifndef ACT
+#define ACT 0 /* the RNN's nonlinearity: 0 tanh, 1 relu */
+#endif
+#if KIND == 3
+#define HC (HID / 2) /* the cell's hidden size: the weights, the factor rows, h' */
+_Static_assert(HID % 2 == 0, "the LSTM's state [h; c] has an even size");
+#else
+#define HC HID
+#endif
 #define NL LANES
 typedef REAL real;
 
@@ -68,6 +88,10 @@ typedef real vec __attribute__((vector_size(NL * sizeof(real)), aligned(sizeof(r
 #define NT ((H + ACC - 1) / ACC)
 #define CT ((H + NT - 1) / NT)
 #define CTL (H - (NT - 1) * CT)
+/* The same for a row of HC (the LSTM's column blocks). */
+#define NTC ((HC + ACC - 1) / ACC)
+#define CTC ((HC + NTC - 1) / NTC)
+#define CTLC (HC - (NTC - 1) * CTC)
 #define LD(p) (*(const vec *)(p))
 #define ST(p) (*(vec *)(p))
 #define UNROLL _Pragma("GCC unroll 64")
@@ -78,15 +102,19 @@ typedef real vec __attribute__((vector_size(NL * sizeof(real)), aligned(sizeof(r
 #define NF 5
 #define NW 3
 #define NA (4 * H)
+#elif KIND == 3
+#define NF 6
+#define NW 4
+#define NA (4 * HC)
 #else
 #define NF 1
 #define NW 1
 #define NA H
 #endif
 #define NI INP
-#define NBV (NI + 1 + H)          /* the accumulated columns: x_t, 1, h' */
-#define NR (NF * H + NI + H)      /* rows of a step's factors */
-#define XROW (NF * H)             /* where x_t starts among them, then h' */
+#define NBV (NI + 1 + HC)         /* the accumulated columns: x_t, 1, h' */
+#define NR (NF * HC + NI + HC)    /* rows of a step's factors */
+#define XROW (NF * HC)            /* where x_t starts among them, then h' */
 #define GRP 16                    /* positions per accumulation group */
 
 /* The factor step that position s reads (the paper layout's two positions per step share d_k). */
@@ -156,7 +184,7 @@ static void mat_vec(const real *restrict A, const real *restrict q, real *restri
     }
 }
 
-#if KIND != 2
+#if KIND < 2
 /* M <- M Wt (one of the weights, broadcast to every lane), in place row by row; then scaled by the
  * columns' d where d is given. */
 static void mul_wt(real *restrict M, const real *restrict Wt, const real *restrict d, long ldd) {
@@ -171,6 +199,49 @@ static void mul_wt(real *restrict M, const real *restrict Wt, const real *restri
 
 /* -- the chain: J_s from the factors fs of its step (row r of the step's factors at fs + r * ld) ------ */
 
+#if KIND == 3
+/* Row l of the LSTM's factor r (0 .. 5: a, ci, cf, cg, co, f), every lane. */
+#define FROW(r, l) LD(fs + ((r) * HC + (l)) * ld)
+
+/* The top blocks of J_s, per lane: Bm = sum_{q=i,f,g} Wt_q diag(c_q) and A = Bm diag(a) + Wt_o diag(co), in the
+ * order of bppsa.jacobians.lstm.lstm_jacobians_t; element (i, l) of each at (i * pitch + l) * NL (Bm: none where
+ * NULL). */
+static void lstm_blocks(const real *restrict Wt, const real *restrict fs, long ld, real *A, real *Bm, int pitch) {
+    const real *W0 = Wt, *W1 = Wt + HC * HC, *W2 = Wt + 2 * HC * HC, *W3 = Wt + 3 * HC * HC;
+    for (int i = 0; i < HC; ++i)
+        UNROLL for (int l = 0; l < HC; ++l) {
+            vec b = W0[i * HC + l] * FROW(1, l);
+            b += W1[i * HC + l] * FROW(2, l);
+            b += W2[i * HC + l] * FROW(3, l);
+            vec a = b * FROW(0, l);
+            a += W3[i * HC + l] * FROW(4, l);
+            ST(A + ((long)i * pitch + l) * NL) = a;
+            if (Bm) ST(Bm + ((long)i * pitch + l) * NL) = b;
+        }
+}
+
+/* c[l0 .. l0+W) = x Y + y * dg over those columns (x: a row's HC lane vectors; Y [HC][HC] per lane; y, dg: HC lane
+ * vectors).  y may be c (each column is read before it is written). */
+static AI void lc_tile(const real *restrict x, const real *restrict Y, const real *y, const real *restrict dg,
+                       real *c, int l0, int W) {
+    vec acc[CTC];
+    UNROLL for (int l = 0; l < W; ++l) acc[l] = LD(y + (l0 + l) * NL) * LD(dg + (l0 + l) * NL);
+    for (int m = 0; m < HC; ++m) {
+        vec xm = LD(x + m * NL);
+        const real *yr = Y + (m * HC + l0) * NL;
+        UNROLL for (int l = 0; l < W; ++l) acc[l] += xm * LD(yr + l * NL);
+    }
+    UNROLL for (int l = 0; l < W; ++l) ST(c + (l0 + l) * NL) = acc[l];
+}
+
+/* A row block's HC columns: c = x Y + y * dg. */
+static AI void lc_row(const real *restrict x, const real *restrict Y, const real *y, const real *restrict dg,
+                      real *c) {
+    for (int t = 0; t + 1 < NTC; ++t) lc_tile(x, Y, y, dg, c, t * CTC, CTC);
+    lc_tile(x, Y, y, dg, c, (NTC - 1) * CTC, CTLC);
+}
+#endif
+
 /* M = J_s */
 static void jac_set(const real *restrict Wt, long s, const real *restrict fs, long ld, real *restrict M) {
 #if KIND == 0
@@ -183,7 +254,7 @@ static void jac_set(const real *restrict Wt, long s, const real *restrict fs, lo
             if (s & 1) ST(M + (i * H + l) * NL) = (vec){0} + Wt[i * H + l];
             else ST(M + (i * H + l) * NL) = i == l ? LD(fs + l * ld) : (vec){0};
         }
-#else
+#elif KIND == 2
     const real *W0 = Wt, *W1 = Wt + H * H, *W2 = Wt + 2 * H * H;
     (void)s;
     for (int i = 0; i < H; ++i)
@@ -194,6 +265,15 @@ static void jac_set(const real *restrict Wt, long s, const real *restrict fs, lo
             if (i == l) a += LD(fs + (3 * H + l) * ld);
             ST(M + (i * H + l) * NL) = a;
         }
+#else
+    (void)s;
+    lstm_blocks(Wt, fs, ld, M, M + HC * NL, H);
+    for (int i = 0; i < HC; ++i) {
+        real *Mi = M + (HC + i) * H * NL;
+        UNROLL for (int l = 0; l < H; ++l) ST(Mi + l * NL) = (vec){0};
+        ST(Mi + i * NL) = FROW(5, i) * FROW(0, i);  /* diag(f a) */
+        ST(Mi + (HC + i) * NL) = FROW(5, i);        /* diag(f) */
+    }
 #endif
 }
 
@@ -208,6 +288,23 @@ static void mul_jac(real *restrict M, const real *restrict Wt, long s, const rea
     } else {
         for (int i = 0; i < H; ++i)
             UNROLL for (int l = 0; l < H; ++l) ST(M + (i * H + l) * NL) = LD(M + (i * H + l) * NL) * LD(fs + l * ld);
+    }
+#elif KIND == 3
+    /* [M_h A + M_c diag(f a), M_h Bm + M_c diag(f)]: the two HC x HC blocks of J_s built in L1, its bottom half
+     * (two diagonals) applied as column scalings: 4 HC^3 multiply-adds, half a dense product's */
+    real A[HC * HC * NL] __attribute__((aligned(64))), Bm[HC * HC * NL] __attribute__((aligned(64)));
+    real fa[HC * NL] __attribute__((aligned(64))), fv[HC * NL] __attribute__((aligned(64)));
+    (void)s;
+    lstm_blocks(Wt, fs, ld, A, Bm, HC);
+    for (int l = 0; l < HC; ++l) {
+        ST(fv + l * NL) = FROW(5, l);
+        ST(fa + l * NL) = FROW(5, l) * FROW(0, l);
+    }
+    for (int i = 0; i < H; ++i) {
+        real *Mi = M + i * H * NL, mh[HC * NL] __attribute__((aligned(64)));
+        memcpy(mh, Mi, sizeof mh); /* M_h's row: the first block overwrites it, the second still reads it */
+        lc_row(mh, A, Mi + HC * NL, fa, Mi);
+        lc_row(mh, Bm, Mi + HC * NL, fv, Mi + HC * NL);
     }
 #else
     real J[H * H * NL] __attribute__((aligned(64)));
@@ -224,19 +321,19 @@ static void mul_jac(real *restrict M, const real *restrict Wt, long s, const rea
 #if NL == 1
 /* One lane (one chain: B = 1, the sequential scan of a single batch element): a mat-vec has no lanes to
  * vectorise across, so its rows are the vector instead: the weights transposed once per call into columns
- * padded to whole registers (Wc[g*H + m] = column m of Wt_g), each step the sum over m of a column times a
- * scalar, in two independent halves: the critical path is ~H/2 multiply-adds, not H. */
+ * padded to whole registers (Wc[g*HC + m] = column m of Wt_g), each step the sum over m of a column times a
+ * scalar, in two independent halves: the critical path is ~HC/2 multiply-adds, not HC. */
 #define RV RVL
-#define RC ((H + RV - 1) / RV)
+#define RC ((HC + RV - 1) / RV)
 #define RCT (RC < ACC / 2 ? RC : ACC / 2) /* registers of a column tile: two halves of RCT accumulators */
 typedef real rvec __attribute__((vector_size(VREG_BYTES), aligned(sizeof(real))));
-typedef struct { rvec c[NW * H][RC]; } wcols;
+typedef struct { rvec c[NW * HC][RC]; } wcols;
 
 static void wt_columns(const real *Wt, wcols *w) {
     memset(w, 0, sizeof(*w));
     for (int g = 0; g < NW; ++g)
-        for (int i = 0; i < H; ++i)
-            for (int m = 0; m < H; ++m) ((real *)w->c[g * H + m])[i] = Wt[(g * H + i) * H + m];
+        for (int i = 0; i < HC; ++i)
+            for (int m = 0; m < HC; ++m) ((real *)w->c[g * HC + m])[i] = Wt[(g * HC + i) * HC + m];
 }
 
 /* out's registers c0 .. c0 + W - 1 of the sum over the nt columns of col_j * t[j]. */
@@ -254,12 +351,12 @@ static AI void cols_tile(const wcols *w, const real *t, int nt, real *out, int c
     for (int c = 0; c < W; ++c) *(rvec *)(out + (c0 + c) * RV) = a[c] + b[c];
 }
 
-/* v = sum over the NW*H columns of col_j * t[j], plus diag * q where diag is given. */
+/* v[0 .. HC) = sum over the nt columns of col_j * t[j], plus diag * q where diag is given. */
 static void cols_vec(const wcols *w, const real *t, int nt, const real *diag, const real *q, real *v) {
     real out[RC * RV] __attribute__((aligned(64)));
     for (int c0 = 0; c0 + RCT <= RC; c0 += RCT) cols_tile(w, t, nt, out, c0, RCT);
     if (RC % RCT) cols_tile(w, t, nt, out, RC - RC % RCT, RC % RCT);
-    for (int i = 0; i < H; ++i) v[i] = diag ? out[i] + diag[i] * q[i] : out[i];
+    for (int i = 0; i < HC; ++i) v[i] = diag ? out[i] + diag[i] * q[i] : out[i];
 }
 #define WCOLS(name) wcols name##_store, *name = &name##_store; wt_columns(Wt, name)
 #else
@@ -267,18 +364,43 @@ typedef void wcols;
 #define WCOLS(name) const wcols *name = 0
 #endif
 
+#if KIND == 3
+/* The LSTM's mat-vec, up to the weights: from q = [l_h; l_c], dc = l_c + a l_h and the gates' terms
+ * t = (ci dc, cf dc, cg dc, co l_h) [4][HC] (which are also the gates' gradients dpre, mode 1). */
+static AI void lstm_terms(const real *restrict fs, long ld, const real *restrict q, real *restrict t,
+                          real *restrict dc) {
+    for (int m = 0; m < HC; ++m) {
+        vec lh = LD(q + m * NL), d = LD(q + (HC + m) * NL) + FROW(0, m) * lh;
+        ST(dc + m * NL) = d;
+        ST(t + m * NL) = FROW(1, m) * d;
+        ST(t + (HC + m) * NL) = FROW(2, m) * d;
+        ST(t + (2 * HC + m) * NL) = FROW(3, m) * d;
+        ST(t + (3 * HC + m) * NL) = FROW(4, m) * lh;
+    }
+}
+#endif
+
 #if NL > 1
 /* Rows i0 .. i0 + W - 1 of v = J_s q (the paper layout: an odd position's Wt), per lane: W accumulators, each
  * summing its terms in the order of the plain loops (m ascending, gate by gate, after the GRU's diagonal). */
 static AI void jv_tile(const real *restrict Wt, const real *restrict fs, long ld, const real *restrict q,
                        real *restrict v, int i0, int W) {
-    vec acc[CT];
-#if KIND != 2
+    vec acc[CT > CTC ? CT : CTC];
+#if KIND < 2
     UNROLL for (int i = 0; i < W; ++i) acc[i] = (vec){0};
     for (int m = 0; m < H; ++m) {
         vec t = KIND == 0 ? LD(fs + m * ld) * LD(q + m * NL) : LD(q + m * NL);
         UNROLL for (int i = 0; i < W; ++i) acc[i] += Wt[(i0 + i) * H + m] * t;
     }
+#elif KIND == 3
+    /* q: the gates' terms t [4][HC] (lstm_terms), fs unused: rows i0 .. of l_h' = sum_q Wt_q t_q */
+    (void)fs, (void)ld;
+    UNROLL for (int i = 0; i < W; ++i) acc[i] = (vec){0};
+    for (int g = 0; g < 4; ++g)
+        for (int m = 0; m < HC; ++m) {
+            vec t = LD(q + (g * HC + m) * NL);
+            UNROLL for (int i = 0; i < W; ++i) acc[i] += Wt[(g * HC + i0 + i) * HC + m] * t;
+        }
 #else
     UNROLL for (int i = 0; i < W; ++i) acc[i] = LD(fs + (3 * H + i0 + i) * ld) * LD(q + (i0 + i) * NL);
     for (int g = 0; g < 3; ++g)
@@ -299,7 +421,7 @@ static void jac_vec(const real *restrict Wt, const wcols *wc, long s, const real
 #if NL == 1
     (void)Wt;
 #if KIND != 1
-    real t[NW * H];
+    real t[NW * HC];
 #endif
 #if KIND == 0
     (void)s;
@@ -311,12 +433,18 @@ static void jac_vec(const real *restrict Wt, const wcols *wc, long s, const real
     } else {
         for (int m = 0; m < H; ++m) v[m] = fs[m * ld] * q[m];
     }
-#else
+#elif KIND == 2
     (void)s;
     real z[H];
     for (int m = 0; m < 3 * H; ++m) t[m] = fs[m * ld] * q[m % H];
     for (int i = 0; i < H; ++i) z[i] = fs[(3 * H + i) * ld];
     cols_vec(wc, t, 3 * H, z, q, v);
+#else
+    (void)s;
+    real dc[HC];
+    lstm_terms(fs, ld, q, t, dc);
+    cols_vec(wc, t, 4 * HC, 0, q, v);
+    for (int i = 0; i < HC; ++i) v[HC + i] = fs[(5 * HC + i) * ld] * dc[i];
 #endif
 #else
     (void)wc;
@@ -327,8 +455,16 @@ static void jac_vec(const real *restrict Wt, const wcols *wc, long s, const real
     }
 #endif
     (void)s;
+#if KIND == 3
+    real t[4 * HC * NL] __attribute__((aligned(64))), dc[HC * NL] __attribute__((aligned(64)));
+    lstm_terms(fs, ld, q, t, dc);
+    for (int u = 0; u + 1 < NTC; ++u) jv_tile(Wt, fs, ld, t, v, u * CTC, CTC);
+    jv_tile(Wt, fs, ld, t, v, (NTC - 1) * CTC, CTLC);
+    UNROLL for (int i = 0; i < HC; ++i) ST(v + (HC + i) * NL) = FROW(5, i) * LD(dc + i * NL);
+#else
     for (int t = 0; t + 1 < NT; ++t) jv_tile(Wt, fs, ld, q, v, t * CT, CT);
     jv_tile(Wt, fs, ld, q, v, (NT - 1) * CT, CTL);
+#endif
 #endif
 }
 
@@ -399,6 +535,8 @@ static void grp_flush(group *gp, real *acc) {
     acc_range(acc, gp, 0, 2 * H, 0, NBV);          /* dR, dZ: with x, 1 and h' */
     acc_range(acc, gp, 2 * H, 3 * H, 0, NI + 1);   /* dN: with x and 1 */
     acc_range(acc, gp, 3 * H, 4 * H, NI, NBV);     /* dM: with 1 and h' */
+#elif KIND == 3
+    acc_range(acc, gp, 0, 4 * HC, 0, NBV);         /* dpre (i, f, g, o): with x, 1 and h' */
 #else
     acc_range(acc, gp, 0, H, 0, NBV);
 #endif
@@ -419,6 +557,11 @@ static void take(real *out, int mode, group *gp, real *acc, long B, long b0, lon
     if (!(k & 1)) return; /* grad of h_t; the odd position after it is grad of a_t */
 #endif
     real *A = gp->A[gp->np], *Bv = gp->Bv[gp->np];
+#if KIND == 3
+    real q[H * NL] __attribute__((aligned(64))), dc[HC * NL] __attribute__((aligned(64)));
+    for (int i = 0; i < H; ++i) ST(q + i * NL) = LD(v + i * NL) * mask;
+    lstm_terms(fs, ld, q, A, dc); /* dpre = (ci dc, cf dc, cg dc, co l_h) */
+#else
     for (int i = 0; i < H; ++i) {
         vec q = LD(v + i * NL) * mask;
 #if KIND == 0
@@ -432,9 +575,10 @@ static void take(real *out, int mode, group *gp, real *acc, long B, long b0, lon
         ST(A + (3 * H + i) * NL) = q * LD(fs + (2 * H + i) * ld); /* dM = grad_h c_n */
 #endif
     }
+#endif
     for (int j = 0; j < NI; ++j) ST(Bv + j * NL) = LD(fs + (XROW + j) * ld);
     ST(Bv + NI * NL) = (vec){0} + 1;
-    for (int j = 0; j < H; ++j) ST(Bv + (NI + 1 + j) * NL) = LD(fs + (XROW + NI + j) * ld);
+    for (int j = 0; j < HC; ++j) ST(Bv + (NI + 1 + j) * NL) = LD(fs + (XROW + NI + j) * ld);
     if (++gp->np == GRP) grp_flush(gp, acc);
 }
 
@@ -518,7 +662,7 @@ static void add_direct(const chain_src *S, long B, long b0, long s, real *v) {
         for (int i = 0; i < H; ++i) v[i * NL + q] += c[q * H + i];
 }
 
-#if KIND != 2
+#if KIND < 2
 /* The square, rounded before the subtraction that follows it (as torch's 1 - h * h): the empty asm takes and
  * gives back the value (a vector of the lanes, or one real) in a register, so no compiler fuses the two into
  * one multiply-add. */
@@ -558,11 +702,29 @@ static inline vec lanes_at(const real *p, int stride) {
 #endif
 }
 
-/* d = 1 - h * h, every lane. */
-static inline vec one_minus_sq(vec h) {
+/* The nonlinearity's derivative read from the state itself, as torch's rnn_factors writes it (bit for bit):
+ * tanh's d = 1 - h * h, the square rounded before the subtraction; relu's (ACT 1) d = 1[h > 0], 1 or +0 (h = relu(a)
+ * is positive exactly where a is; NaN gives 0, as (h > 0).to(dtype) does).  Every lane; deriv_one: one value. */
+static inline vec deriv(vec h) {
+#if ACT == 1 && NL == 1
+    return h > 0 ? (real)1 : (real)0;
+#elif ACT == 1
+    return (vec)((__typeof__(h > h))((vec){0} + 1) & (h > (vec){0})); /* 1.0's bits where the compare is true */
+#else
     vec sq = h * h;
     ROUNDED(sq);
     return ((vec){0} + 1) - sq;
+#endif
+}
+
+static inline real deriv_one(real h) {
+#if ACT == 1
+    return h > 0 ? (real)1 : (real)0;
+#else
+    real sq = h * h;
+    ROUNDED(sq);
+    return 1 - sq;
+#endif
 }
 
 /* dst [rows][NL] (rows: H, d only; or NR, all): lane q's rows of step k[q] of batch element b[q] of a chain
@@ -583,7 +745,7 @@ static void rnn_tile(const chain_src *S, long T, long B, const long *k, const lo
             for (int i = 0; i < H; ++i) dst[(XROW + NI + i) * NL + q] = 0;
         }
     }
-    for (int i = 0; i < H; ++i) ST(dst + i * NL) = one_minus_sq(LD(hv + i * NL));
+    for (int i = 0; i < H; ++i) ST(dst + i * NL) = deriv(LD(hv + i * NL));
 }
 
 #if defined(__AVX2__) && REALBITS == 32 && (NL == 8 || NL == 16)
@@ -626,14 +788,14 @@ static void rnn_lanes(const chain_src *S, long T, long B, long b0, long k, int r
     const real *ht = S->h + (t * B + b0) * H;
 #ifdef LANE_ROWS
     if (next) {
-        for (int i = 0; i < H; ++i) ST(dst + i * NL) = one_minus_sq(LD(dst + (XROW + NI + i) * NL));
+        for (int i = 0; i < H; ++i) ST(dst + i * NL) = deriv(LD(dst + (XROW + NI + i) * NL));
     } else {
         lane_rows(ht, dst);
-        for (int i = 0; i < H; ++i) ST(dst + i * NL) = one_minus_sq(LD(dst + i * NL));
+        for (int i = 0; i < H; ++i) ST(dst + i * NL) = deriv(LD(dst + i * NL));
     }
 #else
     for (int i = 0; i < H; ++i)
-        ST(dst + i * NL) = one_minus_sq(next ? LD(dst + (XROW + NI + i) * NL) : lanes_at(ht + i, H));
+        ST(dst + i * NL) = deriv(next ? LD(dst + (XROW + NI + i) * NL) : lanes_at(ht + i, H));
 #endif
     if (rows == H) return;
     const real *xt = S->x + (t * B + b0) * NI, *hp = t ? S->h + ((t - 1) * B + b0) * H : 0;
@@ -652,7 +814,7 @@ static void rnn_lanes(const chain_src *S, long T, long B, long b0, long k, int r
  * of them (H or NR): the GRU's in f; the RNN's built into tile (which holds step *k, all rows if *full). */
 static inline const real *step_rows(const chain_src *S, long n, long B, long b0, long s, int rows, real *tile,
                                     long *k, int *full, long *ld) {
-#if KIND != 2
+#if KIND < 2
     if (S->h) {
         long ks = fstep(s);
         if (ks != *k || (rows > H && !*full)) {
@@ -840,7 +1002,7 @@ static void gather_f(const chain_src *S, long n, long B, long b0, long j, long l
         kq[q] = fstep((jq + 1) * (1L << c) - 1 + off), bq[q] = b0;
     }
     (void)bq;
-#if KIND != 2
+#if KIND < 2
     if (S->h) {
         rnn_tile(S, KIND == 1 ? n / 2 : n, B, kq, bq, NR, dst);
         return;
@@ -919,23 +1081,18 @@ real fma_chain(long n) {
 /* -- the factors, from the forward's states ------------------------------------------------------- */
 
 /* The RNN's factors [T][NR][B] in scan order (step T first) from h and x ([T][B][H], [T][B][INP]): rows
- * d_k = 1 - h_{T-k}^2 (rounded as torch rounds it, so that the factors equal the dense chains' bit for bit),
- * then x_{T-k} and h_{T-k-1} (0 for the first step); steps k0 .. k1 - 1.  What the scan reads from h and x
- * itself (rnn_tile, rnn_lanes), written for other readers.  Loops run along the
- * output rows (contiguous stores; faster than along the inputs': docs/measurements.md, "Measurements the code
- * cites"). */
-#if KIND != 2
+ * d_k = 1 - h_{T-k}^2 (relu: 1[h_{T-k} > 0]; rounded as torch rounds it, so that the factors equal the dense
+ * chains' bit for bit), then x_{T-k} and h_{T-k-1} (0 for the first step); steps k0 .. k1 - 1.  What the scan
+ * reads from h and x itself (rnn_tile, rnn_lanes), written for other readers.  Loops run along the output rows
+ * (contiguous stores; faster than along the inputs': docs/measurements.md, "Measurements the code cites"). */
+#if KIND < 2
 void rnn_factors(const real *h, const real *x, long T, long B, long k0, long k1, real *f) {
     for (long k = k0; k < k1; ++k) {
         long t = T - 1 - k;
         const real *ht = h + t * B * H, *hp = h + (t - 1) * B * H, *xt = x + t * B * NI;
         real *fk = f + k * NR * B;
         for (int i = 0; i < H; ++i)
-            for (long b = 0; b < B; ++b) {
-                real sq = ht[b * H + i] * ht[b * H + i];
-                ROUNDED(sq);
-                fk[i * B + b] = 1 - sq;
-            }
+            for (long b = 0; b < B; ++b) fk[i * B + b] = deriv_one(ht[b * H + i]);
         for (int j = 0; j < NI; ++j)
             for (long b = 0; b < B; ++b) fk[(XROW + j) * B + b] = xt[b * NI + j];
         for (int i = 0; i < H; ++i)
@@ -944,7 +1101,7 @@ void rnn_factors(const real *h, const real *x, long T, long B, long k0, long k1,
 }
 
 #else
-/* -- the GRU's gates, recomputed (the forward keeps none), with simd.h's vector exp ------------- */
+/* -- the GRU's and the LSTM's gates, recomputed (the forward keeps none), with simd.h's vector exp ------------ */
 #define FV RVL /* lanes of the builder's vectors: one register */
 /* The GRU's factors [T][NR][B] in scan order for steps k0 .. k1 - 1, straight from x ([T][B][INP]) and h
  * ([T][B][H], h_0 = 0) and the cell's weights (W_ih [3H][INP], W_hh [3H][H], biases [3H]; gate order r, z, n):
@@ -974,6 +1131,7 @@ static inline void store_lanes(real *dst, const real *src, int nb) {
     else memcpy(dst, src, nb * sizeof(real));
 }
 
+#if KIND == 2
 void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, const real *bi, const real *bh,
                  long T, long B, long k0, long k1, real *f) {
     for (long k = k0; k < k1; ++k) {
@@ -1025,6 +1183,75 @@ void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, c
     _mm_sfence(); /* the streaming stores are weakly ordered: visible before the threads that read f are told */
 #endif
 }
+
+#else
+/* Lanes q < nb of rows [n][FV] from src's batch elements b0 + q (rows `stride` apart, row r at + r), or 0 where src is
+ * NULL (h_0, c_0 not given). */
+static inline void lanes_of(const real *src, long stride, int n, int nb, real (*dst)[FV]) {
+    if (!src) {
+        memset(dst, 0, sizeof(real) * n * FV);
+    } else if (nb == FV) { /* a whole block: the transposes without a test per element */
+        for (int i = 0; i < n; ++i)
+            UNROLL for (int q = 0; q < FV; ++q) dst[i][q] = src[q * stride + i];
+    } else {
+        for (int i = 0; i < n; ++i)
+            for (int q = 0; q < FV; ++q) dst[i][q] = q < nb ? src[q * stride + i] : 0;
+    }
+}
+
+/* The LSTM's factors [T][NR][B] in scan order for steps k0 .. k1 - 1, as bppsa.backends.chain.LstmChain.from_states
+ * writes them from lstm_factors(lstm_gates(...)), straight from x ([T][B][INP]), the states h and c ([T][B][HC]:
+ * h_1 .. h_T, c_1 .. c_T), h_0 and c_0 ([B][HC], NULL: zero) and the cell's weights (W_ih [4HC][INP], W_hh
+ * [4HC][HC], biases [4HC]; gate order i, f, g, o): per step and block of FV lanes, the gates' pre-activations
+ * in registers, i, f, o = sigmoid, g = tanh (with 1 - p and 1 - g^2 each to a few ulp, not from the rounded
+ * gate), tanh(c_t) and 1 - tanh^2(c_t) from the state, then the rows a, ci, cf, cg, co, f, x_t and h' written: one
+ * pass over memory where torch's gate recomputation and factors take some twenty. */
+void lstm_factors(const real *x, const real *h, const real *c, const real *Wi, const real *Wh, const real *bi,
+                  const real *bh, const real *h0, const real *c0, long T, long B, long k0, long k1, real *f) {
+    for (long k = k0; k < k1; ++k) {
+        long t = T - 1 - k;
+        real *fk = f + k * NR * B;
+        for (long b0 = 0; b0 < B; b0 += FV) {
+            int nb = B - b0 < FV ? (int)(B - b0) : FV;
+            real xs[NI > 0 ? NI : 1][FV] __attribute__((aligned(64))), hs[HC][FV] __attribute__((aligned(64)));
+            real cp[HC][FV] __attribute__((aligned(64))), ct[HC][FV] __attribute__((aligned(64)));
+            real out[6][HC][FV] __attribute__((aligned(64)));
+            lanes_of(x + (t * B + b0) * NI, NI, NI, nb, xs);
+            lanes_of(t ? h + ((t - 1) * B + b0) * HC : h0 ? h0 + b0 * HC : 0, HC, HC, nb, hs);
+            lanes_of(t ? c + ((t - 1) * B + b0) * HC : c0 ? c0 + b0 * HC : 0, HC, HC, nb, cp);
+            lanes_of(c + (t * B + b0) * HC, HC, HC, nb, ct);
+            fvec pre[4 * HC];
+            for (int g = 0; g < 4 * HC; ++g) {
+                fvec a = SPLAT(bi[g] + bh[g]);
+                for (int j = 0; j < NI; ++j) a += Wi[g * NI + j] * *(fvec *)xs[j];
+                UNROLL for (int i = 0; i < HC; ++i) a += Wh[g * HC + i] * *(fvec *)hs[i];
+                pre[g] = a;
+            }
+            for (int i = 0; i < HC; ++i) {
+                fvec ip, iq, fp, fq, gn, gs, op, oq, tc, ts;
+                vsigmoid(pre[i], &ip, &iq);
+                vsigmoid(pre[HC + i], &fp, &fq);
+                vtanh(pre[2 * HC + i], &gn, &gs);
+                vsigmoid(pre[3 * HC + i], &op, &oq);
+                vtanh(*(fvec *)ct[i], &tc, &ts);
+                *(fvec *)out[0][i] = op * ts;                    /* a = o (1 - tanh^2 c) */
+                *(fvec *)out[1][i] = gn * ip * iq;               /* ci = g i (1 - i) */
+                *(fvec *)out[2][i] = *(fvec *)cp[i] * fp * fq;   /* cf = c' f (1 - f) */
+                *(fvec *)out[3][i] = ip * gs;                    /* cg = i (1 - g^2) */
+                *(fvec *)out[4][i] = tc * op * oq;               /* co = tanh(c) o (1 - o) */
+                *(fvec *)out[5][i] = fp;                         /* f */
+            }
+            for (int q = 0; q < 6; ++q)
+                for (int i = 0; i < HC; ++i) store_lanes(fk + (q * HC + i) * B + b0, out[q][i], nb);
+            for (int j = 0; j < NI; ++j) store_lanes(fk + (XROW + j) * B + b0, xs[j], nb);
+            for (int i = 0; i < HC; ++i) store_lanes(fk + (XROW + NI + i) * B + b0, hs[i], nb);
+        }
+    }
+#if defined(__AVX512F__) || defined(__AVX__)
+    _mm_sfence(); /* the streaming stores are weakly ordered: visible before the threads that read f are told */
+#endif
+}
+#endif
 #endif
 
 /* -- the team: every thread of one scan over claimable units -----------------------------------------------
@@ -1209,6 +1436,19 @@ void team_fill(const void *args, long j0, long j1, long part, real *priv, long *
     const fill_args *a = args;
     (void)part, (void)priv, (void)beat;
     gru_factors(a->x, a->h, a->Wi, a->Wh, a->bi, a->bh, a->T, a->B, j0, j1, a->f);
+}
+#elif KIND == 3
+/* The LSTM's gate pass over steps j0 .. j1 - 1 (lstm_factors' operands), in place. */
+typedef struct {
+    const real *x, *h, *c, *Wi, *Wh, *bi, *bh, *h0, *c0;
+    real *f;
+    long T, B;
+} fill_args;
+
+void team_fill(const void *args, long j0, long j1, long part, real *priv, long *beat) {
+    const fill_args *a = args;
+    (void)part, (void)priv, (void)beat;
+    lstm_factors(a->x, a->h, a->c, a->Wi, a->Wh, a->bi, a->bh, a->h0, a->c0, a->T, a->B, j0, j1, a->f);
 }
 #endif
 
@@ -1546,8 +1786,8 @@ int team_go(team *t) {
     team_drain(t);
     real *Wt = (real *)t->call.Wt;
     for (int g = 0; g < NW; ++g)
-        for (int i = 0; i < H; ++i)
-            for (int j = 0; j < H; ++j) Wt[(g * H + i) * H + j] = t->W[(g * H + j) * H + i];
+        for (int i = 0; i < HC; ++i)
+            for (int j = 0; j < HC; ++j) Wt[(g * HC + i) * HC + j] = t->W[(g * HC + j) * HC + i];
     reset_units(&t->pre);
     for (long i = 0; i < t->ns; ++i) {
         team_slice *s = t->sl + i;

@@ -41,12 +41,29 @@ import torch
 
 from ...process import cache_root
 
-__all__ = ["available", "unavailable_reason", "library", "build", "Team", "GruFill", "KINDS", "ISAS", "SOURCES",
-           "target", "lane_width", "rnn_factors", "reset", "isa", "build_key"]
+__all__ = ["available", "unavailable_reason", "library", "build", "Team", "Fill", "GruFill", "LstmFill", "KINDS",
+           "ACTS", "ISAS", "SOURCES", "target", "lane_width", "rnn_factors", "reset", "isa", "build_key", "hidden",
+           "sums_shape"]
 
 _REAL = {torch.float32: "float", torch.float64: "double"}
-# The chains the kernel runs (chain_scan.c's KIND): the RNN's fused and paper layouts, the GRU.
-KINDS = {"rnn": 0, "paper": 1, "gru": 2}
+# The chains the kernel runs (chain_scan.c's KIND): the RNN's fused and paper layouts, the GRU, the LSTM (no
+# projection; its state [h; c]).  A kernel's H is the chain's state size (chain.shape[2]: the LSTM's 2H).
+KINDS = {"rnn": 0, "paper": 1, "gru": 2, "lstm": 3}
+# The RNN's nonlinearity, whose derivative the kernel reads from the states (chain_scan.c's ACT).
+ACTS = {"tanh": 0, "relu": 1}
+# Weight matrices (NW), and the cell's hidden size from the state size.
+WEIGHTS = {"rnn": 1, "paper": 1, "gru": 3, "lstm": 4}
+
+
+def hidden(kind: str, S: int) -> int:
+    """The cell's hidden size of a chain of ``kind`` whose state is ``S`` wide (the LSTM's state is [h; c])."""
+    return S // 2 if kind == "lstm" else S
+
+
+def sums_shape(kind: str, S: int, I: int) -> tuple[int, int]:
+    """The kernel's parameter-gradient sums (NA rows: the gates' pre-activations; I + 1 + H columns: x, 1, h')."""
+    H = hidden(kind, S)
+    return (4 * H if kind in ("gru", "lstm") else H), I + 1 + H
 # BPPSA_CPU_ISA: the build targets (-march values) and the CPU flags each needs to run.
 ISAS = {"native": (), "x86-64-v3": ("avx2", "fma", "bmi2"),
         "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")}
@@ -162,11 +179,14 @@ def reset() -> None:
 
 
 @functools.cache
-def library(kind: str, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
-    """The kernel for a chain ``kind`` (:data:`KINDS`), hidden size H, input size I, ``lanes`` batch lanes
-    and ``dtype``; None where it cannot be built (why: :func:`unavailable_reason`)."""
+def library(kind: str, H: int, I: int, lanes: int, dtype: torch.dtype, act: str = "tanh") -> ctypes.CDLL | None:
+    """The kernel for a chain ``kind`` (:data:`KINDS`), state size H (the hidden size; the LSTM's 2H), input size
+    I, ``lanes`` batch lanes and ``dtype`` (``act``: the RNN's nonlinearity, :data:`ACTS`); None where it cannot
+    be built (why: :func:`unavailable_reason`)."""
+    if kind == "lstm" and H % 2:
+        raise ValueError(f"the LSTM's state [h; c] has an even size, not {H}")
     try:
-        return _build(KINDS[kind], H, I, lanes, dtype)
+        return _build(KINDS[kind], H, I, lanes, dtype, ACTS[act] if kind in ("rnn", "paper") else 0)
     except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, compiler killed, bad .so ...
         _errors["cc"] = f"{type(e).__name__}: {e}"
         return None
@@ -241,17 +261,19 @@ def build(source: str, defs: list[str], stem: str) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(out))
 
 
-def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype) -> ctypes.CDLL | None:
+def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype, act: int = 0) -> ctypes.CDLL | None:
     real = _REAL.get(dtype)
     if real is None:  # e.g. half precision: the numpy path takes it
         return None
     defs = [f"-DKIND={kind}", f"-DHID={H}", f"-DINP={I}", f"-DLANES={lanes}", f"-DREAL={real}",
-            f"-DREALBITS={8 * dtype.itemsize}"]
-    lib = build("chain_scan.c", defs, f"chain_scan_k{kind}_{real}_H{H}_I{I}_L{lanes}")
+            f"-DREALBITS={8 * dtype.itemsize}", f"-DACT={act}"]
+    tag = f"k{kind}" + (f"a{act}" if act else "")  # act: relu's RNN
+    lib = build("chain_scan.c", defs, f"chain_scan_{tag}_{real}_H{H}_I{I}_L{lanes}")
     if lib is None:
         return None
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     factors = ({"gru_factors": [p, p, p, p, p, p, l, l, l, l, p]} if kind == KINDS["gru"]
+               else {"lstm_factors": [p] * 9 + [l, l, l, l, p]} if kind == KINDS["lstm"]
                else {"rnn_factors": [p, p, l, l, l, l, p]})
     for name, args in {"team_go": [p], "team_drain": [p], "team_scratch": [l, i, i],
                        "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i], "fma_chain": [l],
@@ -294,12 +316,13 @@ def lane_width(kind: str, dtype: torch.dtype) -> int:
     return max(1, (tg["vector_bytes"] if tg else 16) // dtype.itemsize)
 
 
-def rnn_factors(h: torch.Tensor, x: torch.Tensor, out: torch.Tensor, k0: int, k1: int) -> None:
-    """``out`` [T, H + I + H, B] = the RNN's d_k = 1 - h_{T-k}^2, x_{T-k} and h_{T-k-1} (scan order, lane
-    order; steps k0 .. k1 - 1) from ``h`` [T, B, H] and ``x`` [T, B, I], all contiguous: what the kernel
-    reads from ``h`` and ``x`` itself, written for other readers."""
+def rnn_factors(h: torch.Tensor, x: torch.Tensor, out: torch.Tensor, k0: int, k1: int, act: str = "tanh") -> None:
+    """``out`` [T, H + I + H, B] = the RNN's d_k = 1 - h_{T-k}^2 (relu: 1[h_{T-k} > 0]), x_{T-k} and h_{T-k-1}
+    (scan order, lane order; steps k0 .. k1 - 1) from ``h`` [T, B, H] and ``x`` [T, B, I], all contiguous: what
+    the kernel reads from ``h`` and ``x`` itself, written for other readers."""
     T, B, H = h.shape
-    library("rnn", H, x.shape[2], 1, h.dtype).rnn_factors(h.data_ptr(), x.data_ptr(), T, B, k0, k1, out.data_ptr())
+    library("rnn", H, x.shape[2], 1, h.dtype, act).rnn_factors(h.data_ptr(), x.data_ptr(), T, B, k0, k1,
+                                                               out.data_ptr())
 
 
 _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -344,6 +367,11 @@ class _FillArgs(ctypes.Structure):
     _fields_ = [("x", _p), ("h", _p), ("Wi", _p), ("Wh", _p), ("bi", _p), ("bh", _p), ("f", _p), ("T", _l), ("B", _l)]
 
 
+class _LstmFillArgs(ctypes.Structure):
+    _fields_ = [("x", _p), ("h", _p), ("c", _p), ("Wi", _p), ("Wh", _p), ("bi", _p), ("bh", _p), ("h0", _p),
+                ("c0", _p), ("f", _p), ("T", _l), ("B", _l)]
+
+
 
 
 def _ceil(a: int, b: int) -> int:
@@ -366,14 +394,30 @@ def _units(u: _Units, lib, fn: str, args, lo: int, hi: int, per: int, part0: int
 def stall_ns(kind: str, H: int, lanes: int) -> int:
     """How long a thread's heartbeat (bumped at every step of a unit) may stand still before the team takes the
     thread as held up by the host and runs its unit again: 20 µs, plus 8 of the longest steps at a pessimistic
-    16 lane multiply-adds per ns (an up step is NW·H³ of them per lane) -- far above any step of a running thread,
-    far below the host's time slices (milliseconds)."""
+    16 lane multiply-adds per ns (an up step is NW·H³ of them per lane; the LSTM's H³/2 with H its state, and a
+    product of the tree's H³) -- far above any step of a running thread, far below the host's time slices
+    (milliseconds)."""
     return int(20_000 + 8 * (3 if kind == "gru" else 1) * H ** 3 * lanes / 16)
 
 
-class GruFill:
-    """The GRU's gate pass left for the scan (:func:`gru_factors` over steps k0 .. k1 - 1 when called): the
-    units of a team's scan write it in its threads instead."""
+class Fill:
+    """A chain's gate pass left for the scan (the kernel's ``<kind>_factors`` over steps k0 .. k1 - 1 when called):
+    the units of a team's scan write it in its threads instead (:meth:`units`: ``team_fill``)."""
+
+    lib: ctypes.CDLL
+    out: torch.Tensor
+
+    def _args(self) -> ctypes.Structure:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def units(self, u: _Units, threads: int) -> None:
+        T = self.out.shape[0]
+        self.args = self._args()
+        self.st = _units(u, self.lib, "team_fill", self.args, 0, T, _ceil(T, 4 * threads))
+
+
+class GruFill(Fill):
+    """The GRU's gate pass (``gru_factors``) from x, h and the cell's weights."""
 
     def __init__(self, x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor):
         self.x, self.h, self.out = x, h, out
@@ -386,11 +430,34 @@ class GruFill:
         self.lib.gru_factors(self.x.data_ptr(), self.h.data_ptr(), *(t.data_ptr() for t in self.w), T, B, k0, k1,
                              self.out.data_ptr())
 
-    def units(self, u: _Units, threads: int) -> None:
+    def _args(self):
         T, B, _ = self.h.shape
-        self.args = _FillArgs(self.x.data_ptr(), self.h.data_ptr(), *(t.data_ptr() for t in self.w),
-                              self.out.data_ptr(), T, B)
-        self.st = _units(u, self.lib, "team_fill", self.args, 0, T, _ceil(T, 4 * threads))
+        return _FillArgs(self.x.data_ptr(), self.h.data_ptr(), *(t.data_ptr() for t in self.w), self.out.data_ptr(),
+                         T, B)
+
+
+class LstmFill(Fill):
+    """The LSTM's gate pass (``lstm_factors``) from x [T, B, I], the states h and c [T, B, H], the cell's weights
+    ``(W_ih, W_hh, b_ih, b_hh)`` (biases None: zero) and h_0, c_0 [B, H] (None: zero), all contiguous."""
+
+    def __init__(self, x, h, c, weights, h0, c0, out: torch.Tensor):
+        T, B, H = h.shape
+        self.x, self.h, self.c, self.h0, self.c0, self.out = x, h, c, h0, c0, out
+        zero = h.new_zeros(4 * H)
+        self.w = [zero if t is None else t.detach().contiguous() for t in weights]
+        self.lib = library("lstm", 2 * H, x.shape[2], 1, h.dtype)
+
+    def _ptrs(self):
+        return ([t.data_ptr() for t in (self.x, self.h, self.c, *self.w)]
+                + [None if t is None else t.data_ptr() for t in (self.h0, self.c0)])
+
+    def __call__(self, k0: int, k1: int) -> None:
+        T, B, _ = self.h.shape
+        self.lib.lstm_factors(*self._ptrs(), T, B, k0, k1, self.out.data_ptr())
+
+    def _args(self):
+        T, B, _ = self.h.shape
+        return _LstmFillArgs(*self._ptrs(), self.out.data_ptr(), T, B)
 
 
 class Team:
@@ -399,7 +466,8 @@ class Team:
     ``groups[t]``; with ``by_slice`` False one list, whose slices every thread shares block by block), the down
     phase of each slice in ``parts`` units (each with its own sums), their scratch and sums, and the units of
     each phase.  ``mode`` 0: the scan, 1:
-    the parameter gradients (``layout``: the chain's :meth:`~.chain.FactoredChain.grad_layout`).
+    the parameter gradients (``layout``: the chain's :meth:`~.chain.FactoredChain.grad_layout`).  ``H`` is the
+    chain's state (``chain.shape[2]``: the LSTM's 2H), ``act`` the RNN's nonlinearity (:data:`ACTS`).
 
     A one-lane slice (B = 1) runs the up and down phases of its full blocks ``VL`` at a time as the lanes of the
     kernel built for ``VL`` lanes (a vector register's worth), where that builds; only a clipped last block
@@ -408,19 +476,19 @@ class Team:
 
     def __init__(self, kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype, L: int,
                  groups: list[list[tuple[int, int]]], by_slice: bool, threads: int, parts: int, mode: int,
-                 layout=None, *, fused: int, affine: bool = False):
+                 layout=None, *, fused: int, affine: bool = False, act: str = "tanh"):
         self.t = t = _Team()
         self.call, self.mode, self.dtype, self.affine = t.call, mode, dtype, affine
         t.closed = 1
         vl = lane_width(kind, dtype)
-        na, nbv = (4 * H if kind == "gru" else H), I + 1 + H
+        na, nbv = sums_shape(kind, H, I)
         owned = [(o if by_slice else 0, b0, w) for o, gr in enumerate(groups) for b0, w in gr]
         self.sl = (_Slice * len(owned))()
         self.keep, accs, scratch = [], [], 0
         for e, (owner, b0, w) in zip(self.sl, owned):
-            lib = library(kind, H, I, w, dtype)
+            lib = library(kind, H, I, w, dtype, act)
             blocks = int(lib.chain_blocks(n, L, fused))
-            wide = library(kind, H, I, vl, dtype) if w == 1 and blocks > 1 and not affine else None
+            wide = library(kind, H, I, vl, dtype, act) if w == 1 and blocks > 1 and not affine else None
             size = 1 << min(fused, L)  # blocks hold `size` Jacobians; the last one may be clipped at J_{n-1}
             full = blocks - (blocks > 0 and n - (blocks * size - 1) < size) if wide is not None else 0
             p = parts
@@ -456,11 +524,11 @@ class Team:
         t.scratch, t.scratch_size, t.beat = self.scratch.data_ptr(), self.scratch_size, self.beat.data_ptr()
         t.stall_ns = stall_ns(kind, H, vl)
         self.live = None  # the last call's operands: a thread held up in it may still read them
-        self.lib = library(kind, H, I, owned[0][2], dtype)
+        self.lib = library(kind, H, I, owned[0][2], dtype, act)
         self.acc = (_Acc * max(1, len(accs)))(*[(a_.data_ptr(), p, ln) for a_, p, ln in accs])
         t.acc, t.nacc = ctypes.addressof(self.acc), len(accs)
-        nw = 3 if kind == "gru" else 1
-        self.Wt = torch.empty(nw * H * H, dtype=dtype)
+        hc = hidden(kind, H)
+        self.Wt = torch.empty(WEIGHTS[kind] * hc * hc, dtype=dtype)
         self.call.Wt = self.Wt.data_ptr()
         self.layout = [] if not mode else [shape for _, shape, _ in layout]
         self.names = [] if not mode else [name for name, _, _ in layout]
@@ -476,7 +544,7 @@ class Team:
             self.dst = (_p * len(layout))()
 
     def go(self, W: torch.Tensor, src, g: torch.Tensor, out: torch.Tensor | None = None,
-           fill: GruFill | None = None, direct: torch.Tensor | None = None):
+           fill: Fill | None = None, direct: torch.Tensor | None = None):
         """One scan: the recurrent weights ``W`` [NW·H, H] (transposed here), ``src`` (the factors f, or the RNN's
         states (h, x)), ∇h_T in ``g``, ``out`` [n, B, H] (mode 0), ``fill``: the factors' writer left to
         the team; ``direct``: the loss's direct gradients c [n, B, H] in scan order, c[k] entering after J_k

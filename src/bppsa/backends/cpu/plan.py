@@ -37,6 +37,12 @@ MIN_CHUNK_FLOP = 2_000_000
 KERNEL_SPEEDUP = 5
 MAX_THREADS = 64  # a team's threads at most (chain_scan.c's team_go)
 GRU_LANE_BYTES = 32  # the GRU's estimated slice: a block's product and its Jacobian (2 H^2 lanes) stay in L1
+# The LSTM's too: each row of a block's product reads the step's two HC x HC blocks (A, Bm: 2 HC^2 lanes, 25.6 KB at
+# HC = 20 with 8 fp32 lanes), which stay in a 32 KiB L1 only at 32 bytes.
+LSTM_LANE_BYTES = 32
+# An up step's multiply-adds per lane in units of H^3 (H the chain's state): the GRU's three weight products, the
+# LSTM's [M_h A + M_c diag(f a), M_h Bm + M_c diag(f)] of 4 HC^3 = H^3 / 2 (its tree's products are dense, H^3).
+UP_WORK = {"rnn": 1, "paper": 1, "gru": 3, "lstm": 0.5}
 # A slice's down phase in this many units, each with its own gradient sums: where the slice's owner is held up
 # (a busy host), another thread takes a share of it instead of waiting.
 SLICE_PARTS = 4
@@ -118,10 +124,11 @@ def estimate(kind: str, n: int, B: int, H: int, dtype: torch.dtype, split: str, 
     slices of at least 32 bytes, or one thread.  ``split``: ``auto``, or ``slices`` / ``blocks`` only."""
     min_flop = KERNEL_SPEEDUP * MIN_CHUNK_FLOP  # the same hand-off, repaid only by more of the kernel's FLOP
     threads = min(threads, MAX_THREADS)
-    p = threads if split == "slices" else min(threads, max(1, int(n * B * 2 * H ** 3 // min_flop)))
+    up = H ** 3 * (UP_WORK["lstm"] if kind == "lstm" else 1)  # (the GRU's rule predates UP_WORK: kept as measured)
+    p = threads if split == "slices" else min(threads, max(1, int(n * B * 2 * up // min_flop)))
     vl = _widest(kind, dtype)
-    if kind == "gru":
-        vl = min(vl, max(1, GRU_LANE_BYTES // dtype.itemsize))
+    if kind in ("gru", "lstm"):
+        vl = min(vl, max(1, (GRU_LANE_BYTES if kind == "gru" else LSTM_LANE_BYTES) // dtype.itemsize))
     wide_enough = B <= p or B >= p * (vl if split == "auto" else max(1, 32 // dtype.itemsize))
     by_slice = split == "slices" or (split == "auto" and wide_enough)
     if split == "slices" and not wide_enough:
@@ -133,11 +140,12 @@ def estimate(kind: str, n: int, B: int, H: int, dtype: torch.dtype, split: str, 
 
 def predict(kind: str, n: int, B: int, H: int, L: int, plan: Plan) -> float:
     """The plan's time by the FLOP model, in vector multiply-adds on the busiest thread (a vector op costs the
-    same however many of its lanes are used): the up phase's H^3 per step and slice, the tree's products over the
-    blocks, the down phase's H^2, the serial spine and middle, and a hand-off per thread."""
+    same however many of its lanes are used): the up phase's UP_WORK H^3 per step and slice (H the chain's state),
+    the tree's dense products over the blocks, the down phase's H^2, the serial spine and middle, and a hand-off per
+    thread."""
     groups = plan.groups(B)
     slices = sum(len(g) for g in groups)
-    per_slice_up = n * H ** 3 * (3 if kind == "gru" else 1)
+    per_slice_up = n * H ** 3 * UP_WORK[kind]
     c = min(plan.fused, L)
     blocks = n >> c if L else 0
     tree = 2 * blocks * H ** 3
@@ -286,11 +294,12 @@ def choose(kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype, L: int
 def _team(chain, L: int, plan: Plan, grads: bool, affine: bool = False):
     n, B, H, _ = chain.shape
     groups = plan.groups(B)
-    if any(native.library(chain.kind, H, chain.I, w, chain.dtype) is None for gr in groups for _, w in gr):
+    act = getattr(chain, "act", "tanh")
+    if any(native.library(chain.kind, H, chain.I, w, chain.dtype, act) is None for gr in groups for _, w in gr):
         return None
     return native.Team(chain.kind, n, B, H, chain.I, chain.dtype, L, groups, plan.by_slice, plan.threads,
                        plan.parts, int(grads), chain.grad_layout() if grads else None, fused=plan.fused,
-                       affine=affine)
+                       affine=affine, act=getattr(chain, "act", "tanh"))
 
 
 def team_for(chain, L: int, split: str, grads: bool, threads: int, affine: bool = False, synthetic=None):

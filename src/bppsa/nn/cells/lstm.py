@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ... import scan as _scan
+from ...backends.chain import LstmStates
 from ...jacobians.lstm import lstm_gate_grads, lstm_gates
 from .base import Cell, Saved, Weights
 
@@ -52,7 +53,10 @@ class Lstm(Cell):
         return lstm_gates(s.x, s.h, s.c, w.w_ih, w.w_hh, w.b_ih, w.b_hh, s.h0, s.c0)
 
     def chain(self, be, s: Saved, w: Weights, layout: str = "fused", with_x: bool = False):
-        return be.lstm_jacobians_t(s.x if with_x else None, s.h, lambda: self.saved_gates(s, w), w.w_hh, w.w_hr)
+        # (x and the states always: a backend with a gate pass of its own, the CPU kernel's, reads them instead of
+        # torch's gates, as the GRU's chain always keeps x)
+        states = LstmStates(s.c, w.w_ih, w.b_ih, w.b_hh, s.h0, s.c0)
+        return be.lstm_jacobians_t(s.x, s.h, lambda: self.saved_gates(s, w), w.w_hh, w.w_hr, states=states)
 
     def preact_grads(self, s: Saved, w: Weights, lam):
         P = w.out_size
