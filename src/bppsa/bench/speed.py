@@ -116,15 +116,19 @@ def backward_methods(model, x, y, backends=("cpu",), layouts=("fused",), L_ms=(N
                 m.baseline_step(x, y, phase=ph)
 
         out[AUTOGRAD_GENERIC] = (model_step(generic), {"backend": "autograd"})
-    out[SEQUENTIAL] = (model_step(lambda m, ph: m.bppsa_step(x, y, seq, "fused", phase=ph)),
+    # forward="torch" throughout: this group times the backward, after the same forward as autograd's
+    out[SEQUENTIAL] = (model_step(lambda m, ph: m.bppsa_step(x, y, seq, "fused", phase=ph, forward="torch")),
                        {"backend": seq.name, "layout": "fused", "L_m": 0})
     for be in backends:
         for layout in layouts:
             for L_m in L_ms:
                 backend = get_backend(be, torch.device("cpu"))
-                out[bppsa_name(backend.name, layout, L_m)] = (
-                    model_step(lambda m, ph, b=backend, lay=layout, L=L_m: m.bppsa_step(x, y, b, lay, L, phase=ph)),
-                    {"backend": backend.name, "layout": layout, "L_m": L_m})
+
+                def fn(m, ph, b=backend, lay=layout, L=L_m):
+                    m.bppsa_step(x, y, b, lay, L, phase=ph, forward="torch")
+
+                out[bppsa_name(backend.name, layout, L_m)] = (model_step(fn), {"backend": backend.name,
+                                                                               "layout": layout, "L_m": L_m})
     return out
 
 
