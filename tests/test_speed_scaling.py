@@ -150,7 +150,8 @@ def test_speed_run_tiny_end_to_end():
     want = {"autograd / bppsa-cpu-fused", "sequential / bppsa-cpu-fused", "scan-sequential / scan-cpu",
             "scan-sequential / scan-cpu-chain", "step-autograd / step-bppsa-cpu-fused"}
     if compiled:
-        want |= {"step-autograd / step-bppsa-cpu-fused-compiled", "step-bppsa-cpu-fused / step-bppsa-cpu-fused-compiled"}
+        want |= {"step-autograd / step-bppsa-cpu-fused-compiled",
+                 "step-bppsa-cpu-fused / step-bppsa-cpu-fused-compiled"}
     assert want <= set(s.ratio)
     assert (s["median"] > 0).all() and (s["ci_low"] <= s["median"]).all() and (s["median"] <= s["ci_high"]).all()
     # step_batches: the step group on its own batch sizes, the others on theirs

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from .. import paper
-from .results import device_dirs, reads
+from .results import COMPILED, device_dirs, reads, variants
 
 VERDICTS = ("holds", "partly", "not reproduced", "not measurable here")
 HOLDS_FRACTION = 0.75  # a measured interval reaching 75 % of the paper's value counts as reproducing it
@@ -289,8 +289,7 @@ def curve_differences(c: pd.DataFrame) -> pd.DataFrame:
     ``c``: the rows of one device's curve CSVs (``bppsa train``).  One row per (seq_len, dtype, BPPSA variant,
     epoch): ``rel`` = |loss - baseline loss| / |baseline loss|, the two wall-clocks, and both backends.
     """
-    c = c.assign(variant=np.where(c["method"] == "baseline", "baseline",
-                                  "bppsa-" + c["layout"].fillna("").astype(str)),
+    c = c.assign(variant=variants(c),
                  dtype=c["dtype"].fillna("?").astype(str) if "dtype" in c else "?",
                  backend=c["backend"].fillna("").astype(str) if "backend" in c else "")
     rows = []
@@ -397,7 +396,8 @@ def curve_claims(results: Path) -> list[Claim]:
                 if twin is not None:
                     measured += f", {float(twin['rel'].max()):.2e} in float64 over {len(twin)} epochs"
                     verdict, reason = _float64_twin(c, T, dtype, d, twin, verdict, reason)
-                what = "RNN" if model == "rnn" else f"GRU, T={T}"
+                what = ("RNN" if model == "rnn" else f"GRU, T={T}") + (
+                    ", BPPSA with the compiled forward" if var.endswith(COMPILED) else "")
                 out.append(Claim(f"BPPSA's training curve overlaps the baseline's ({what})",
                                  "overlapping (Fig 6/7/13)", paper.CURVES_DEVICE,
                                  f"{measured}; wall-clock to the last epoch: baseline/BPPSA = {speed:.2f}× ({var}, "

@@ -44,6 +44,15 @@ def baseline_backend_name(device: torch.device, packed: bool = False) -> str:
     return "autograd-packed" if packed else "autograd"
 
 
+def compiled_forward_here(model, x) -> bool:
+    """Whether the backend's own forward (``forward="auto"``) runs a compiled kernel for ``model`` on ``x``, not
+    torch's (no C compiler, another device or dtype: :meth:`bppsa.backends.cpu.CpuBackend.forward` says None)."""
+    from ..nn.backward import backend_for
+
+    w = model.cell.layer_weights(0)
+    return backend_for("auto", x.device).forward(model.cell.cell.kernel, x[:1], (None, None), w.tensors()) is not None
+
+
 def train_step(model, x, y, method: str, backend=None, layout: str = "fused", L_m=None,
                optimizer=None, timer: PhaseTimer | None = None, backward: bool = True,
                packed: bool = False, forward: str = "torch") -> torch.Tensor:

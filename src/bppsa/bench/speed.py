@@ -53,6 +53,7 @@ from ..models.recurrent import no_phase
 from ..scan import linear_scan
 from ..stats import ratio_ci
 from .protocol import TOTAL, StopRule, interleave
+from .recurrent import compiled_forward_here
 from .timing import PhaseTimer, backward_seconds, timed
 
 SEQUENTIAL, AUTOGRAD, AUTOGRAD_GENERIC = "sequential", "autograd", "autograd-generic"
@@ -149,15 +150,6 @@ def backward_methods(model, x, y, backends=("cpu",), layouts=("fused",), L_ms=(N
                 out[bppsa_name(backend.name, layout, L_m)] = (model_step(fn), {
                     "backend": backend.name, "layout": layout, "L_m": L_m, "forward": "torch"})
     return out
-
-
-def compiled_forward_here(model, x) -> bool:
-    """Whether the backend's own forward (``forward="auto"``) runs a compiled kernel for ``model`` on ``x``, not
-    torch's (no C compiler, another device or dtype: :meth:`bppsa.backends.cpu.CpuBackend.forward` says None)."""
-    from ..nn.backward import backend_for
-
-    w = model.cell.layer_weights(0)
-    return backend_for("auto", x.device).forward(model.cell.cell.kernel, x[:1], (None, None), w.tensors()) is not None
 
 
 def step_methods(model, x, y, backends=("cpu",), layouts=("fused",), L_ms=(None,), tol: float | None = None) -> dict:

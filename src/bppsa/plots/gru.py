@@ -17,15 +17,16 @@ from .common import (
     VARIANT_STYLE,
     backends_of,
     baseline_name,
+    curve_label,
     device_colors,
     device_order,
     errorbar,
     finish,
     footer_text,
+    legend_below,
     n_text,
     save,
     variant,
-    variant_label,
 )
 
 SET_OF_FRAMES = {s.frames: name.upper() for name, s in MFCC_SETS.items()}
@@ -213,14 +214,14 @@ def fig_13(curves: pd.DataFrame, out: str | Path) -> None:
             g = g.sort_values("epoch")
             style = VARIANT_STYLE.get(var, dict(ls="-", marker="o"))
             ax.plot(g["wall_clock_s"], g["loss"], color=colors[dev], ls=style["ls"], marker=style["marker"], ms=3,
-                    label=f"{variant_label(var, backends_of(g))} · {dev}")
+                    label=f"{curve_label(var, g)} · {dev}")
         spec = MFCC_SETS.get(name.lower())
         ax.set_title(f"set {name} ({spec.frames} frames × {spec.features} features)" if spec else f"set {name}",
                      fontsize=9)
         ax.set_xlabel("wall-clock training time (s)")
         ax.set_ylabel("training loss (cross-entropy)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        legend_below(ax)  # under the axes: three curves leave no empty corner in a set's panel
     B = ",".join(map(str, sorted(set(curves["batch"]))))
     lr = ",".join(f"{v:g}" for v in sorted(set(curves["lr"])))
     epochs = int(curves["epoch"].max())
