@@ -151,7 +151,8 @@ def bench_args():
 
 def get_method_args(wildcards):
     """`--method baseline`, `--method bppsa --layout <layout>` for a variant named bppsa-<layout>, and
-    `... --forward auto` for bppsa-<layout>-compiled (BPPSA with the compiled forward, a variant of its own)."""
+    `... --forward auto` for bppsa-<layout>-compiled (BPPSA with the compiled forward, a variant of its own).
+    """
     method, _, rest = wildcards.variant.partition("-")
     layout, _, compiled = rest.partition("-")
     return (
@@ -187,23 +188,29 @@ def get_rnn_extra_dtypes():
 def get_rnn_curves():
     """Fig 7: baseline and BPPSA (the first layout) in the workflow's dtype, curve_<variant>.csv, and in
     each extra precision, curve_<variant>_<dtype>.csv; with rnn.curves.compiled_forward, on a CPU folder, BPPSA
-    with the compiled forward too, in the workflow's dtype (curve_bppsa-<layout>-compiled.csv)."""
+    with the compiled forward too, in the workflow's dtype (curve_bppsa-<layout>-compiled.csv).
+    """
     variants = RNN_VARIANTS[:2]
-    compiled = [f"{RNN_VARIANTS[1]}-compiled"] if RNN["curves"]["compiled_forward"] and CPU_FOLDER else []
-    return (
-        [f"{RNN_DIR}/curve_{v}.csv" for v in variants + compiled]
-        + [f"{RNN_DIR}/curve_{v}_{d}.csv" for d in get_rnn_extra_dtypes() for v in variants]
+    compiled = (
+        [f"{RNN_VARIANTS[1]}-compiled"]
+        if RNN["curves"]["compiled_forward"] and CPU_FOLDER
+        else []
     )
+    return [f"{RNN_DIR}/curve_{v}.csv" for v in variants + compiled] + [
+        f"{RNN_DIR}/curve_{v}_{d}.csv" for d in get_rnn_extra_dtypes() for v in variants
+    ]
 
 
 def get_gru_curves():
     """Fig 13: baseline and BPPSA on every set of gru.curves.sets, curve_<set>_<variant>.csv; on a CPU folder, BPPSA
-    with the compiled forward on gru.curves.compiled_forward_sets (curve_<set>_bppsa-fused-compiled.csv)."""
+    with the compiled forward on gru.curves.compiled_forward_sets (curve_<set>_bppsa-fused-compiled.csv).
+    """
     compiled = GRU["curves"]["compiled_forward_sets"] if CPU_FOLDER else []
     return [
         f"{GRU_DIR}/curve_{s}_{v}.csv"
         for s in GRU["curves"]["sets"]
-        for v in GRU_VARIANTS + ([f"{GRU_VARIANTS[1]}-compiled"] if s in compiled else [])
+        for v in GRU_VARIANTS
+        + ([f"{GRU_VARIANTS[1]}-compiled"] if s in compiled else [])
     ]
 
 
