@@ -48,6 +48,9 @@ def register(sub) -> None:
     p.add_argument("--seq-len", type=positive_int, required=True)
     p.add_argument("--batch", type=positive_int, required=True)
     p.add_argument("--input-size", type=positive_int, default=None, help="default: the model's (bppsa.models.SPECS)")
+    p.add_argument("--forward", choices=["torch", "auto"], default="torch",
+                   help="BPPSA's forward: torch's kernels (what every timed comparison of the paper's claims runs) or "
+                        "the backend's own (auto: the CPU's compiled kernel)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.set_defaults(func=_verify, dtype="float64")
 
@@ -96,8 +99,10 @@ def _setup(args):
 def _check(args, dev, seq_len, input_size, layout, out, show=None) -> bool:
     """One batch through autograd and BPPSA (bppsa.verify), the result printed to ``show``; written to ``out``
     only where it passes, so the workflow cannot proceed past a failure."""
+    # `bppsa bench`'s check runs torch's forward, the one its variants time; `bppsa verify --forward auto` the other
     res = verify(args.model, seq_len, args.batch, args.hidden, input_size, dtype=args.dtype, backend=args.backend,
-                 layout=layout, L_m=args.L_m, seed=args.seed, device=str(dev))
+                 layout=layout, L_m=args.L_m, seed=args.seed, device=str(dev),
+                 forward=getattr(args, "forward", "torch"))
     res["device_slug"] = args.device_slug
     print(json.dumps(res, sort_keys=True), file=show or sys.stdout)
     if not res["ok"]:
