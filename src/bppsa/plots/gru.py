@@ -13,6 +13,7 @@ from ..analysis.results import load_all
 from ..data.irmas import MFCC_SETS
 from ..io import write_csv
 from .common import (
+    MIN_WIDTH_IN,
     PROTOCOL_NOTE,
     VARIANT_STYLE,
     backends_of,
@@ -207,7 +208,8 @@ def fig_13(curves: pd.DataFrame, out: str | Path) -> None:
     curves["variant"] = variant(curves)
     sets = sorted(curves["set"].unique(), key=lambda n: (SET_ORDER.index(n) if n in SET_ORDER else 99, n))
     colors = device_colors(curves["device_label"])
-    fig, axes = plt.subplots(1, len(sets), figsize=(4.6 * len(sets), 4.2), squeeze=False)
+    # never narrower than the title: one set alone (the .test profile) clipped it
+    fig, axes = plt.subplots(1, len(sets), figsize=(max(4.6 * len(sets), MIN_WIDTH_IN), 4.2), squeeze=False)
     for ax, name in zip(axes[0], sets):
         sub = curves[curves["set"] == name]
         for (dev, var), g in sub.groupby(["device_label", "variant"]):
