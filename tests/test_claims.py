@@ -73,7 +73,7 @@ def test_bad_verdicts_are_rejected():
 
 def test_collect_is_the_row_functions_in_the_table_order(tmp_path, monkeypatch):
     order = ["speedup_claims", "trend_claims", "curve_claims", "lenet5_curve_claims", "table1_claims", "vgg_claims",
-             "vgg_scan_claims", "cpu_speed_claims", "worker_claims",
+             "vgg_scan_claims", "cpu_speed_claims", "worker_claims", "worker_step_claims",
              "lbi_claims"]
     assert [row.__name__ for row in claims.ROWS] == order
     rows = [lambda results, name=name: [claims.Claim(name, "—", "—", "—", "cpu", "holds", "r")] for name in order]
