@@ -234,7 +234,25 @@ def test_the_gpipe_pipeline_gives_autograds_gradients():
                 assert set(err) == {"weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0"}
                 assert max(err.values()) <= 1e-10, (p, loss, err)
                 assert 0 < timed["backward_s"] <= timed["fwd_bwd_s"], timed
+                assert 0 < timed["forward_s"] <= timed["fwd_bwd_s"] - timed["backward_s"] + 1e-9, timed  # the fill
     assert (2, "last") not in res[0]  # rank 0 is outside p = 2's group
+
+
+def test_time_rows_record_the_forward_and_the_hand_off_beside_the_default():
+    """Two real gloo ranks, tiny sizes: every split step records its forward, backward and whole step, and how its
+    forward ran; the hand-off method never sweeps, and runs at p > 1 only."""
+    from bppsa.bench import workers
+
+    t = pd.DataFrame(workers.time_rows([1, 2], T=12, B=2, H=3, rounds=2, threads=1, timeout=300))
+    assert set(zip(t["p"], t["method"])) >= {(1, "bppsa"), (2, "bppsa"), (2, "bppsa-handoff"), (1, "pipeline"),
+                                             (2, "pipeline"), (1, "sequential")}
+    assert (1, "bppsa-handoff") not in set(zip(t["p"], t["method"]))
+    split = t[t["method"].isin(workers.SPLIT + ("pipeline", "sequential"))]
+    assert (split["forward_s"] > 0).all() and (split["forward_s"] <= split["fwd_bwd_s"]).all()
+    assert (split["backward_s"] <= split["fwd_bwd_s"]).all()
+    assert set(t.loc[t["method"] == "bppsa-handoff", "forward_sweeps"]) == {0}
+    assert t.loc[t["method"] == "bppsa", "forward_sweeps"].between(0, 2).all()  # at most p sweeps
+    assert t.loc[t["method"].str.startswith("scan-"), "forward_s"].isna().all()
 
 
 def test_the_pipelines_micro_batches_must_divide_the_batch():
