@@ -88,6 +88,28 @@ def test_training_curves_of_both_methods_agree_after_the_warm_up():
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-9)
 
 
+def test_the_compiled_forward_curve_trains_like_the_others_and_only_it_leaves_torchs_forward(tmp_path):
+    """`bppsa train --forward auto` (the -compiled variant): the same losses as BPPSA with torch's forward (fp64),
+    the layer run with the backend's own forward and the CSV saying which; verify checks either forward."""
+    from bppsa.cli import main
+    from bppsa.verify import verify
+
+    data = tmp_path / "bits.npz"
+    assert main(["make-bitstream", "--seq-len", "11", "--samples", "24", "--seed", "0", "--out", str(data)]) == 0
+    common = ["train", "--model", "rnn", "--data", str(data), "--batch", "8", "--hidden", "5", "--epochs", "2",
+              "--lr", "1e-2", "--device", "cpu", "--dtype", "float64", "--backend", "cpu"]
+    for name, extra in (("torch", []), ("auto", ["--forward", "auto"])):
+        assert main([*common, "--method", "bppsa", *extra, "--out", str(tmp_path / f"{name}.csv")]) == 0
+    torch_fwd, auto = (pd.read_csv(tmp_path / f"{n}.csv") for n in ("torch", "auto"))
+    assert set(torch_fwd["forward"]) == {"torch"} and set(torch_fwd["forward_kernel"]) == {"torch"}
+    assert set(auto["forward"]) == {"auto"} and set(auto["forward_kernel"]) <= {"compiled", "torch"}
+    assert auto["loss"].to_numpy() == pytest.approx(torch_fwd["loss"].to_numpy(), rel=1e-12)
+    assert main([*common, "--method", "baseline", "--forward", "auto", "--out", str(tmp_path / "b.csv")]) != 0
+    for forward in ("torch", "auto"):
+        r = verify("gru", 13, 3, dtype="float64", backend="cpu", forward=forward)
+        assert r["ok"] and r["forward"] == forward
+
+
 def _bench(ref_full, ref_nobp, var_full, var_nobp):
     """A bench CSV of one configuration whose per-round iteration totals are the given arrays."""
     rows = []

@@ -34,6 +34,10 @@ def _validate(cfg):
     (lambda c: c["bench"].__setitem__("min_iters", 0), "min_iters"),
     (lambda c: c["bench"].__setitem__("iters", 10), "iters"),
     (lambda c: c["rnn"]["curves"].__setitem__("also_dtypes", ["float16"]), "also_dtypes"),
+    (lambda c: c["rnn"]["curves"].__setitem__("compiled_forward", "yes"), "compiled_forward"),
+    (lambda c: c["gru"]["curves"].__setitem__("compiled_forward_sets", ["xl"]), "compiled_forward_sets"),
+    (lambda c: c["rnn"]["speed"].__setitem__("step_batches", [0]), "step_batches"),
+    (lambda c: c["gru"]["speed"].__setitem__("step_batchs", [16]), "step_batchs"),
 ])
 def test_schema_rejects_and_names_the_key(mutate, key):
     cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
@@ -48,6 +52,8 @@ def test_schema_rejects_and_names_the_key(mutate, key):
     (lambda c: c["rnn"].__setitem__("lenghts", [3]), "lenghts"),
     # passes the schema, caught by the protocol's own check before any job
     (lambda c: c["bench"].update(min_iters=50, max_iters=20), "bench.max_iters"),
+    # passes the schema, caught by checks.smk: a compiled-forward curve needs its set's other curves
+    (lambda c: c["gru"]["curves"].update(sets=["s"], compiled_forward_sets=["l"]), "gru.curves.compiled_forward_sets"),
 ])
 def test_a_bad_config_stops_snakemake_before_any_job_naming_the_key(tmp_path, mutate, key):
     r = _dry_run(tmp_path, mutate)
@@ -70,9 +76,14 @@ def test_both_profiles_validate_and_list_the_paper_grid(tmp_path):
     assert "--variants baseline bppsa-paper bppsa-fused" in out or "bppsa-paper" in out
     assert "speedups.csv" in out and "claims.md" in out
     assert "fig_8_b.png" in out and "fig_7.png" in out
-    # Fig 7's two curves, and their float64 twins
+    # Fig 7's two curves, and their float64 twins; BPPSA with the compiled forward beside them in a CPU folder only
     for v in ("baseline", "bppsa-paper"):
         assert f"curve_{v}.csv" in out and f"curve_{v}_float64.csv" in out
+    from bppsa import device
+
+    cpu = device.slug("auto") == "cpu"
+    assert ("curve_bppsa-paper-compiled.csv" in out) == cpu and "curve_bppsa-paper-compiled_float64.csv" not in out
+    assert all((f"curve_{s}_bppsa-fused-compiled.csv" in out) == cpu for s in "sml")
 
 
 def test_config_readme_names_every_key_of_the_schemas():

@@ -141,10 +141,11 @@ def test_fig_9_labels_clear_the_bars_each_other_and_the_frame(monkeypatch):
     common.plt.close(fig)
 
 
-def _curve(method, dtype, losses, backend):
-    return pd.DataFrame(dict(epoch=np.arange(1, len(losses) + 1), wall_clock_s=np.arange(1, len(losses) + 1) * 2.0,
+def _curve(method, dtype, losses, backend, forward="torch", kernel=None, step_s=2.0):
+    return pd.DataFrame(dict(epoch=np.arange(1, len(losses) + 1), wall_clock_s=np.arange(1, len(losses) + 1) * step_s,
                              loss=losses, accuracy=0.3, steps=64, profile="test", device="cpu", model="rnn",
                              method=method, backend=backend, layout="fused" if method == "bppsa" else "",
+                             forward=forward, forward_kernel=kernel or ("compiled" if forward == "auto" else "torch"),
                              dtype=dtype, seq_len=1000, batch=16, hidden=20, lr=1e-3, samples=1024,
                              data="bitstream (Eq. 8)"))
 
@@ -167,6 +168,39 @@ def test_fig_7_draws_and_labels_the_float64_twin(monkeypatch):
     assert len(diff_legend) == 2 and all("my-fast-path" in t and "my-autograd" in t for t in diff_legend)
     assert sorted("float64" in t for t in diff_legend) == [False, True]
     assert "float64" in fig._suptitle.get_text()
+    common.plt.close(fig)
+
+
+def test_fig_7_and_13_draw_the_compiled_forward_as_a_variant_of_its_own(monkeypatch):
+    """BPPSA with the compiled forward is its own line (its own wall-clock: faster steps) beside BPPSA with torch's
+    forward and the baseline, in the loss, accuracy and difference panels; a run that found no compiled forward says
+    so in its legend entry."""
+    base = np.array([2.3, 2.0, 1.9, 1.8])
+    curves = pd.concat([_curve("baseline", "float32", base, "autograd"),
+                        _curve("bppsa", "float32", base * (1 + 1e-6), "cpu"),
+                        _curve("bppsa", "float32", base * (1 + 2e-6), "cpu", forward="auto", step_s=0.5)])
+    figs = _capture(monkeypatch, rnn)
+    rnn.fig_7(curves.assign(device_label="cpu"), "x.png")
+    (fig,) = figs
+    loss_ax, acc_ax, diff_ax = fig.axes
+    for ax in (loss_ax, acc_ax):
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert len(lines) == 3
+        (compiled,) = [lab for lab in lines if "compiled forward" in lab]
+        assert "backend cpu" in compiled
+        assert max(lines[compiled].get_xdata()) == pytest.approx(2.0)  # its own wall-clock, from its own CSV
+    diff = [t.get_text() for t in diff_ax.get_legend().get_texts()]
+    assert len(diff) == 2 and sum("compiled fwd" in t for t in diff) == 1
+    common.plt.close(fig)
+
+    gru_curves = curves.assign(model="gru", seq_len=1034, device_label="cpu")
+    gru_curves.loc[gru_curves["forward"] == "auto", "forward_kernel"] = "torch"  # no compiled forward on that host
+    figs = _capture(monkeypatch, gru)
+    gru.fig_13(gru_curves, "x.png")
+    (fig,) = figs
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert len(labels) == 3 and any("compiled forward" in t and "(no compiled forward there: torch's)" in t
+                                    for t in labels)
     common.plt.close(fig)
 
 
@@ -225,10 +259,15 @@ def _cpu_results(results):
         c = _curve(method, dtype, base, CPU_BACKENDS["baseline" if method == "baseline" else "bppsa-fused"])
         name = ("baseline" if method == "baseline" else "bppsa-fused") + ("_float64" if dtype == "float64" else "")
         c.to_csv(results / "cpu" / "rnn" / f"curve_{name}.csv", index=False)
+    # the default profile's compiled-forward curves: Fig 7's in float32, Fig 13's on set L
+    _curve("bppsa", "float32", base * (1 + 1e-6), "cpu", forward="auto", step_s=0.4).to_csv(
+        results / "cpu" / "rnn" / "curve_bppsa-fused-compiled.csv", index=False)
     for method, backend in (("baseline", "autograd"), ("bppsa", "cpu")):
         c = pd.concat(_curve(method, "float32", base[:3], backend).assign(seq_len=T, batch=16, model="gru")
                       for T in (259, 517, 1034))
         c.to_csv(results / "cpu" / "gru" / f"curve_{method}.csv", index=False)
+    _curve("bppsa", "float32", base[:3], "cpu", forward="auto", step_s=0.6).assign(seq_len=1034, model="gru").to_csv(
+        results / "cpu" / "gru" / "curve_l_bppsa-fused-compiled.csv", index=False)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["with-h200-reference", "cpu-alone"])

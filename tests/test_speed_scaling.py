@@ -133,14 +133,65 @@ def test_crossovers_prefer_measurement_and_label_extrapolation():
 def test_speed_run_tiny_end_to_end():
     rows = speed.run(9, [2], hidden=4, rule=TINY, backends=("cpu", "torch"))
     df = pd.DataFrame(rows)
+    compiled = speed.compiled_forward_here(*speed.setup("rnn", 2, 0, torch.float32, 9, 4)[:2])
+    steps = {"step-autograd", "step-bppsa-cpu-fused", "step-bppsa-torch-fused"}
+    steps |= {"step-bppsa-cpu-fused-compiled", "step-bppsa-torch-fused-compiled"} if compiled else set()
     assert set(df["method"]) == {"autograd", "sequential", "bppsa-cpu-fused", "bppsa-torch-fused", "scan-cpu",
-                                 "scan-cpu-chain", "scan-torch", "scan-sequential", "scan-linear-torch"}
+                                 "scan-cpu-chain", "scan-torch", "scan-sequential", "scan-linear-torch"} | steps
     assert (df.groupby("method")["iter"].nunique() == 6).all()
+    # the paper's comparisons run torch's forward; only the -compiled variants run the backend's own
+    forward = df.dropna(subset=["forward"]).groupby("method")["forward"].unique().map(list).to_dict()
+    assert all(f == (["auto"] if m.endswith("-compiled") else ["torch"]) for m, f in forward.items()), forward
+    assert set(forward) == set(df.loc[df["group"] != "scan", "method"])
+    step = df[df["group"] == "step"]
+    assert set(step["phase"]) >= {"forward", "backward"}  # the whole step: its forward is timed too
+    assert step["forward_sliced"].between(0, 1).all()
     s = speed.summary(df)
     want = {"autograd / bppsa-cpu-fused", "sequential / bppsa-cpu-fused", "scan-sequential / scan-cpu",
-            "scan-sequential / scan-cpu-chain"}
+            "scan-sequential / scan-cpu-chain", "step-autograd / step-bppsa-cpu-fused"}
+    if compiled:
+        want |= {"step-autograd / step-bppsa-cpu-fused-compiled",
+                 "step-bppsa-cpu-fused / step-bppsa-cpu-fused-compiled"}
     assert want <= set(s.ratio)
     assert (s["median"] > 0).all() and (s["ci_low"] <= s["median"]).all() and (s["median"] <= s["ci_high"]).all()
+    # step_batches: the step group on its own batch sizes, the others on theirs
+    df = pd.DataFrame(speed.run(9, [2], hidden=4, rule=TINY, backends=("cpu",), groups=("backward", "step"),
+                                step_batches=[3]))
+    assert df.groupby("group")["batch"].unique().map(list).to_dict() == {"backward": [2], "step": [3]}
+
+
+def test_the_step_summary_pairs_each_variant_with_autograd_and_the_compiled_with_its_twin():
+    n = 10
+    auto = [6.0 + 0.01 * i for i in range(n)]
+    df = pd.DataFrame(
+        _rows(16, "step", "step-autograd", [a / 2 for a in auto], "forward") + _rows(16, "step", "step-autograd",
+                                                                                    [a / 2 for a in auto])
+        + _rows(16, "step", "step-bppsa-cpu-fused", [a / 4 for a in auto], "forward")  # a step 2x faster
+        + _rows(16, "step", "step-bppsa-cpu-fused", [a / 4 for a in auto])
+        + _rows(16, "step", "step-bppsa-cpu-fused-compiled", [a / 40 for a in auto], "forward")  # its forward 10x
+        + _rows(16, "step", "step-bppsa-cpu-fused-compiled", [a / 4 for a in auto]))
+    s = speed.summary(df).set_index("ratio")
+    assert list(s.index) == ["step-autograd / step-bppsa-cpu-fused", "step-autograd / step-bppsa-cpu-fused-compiled",
+                             "step-bppsa-cpu-fused / step-bppsa-cpu-fused-compiled"]
+    assert s.loc["step-autograd / step-bppsa-cpu-fused", "median"] == pytest.approx(2.0)  # forward + backward
+    assert s.loc["step-autograd / step-bppsa-cpu-fused-compiled", "median"] == pytest.approx(1 / 0.275)
+    assert s.loc["step-bppsa-cpu-fused / step-bppsa-cpu-fused-compiled", "median"] == pytest.approx(0.5 / 0.275)
+
+
+def test_a_step_whose_gradients_are_wrong_is_not_timed(monkeypatch):
+    from bppsa.models.recurrent import RecurrentClassifier
+
+    real = RecurrentClassifier.bppsa_step
+
+    def wrong(self, x, y, *a, **k):
+        loss = real(self, x, y, *a, **k)
+        self.head.bias.grad.mul_(1.01)
+        return loss
+
+    monkeypatch.setattr(RecurrentClassifier, "bppsa_step", wrong)
+    net, x, y = speed.setup("rnn", 2, 0, torch.float32, 9, 4)
+    with pytest.raises(RuntimeError, match="step-bppsa-cpu-fused: its gradients differ from autograd's"):
+        speed.step_methods(net, x, y, ("cpu",))
 
 
 def _mfcc_file(path, N=4, T=13, F=6, classes=11):
@@ -156,8 +207,11 @@ def test_speed_runs_the_gru_on_a_dataset(tmp_path):
     data = _mfcc_file(tmp_path / "mfcc.npz")
     rows = speed.run(None, [3], hidden=4, rule=TINY, backends=("cpu",), model="gru", data=str(data))
     df = pd.DataFrame(rows)
+    net, x, _ = speed.setup("gru", 3, 0, torch.float32, data=str(data))
+    compiled = {"step-bppsa-cpu-fused-compiled"} if speed.compiled_forward_here(net, x) else set()
     assert set(df["method"]) == {"autograd", "sequential", "bppsa-cpu-fused", "scan-cpu", "scan-cpu-chain",
-                                 "scan-sequential", "scan-linear-torch"}
+                                 "scan-sequential", "scan-linear-torch", "step-autograd",
+                                 "step-bppsa-cpu-fused"} | compiled
     assert set(df["model"]) == {"gru"} and set(df["seq_len"]) == {13} and set(df["input_size"]) == {6}
     assert set(df.loc[df["method"] == "sequential", "backend"]) == {"cpu-sequential"}
     with pytest.raises(ValueError, match="--data"):

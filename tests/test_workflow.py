@@ -36,11 +36,18 @@ def _train_commands(out):
 
 
 def test_fig_7_curves_are_trained_in_the_workflow_dtype_and_in_float64(tmp_path):
-    """The default: the two curves in float32 under their old names, and again in float64 beside them."""
-    cmds = _train_commands(_dry_run(tmp_path))
+    """The default: the two curves in float32 under their old names, and again in float64 beside them; BPPSA with
+    the compiled forward (rnn.curves.compiled_forward), a variant of its own, in float32 only."""
+    cmds = _train_commands(_dry_run(tmp_path, lambda c: c.update(device="cpu")))  # the compiled one: CPU folders
     by_out = {c.split("--out ")[1].split()[0].rsplit("/", 1)[1]: c for c in cmds}
-    assert sorted(by_out) == ["curve_baseline.csv", "curve_baseline_float64.csv", "curve_bppsa-fused.csv",
-                              "curve_bppsa-fused_float64.csv"]
+    assert sorted(by_out) == ["curve_baseline.csv", "curve_baseline_float64.csv", "curve_bppsa-fused-compiled.csv",
+                              "curve_bppsa-fused.csv", "curve_bppsa-fused_float64.csv"]
+    compiled = by_out.pop("curve_bppsa-fused-compiled.csv")
+    # the same run as the paper's BPPSA curve but for its forward; every other curve runs torch's (the default)
+    strip_out = lambda c: c.split(" --out ")[0]  # noqa: E731
+    assert strip_out(compiled) == strip_out(by_out["curve_bppsa-fused.csv"]).replace(
+        "--layout fused", "--layout fused --forward auto")
+    assert not any("--forward" in c for c in by_out.values())
     for name, cmd in by_out.items():
         dtype = "float64" if name.endswith("_float64.csv") else "float32"
         assert f"--dtype {dtype} " in cmd and cmd.count("--dtype") == 1, cmd
@@ -52,10 +59,14 @@ def test_fig_7_curves_are_trained_in_the_workflow_dtype_and_in_float64(tmp_path)
 
 
 def test_no_twin_without_also_dtypes_or_in_the_workflow_dtype(tmp_path):
-    cmds = _train_commands(_dry_run(tmp_path, lambda c: c["rnn"]["curves"].update(also_dtypes=[])))
-    assert len(cmds) == 2 and all("--dtype float32" in c for c in cmds)
-    cmds = _train_commands(_dry_run(tmp_path, lambda c: c.update(dtype="float64")))
-    assert len(cmds) == 2 and all("--dtype float64" in c and "_float64.csv" not in c for c in cmds)
+    cmds = _train_commands(_dry_run(tmp_path, lambda c: (c.update(device="cpu"),
+                                                         c["rnn"]["curves"].update(also_dtypes=[]))))
+    assert len(cmds) == 3 and all("--dtype float32" in c for c in cmds)  # baseline, BPPSA, BPPSA compiled forward
+    cmds = _train_commands(_dry_run(tmp_path, lambda c: c.update(device="cpu", dtype="float64")))
+    assert len(cmds) == 3 and all("--dtype float64" in c and "_float64.csv" not in c for c in cmds)
+    cmds = _train_commands(_dry_run(tmp_path, lambda c: (c.update(device="cpu"),
+                                                         c["rnn"]["curves"].update(compiled_forward=False))))
+    assert len(cmds) == 4 and not any("compiled" in c for c in cmds)
 
 
 TEST_CONFIG = ROOT / ".test" / "config" / "config.yaml"

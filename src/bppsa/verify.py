@@ -22,7 +22,10 @@ def grad_errors(ref: torch.nn.Module, got: torch.nn.Module) -> dict[str, float]:
 
 def verify(model: str = "rnn", seq_len: int = 17, batch: int = 5, hidden: int | None = None,
            input_size: int | None = None, classes: int | None = None, dtype: str = "float64", backend: str = "torch",
-           layout: str = "fused", L_m: int | None = None, seed: int = 0, device: str = "cpu") -> dict:
+           layout: str = "fused", L_m: int | None = None, seed: int = 0, device: str = "cpu",
+           forward: str = "torch") -> dict:
+    """One batch's gradients by autograd and by BPPSA from the same weights.  ``forward``: the BPPSA layer's forward
+    ("torch", the one every timed comparison of the paper's claims runs; "auto", the compiled one)."""
     s = spec(model)
     input_size, hidden, classes = input_size or s.input_size, hidden or s.hidden, classes or s.classes
     dev = torch.device(device)
@@ -40,12 +43,13 @@ def verify(model: str = "rnn", seq_len: int = 17, batch: int = 5, hidden: int | 
     y = torch.randint(0, classes, (batch,), generator=g).to(dev)
     with ieee_fp32():  # TF32 would make the cuDNN/cuBLAS reference itself only ~1e-3 accurate
         loss_ref = ref.baseline_step(x, y)
-        loss_got = got.bppsa_step(x, y, be, layout, L_m)
+        loss_got = got.bppsa_step(x, y, be, layout, L_m, forward=forward)
     errs = grad_errors(ref, got)
     max_rel = max(errs.values())
     return {
         "model": model, "seq_len": seq_len, "batch": batch, "hidden": hidden, "input_size": input_size,
         "dtype": dtype, "backend": be.name, "layout": layout, "L_m": L_m, "seed": seed, "device": str(dev),
+        "forward": forward,
         "loss_baseline": loss_ref.item(), "loss_bppsa": loss_got.item(),
         "max_rel_err": max_rel, "rel_err": errs, "tolerance": TOLERANCE[dtype], "ok": max_rel <= TOLERANCE[dtype],
     }

@@ -21,6 +21,17 @@ for _schema in sorted(
 ):
     validate(config, str(_schema))
 
+# A key the schemas cannot relate to another: the compiled-forward curves' sets must be curves' sets.
+_stray = sorted(
+    set(config["gru"]["curves"]["compiled_forward_sets"])
+    - set(config["gru"]["curves"]["sets"])
+)
+if _stray:
+    raise WorkflowError(
+        f"config key gru.curves.compiled_forward_sets: {_stray} not among gru.curves.sets "
+        f"{config['gru']['curves']['sets']}: the compiled forward's curve is drawn beside the others of its set."
+    )
+
 # --use-singularity (an alias of --use-apptainer) must never run a job on the host.
 IN_CONTAINERS = (
     DeploymentMethod.APPTAINER in workflow.deployment_settings.deployment_method

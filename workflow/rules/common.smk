@@ -19,7 +19,7 @@ wildcard_constraints:
     B=r"\d+",
     set="s|m|l",
     layout="paper|fused",
-    variant="baseline|bppsa-paper|bppsa-fused",
+    variant="baseline|bppsa-(paper|fused)(-compiled)?",
     model="rnn|gru",
     dtype="float32|float64",
 
@@ -150,9 +150,16 @@ def bench_args():
 
 
 def get_method_args(wildcards):
-    """`--method baseline`, or `--method bppsa --layout <layout>` for a variant named bppsa-<layout>."""
-    method, _, layout = wildcards.variant.partition("-")
-    return f"--method {method}" + (f" --layout {layout}" if layout else "")
+    """`--method baseline`, `--method bppsa --layout <layout>` for a variant named bppsa-<layout>, and
+    `... --forward auto` for bppsa-<layout>-compiled (BPPSA with the compiled forward, a variant of its own).
+    """
+    method, _, rest = wildcards.variant.partition("-")
+    layout, _, compiled = rest.partition("-")
+    return (
+        f"--method {method}"
+        + (f" --layout {layout}" if layout else "")
+        + (" --forward auto" if compiled else "")
+    )
 
 
 def get_rnn_bench():
@@ -180,18 +187,30 @@ def get_rnn_extra_dtypes():
 
 def get_rnn_curves():
     """Fig 7: baseline and BPPSA (the first layout) in the workflow's dtype, curve_<variant>.csv, and in
-    each extra precision, curve_<variant>_<dtype>.csv."""
+    each extra precision, curve_<variant>_<dtype>.csv; with rnn.curves.compiled_forward, on a CPU folder, BPPSA
+    with the compiled forward too, in the workflow's dtype (curve_bppsa-<layout>-compiled.csv).
+    """
     variants = RNN_VARIANTS[:2]
-    return [f"{RNN_DIR}/curve_{v}.csv" for v in variants] + [
+    compiled = (
+        [f"{RNN_VARIANTS[1]}-compiled"]
+        if RNN["curves"]["compiled_forward"] and CPU_FOLDER
+        else []
+    )
+    return [f"{RNN_DIR}/curve_{v}.csv" for v in variants + compiled] + [
         f"{RNN_DIR}/curve_{v}_{d}.csv" for d in get_rnn_extra_dtypes() for v in variants
     ]
 
 
 def get_gru_curves():
+    """Fig 13: baseline and BPPSA on every set of gru.curves.sets, curve_<set>_<variant>.csv; on a CPU folder, BPPSA
+    with the compiled forward on gru.curves.compiled_forward_sets (curve_<set>_bppsa-fused-compiled.csv).
+    """
+    compiled = GRU["curves"]["compiled_forward_sets"] if CPU_FOLDER else []
     return [
         f"{GRU_DIR}/curve_{s}_{v}.csv"
         for s in GRU["curves"]["sets"]
         for v in GRU_VARIANTS
+        + ([f"{GRU_VARIANTS[1]}-compiled"] if s in compiled else [])
     ]
 
 

@@ -1,5 +1,6 @@
 # On CPU machines, per model (RNN on bitstreams, GRU on an MFCC set): the speed benchmark (BPPSA's backward
-# against eager autograd and the strongest sequential backward, paired), the roofline of the scans, and the
+# against eager autograd and the strongest sequential backward, paired; the whole step with torch's forward and
+# with the compiled one, at <model>.speed.step_batches), the roofline of the scans, and the
 # backward's scaling with worker threads with the extrapolated crossover (Sec 3.6's worker argument),
 # drawn by cpu_scaling_plot in figures.smk.
 
@@ -18,12 +19,14 @@ rule cpu_speed:
         model=get_cpu_bench_args("speed"),
         protocol=lambda wc: protocol_args(CPU_BENCH[wc.model]["speed"]),
         batches=lambda wc: CPU_BENCH[wc.model]["speed"]["batches"],
+        step_batches=lambda wc: CPU_BENCH[wc.model]["speed"]["step_batches"],
         layouts=lambda wc: RNN["layouts"] if wc.model == "rnn" else ["fused"],
         L_m=L_m_arg(RNN["L_m"]),
         profile=PROFILE,
     shell:
-        "bppsa speed --device cpu {params.model} --batches {params.batches} --layouts {params.layouts} "
-        "--L-m {params.L_m} {params.protocol} --threads {threads} --profile {params.profile} --out {output} 2> {log}"
+        "bppsa speed --device cpu {params.model} --batches {params.batches} --step-batches {params.step_batches} "
+        "--layouts {params.layouts} --L-m {params.L_m} {params.protocol} --threads {threads} "
+        "--profile {params.profile} --out {output} 2> {log}"
 
 
 rule cpu_roofline:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 REFERENCE = "reference"
+COMPILED = "-compiled"  # a BPPSA variant run with the backend's own (compiled) forward, not torch's
 
 
 def reads(*patterns: str):
@@ -54,3 +55,14 @@ def load_all(results: str | Path, experiment: str, pattern: str) -> pd.DataFrame
     if not frames:
         raise FileNotFoundError(f"no {pattern} under {Path(results)}/*/{experiment}/")
     return pd.concat(frames, ignore_index=True)
+
+
+def variants(df: pd.DataFrame) -> pd.Series:
+    """What each row of a training curve or bench table stands for: ``baseline``, ``bppsa-<layout>`` (torch's
+    forward, the baseline's: the paper's comparison) or ``bppsa-<layout>-compiled`` (``forward`` = "auto": the
+    backend's own forward, a variant of its own; a CSV without the column ran torch's)."""
+    layout = df["layout"].fillna("").astype(str) if "layout" in df else ""
+    out = df["method"].where(df["method"] == "baseline", "bppsa-" + layout)
+    if "forward" in df:
+        out = out.where((df["method"] == "baseline") | (df["forward"].fillna("torch") != "auto"), out + COMPILED)
+    return out

@@ -1,5 +1,6 @@
-"""What ``bppsa workers`` measured, compared: step times (the slowest rank's), paired ratios with intervals, and the
-issue's aims beside them (``workers/summary.csv``, the figure and the claims rows read these)."""
+"""What ``bppsa workers`` measured, compared: step times (the slowest rank's backward, forward or whole step), paired
+ratios with intervals, and the issues' aims beside them (``workers/summary.csv``, the figure and the claims rows read
+these)."""
 from __future__ import annotations
 
 import math
@@ -8,25 +9,33 @@ import pandas as pd
 
 from ..stats import median_ci, ratio_ci
 
-# (what, numerator's (p, method), denominator's (p, method), aim, sense): a ratio >= aim ("min") or <= aim ("max").
-# ``p`` is the compared process count P (None: the rival runs at p = 1).
+# (what, numerator's (p, method), denominator's (p, method), aim, sense, metric): a ratio >= aim ("min") or <= aim
+# ("max") of the slowest rank's ``metric`` (time.csv's column).  ``P`` is the compared process count.
 AIMS = (
-    ("BPPSA backward, p = 1 against p = {P} (speedup)", "bppsa@1", "bppsa@P", 1.6, "min"),
-    ("pipeline backward against BPPSA's, both at p = {P} (speedup)", "pipeline@P", "bppsa@P", 1.3, "min"),
+    ("BPPSA backward, p = 1 against p = {P} (speedup)", "bppsa@1", "bppsa@P", 1.6, "min", "backward_s"),
+    ("pipeline backward against BPPSA's, both at p = {P} (speedup)", "pipeline@P", "bppsa@P", 1.3, "min",
+     "backward_s"),
     ("BPPSA at p = {P} against one process on the CPU kernel with {P} threads (time ratio)", "bppsa@P", "threads@1",
-     1.15, "max"),
+     1.15, "max", "backward_s"),
     ("sequential backward (one process, L_m = 0) against BPPSA at p = {P} (speedup)", "sequential@1", "bppsa@P",
-     math.nan, "min"),
+     math.nan, "min", "backward_s"),
     ("rank_scan at p = {P}: 'rounds' against 'allgather' (time ratio; < 1: rounds faster)", "scan-rounds@P",
-     "scan-allgather@P", math.nan, "max"),
+     "scan-allgather@P", math.nan, "max", "backward_s"),
+    # the whole training step and its forward (issue 49): the same layers at p = 1, and the serial hand-off
+    ("BPPSA training step (forward + backward), p = 1 against p = {P} (speedup)", "bppsa@1", "bppsa@P", 1.7, "min",
+     "fwd_bwd_s"),
+    ("BPPSA forward, p = 1 against p = {P} (speedup)", "bppsa@1", "bppsa@P", math.nan, "min", "forward_s"),
+    ("BPPSA forward, the serial hand-off against the default (the sweeps), both at p = {P} (speedup)",
+     "bppsa-handoff@P", "bppsa@P", 1.7, "min", "forward_s"),
 )
 MEMORY_AIM = ("peak memory per rank, BPPSA p = {P} against p = 1 (ratio)", 0.6, "max")
 
 
-def step_times(time_df: pd.DataFrame) -> pd.DataFrame:
-    """One row per (round, p, method): the step's backward time, its slowest rank's."""
-    return (time_df.groupby(["round", "p", "method"], as_index=False)["backward_s"].max()
-            .rename(columns={"backward_s": "step_s"}))
+def step_times(time_df: pd.DataFrame, metric: str = "backward_s") -> pd.DataFrame:
+    """One row per (round, p, method): the step's ``metric`` (backward_s, forward_s, fwd_bwd_s), its slowest
+    rank's; none for a method that did not record it (NaN)."""
+    d = time_df.dropna(subset=[metric])
+    return d.groupby(["round", "p", "method"], as_index=False)[metric].max().rename(columns={metric: "step_s"})
 
 
 def _series(steps: pd.DataFrame, key: str, P: int) -> pd.Series:
@@ -39,26 +48,29 @@ def _series(steps: pd.DataFrame, key: str, P: int) -> pd.Series:
 def summary(time_df: pd.DataFrame, mem_df: pd.DataFrame | None) -> pd.DataFrame:
     """The comparisons for every measured P > 1: median paired ratio, its 95 % interval, n, the aim and whether the
     interval clears it (``meets``: True / False / None where the interval does not decide)."""
-    steps = step_times(time_df)
+    metrics = {m: step_times(time_df, m) for m in {a[-1] for a in AIMS} if m in time_df}  # (older CSVs lack some)
     rows = []
-    for P in sorted(p for p in steps["p"].unique() if p > 1):
-        for what, num, den, aim, sense in AIMS:
-            a, b = _series(steps, num, P), _series(steps, den, P)
+    for P in sorted(p for p in time_df["p"].unique() if p > 1):
+        for what, num, den, aim, sense, metric in AIMS:
+            if metric not in metrics:
+                continue
+            a, b = _series(metrics[metric], num, P), _series(metrics[metric], den, P)
             common = a.index.intersection(b.index)
             if num.startswith("bppsa@P") and den.startswith("threads") and P != _threads(time_df):
                 continue  # the threads rival runs with its own thread count only
             if len(common) == 0:
                 continue
             m, lo, hi = ratio_ci(a[common].to_numpy(), b[common].to_numpy())
-            rows.append(_row(what.format(P=P), P, "time", m, lo, hi, len(common), aim, sense))
+            rows.append(_row(what.format(P=P), P, "time", m, lo, hi, len(common), aim, sense) | {"metric": metric})
         if mem_df is not None and len(mem_df):
             one = mem_df[(mem_df["method"] == "bppsa") & (mem_df["p"] == 1)]["peak_bytes"].max()
             at = mem_df[(mem_df["method"] == "bppsa") & (mem_df["p"] == P)]["peak_bytes"].max()
             if one > 0 and not math.isnan(at):
                 what, aim, sense = MEMORY_AIM
-                rows.append(_row(what.format(P=P), P, "memory", at / one, math.nan, math.nan, 1, aim, sense))
-    return pd.DataFrame(rows, columns=["compared", "P", "kind", "ratio", "ci_lo", "ci_hi", "n", "aim", "sense",
-                                       "meets"])
+                rows.append(_row(what.format(P=P), P, "memory", at / one, math.nan, math.nan, 1, aim, sense)
+                            | {"metric": "peak_bytes"})
+    return pd.DataFrame(rows, columns=["compared", "P", "kind", "metric", "ratio", "ci_lo", "ci_hi", "n", "aim",
+                                       "sense", "meets"])
 
 
 def _threads(time_df: pd.DataFrame) -> int:
@@ -81,10 +93,13 @@ def _row(what, P, kind, m, lo, hi, n, aim, sense):
             "sense": sense, "meets": meets}
 
 
-def medians(time_df: pd.DataFrame) -> pd.DataFrame:
-    """Median step time and its interval per (p, method): what the figure draws."""
+def medians(time_df: pd.DataFrame, metric: str = "backward_s") -> pd.DataFrame:
+    """Median step time (``metric``: the backward, the forward or the whole step) and its interval per (p, method):
+    what the figure draws."""
     rows = []
-    for (p, method), g in step_times(time_df).groupby(["p", "method"]):
+    if metric not in time_df:
+        return pd.DataFrame(columns=["p", "method", "median_s", "ci_lo", "ci_hi", "n"])
+    for (p, method), g in step_times(time_df, metric).groupby(["p", "method"]):
         m, lo, hi = median_ci(g["step_s"])
         rows.append({"p": p, "method": method, "median_s": m, "ci_lo": lo, "ci_hi": hi, "n": len(g)})
     return pd.DataFrame(rows)

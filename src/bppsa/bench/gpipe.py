@@ -131,7 +131,8 @@ class GPipe:
         """One forward and backward of this rank's slice ``x`` [T_r, B, I], loss weights ``g`` [T_r, B, H]
         (time-major, as BPPSA's), the weights' gradients all-reduced over the group.  ``timed``: ``backward_s``,
         from the barrier at the schedule's first backward to the all-reduce's end; ``fwd_bwd_s``, from a barrier
-        before ``step()`` to the same end (both include the schedule's waits on the other stages)."""
+        before ``step()`` to the same end; ``forward_s``, from that barrier to the one at the first backward (every
+        stage's forwards done: the fill) (all include the schedule's waits on the other stages)."""
         stage, schedule = self._schedule(x.shape[0])
         xb, gb = x.transpose(0, 1).contiguous(), g.transpose(0, 1).contiguous()  # batch-first: split on dim 0
         for q in self.rnn.parameters():
@@ -145,6 +146,7 @@ class GPipe:
         flat = all_reduce_sum(torch.cat([q.grad.reshape(-1) for q in self.rnn.parameters()]), self.group)
         t1 = time.perf_counter()
         timed["backward_s"], timed["fwd_bwd_s"] = t1 - stage.t_backward, t1 - t0
+        timed["forward_s"] = stage.t_backward - t0
         i = 0
         for q in self.rnn.parameters():
             q.grad.copy_(flat[i:i + q.numel()].view_as(q))

@@ -44,17 +44,30 @@ def baseline_backend_name(device: torch.device, packed: bool = False) -> str:
     return "autograd-packed" if packed else "autograd"
 
 
+def compiled_forward_here(model, x) -> bool:
+    """Whether the backend's own forward (``forward="auto"``) runs a compiled kernel for ``model`` on ``x``, not
+    torch's (no C compiler, another device or dtype: :meth:`bppsa.backends.cpu.CpuBackend.forward` says None)."""
+    from ..nn.backward import backend_for
+
+    w = model.cell.layer_weights(0)
+    return backend_for("auto", x.device).forward(model.cell.cell.kernel, x[:1], (None, None), w.tensors()) is not None
+
+
 def train_step(model, x, y, method: str, backend=None, layout: str = "fused", L_m=None,
                optimizer=None, timer: PhaseTimer | None = None, backward: bool = True,
-               packed: bool = False) -> torch.Tensor:
-    """One training iteration; phases are timed when a timer is given."""
+               packed: bool = False, forward: str = "torch") -> torch.Tensor:
+    """One training iteration; phases are timed when a timer is given.
+
+    ``forward``: the BPPSA layer's forward, "torch" (the baseline's own kernels: the paper's overall speedups
+    compare the backward with the same forward on both sides) or "auto" (the backend's own forward, the CPU's
+    compiled kernel: the ``-compiled`` variants, measured beside the paper's comparison, never in it)."""
     phase = timer.phase if timer is not None else no_phase
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     if method == "baseline":
         loss = model.baseline_step(x, y, phase=phase, backward=backward, packed=packed)
     elif method == "bppsa":
-        loss = model.bppsa_step(x, y, backend, layout, L_m, phase=phase, backward=backward)
+        loss = model.bppsa_step(x, y, backend, layout, L_m, phase=phase, backward=backward, forward=forward)
     else:
         raise ValueError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
     if backward and optimizer is not None:
@@ -102,8 +115,9 @@ def time_interleaved(make_model: Callable[[], torch.nn.Module],
                 def run(i, model=model, opt=opt, method=method, layout=layout, packed=packed, mode=mode):
                     x, y = batches(i)
                     timer.sync()
+                    # torch's forward on both sides: Fig 8/9's speedups are the paper's comparison
                     train_step(model, x, y, method, backend, layout or "fused", L_m, opt, timer,
-                               backward=(mode == "full"), packed=packed)
+                               backward=(mode == "full"), packed=packed, forward="torch")
                     return timer.collect()
 
             key = v if mode == "full" else f"{v}@{NOBP}"
@@ -170,7 +184,7 @@ def _graphed_run(make_model, model, batches, variant: str, method: str, backend,
 
 
 def warm_up(model, batch: tuple[torch.Tensor, torch.Tensor], method: str, *, lr: float, steps: int = 2,
-            backend=None, layout: str = "fused", L_m=None, device=None) -> None:
+            backend=None, layout: str = "fused", L_m=None, device=None, forward: str = "torch") -> None:
     """Untimed training steps on a throw-away copy of the model and optimizer.
 
     The first iterations of a process pay one-time costs (lazy initialisation, allocator growth, kernel
@@ -182,22 +196,23 @@ def warm_up(model, batch: tuple[torch.Tensor, torch.Tensor], method: str, *, lr:
     opt = torch.optim.Adam(scratch.parameters(), lr=lr)
     x, y = batch
     for _ in range(steps):
-        train_step(scratch, x, y, method, backend, layout, L_m, opt)
+        train_step(scratch, x, y, method, backend, layout, L_m, opt, forward=forward)
     PhaseTimer(device or x.device).sync()
     del scratch, opt
 
 
 def train_epochs(model, n_samples: int, batch_size: int, get_batch: Callable[[np.ndarray], tuple],
                  method: str, *, device, epochs: int, lr: float, seed: int = 0, backend=None,
-                 layout: str = "fused", L_m=None, desc: str = "") -> Iterator[dict]:
+                 layout: str = "fused", L_m=None, desc: str = "", forward: str = "torch") -> Iterator[dict]:
     """Train for ``epochs``; yield one row per epoch with the training loss/accuracy and wall-clock.
 
     ``wall_clock_s`` is the cumulative time spent in training steps (device-synchronised), the
-    x-axis of Fig 7 / Fig 13; the loss/accuracy are the means over the epoch's batches.
+    x-axis of Fig 7 / Fig 13; the loss/accuracy are the means over the epoch's batches.  ``forward``: BPPSA's
+    forward (:func:`train_step`); the epoch's accuracy is always the baseline forward's, which is not timed.
     """
     rng = np.random.default_rng(seed)  # the same batch order for both methods
     warm_up(model, get_batch(np.arange(min(batch_size, n_samples))), method, lr=lr, backend=backend,
-            layout=layout, L_m=L_m, device=device)
+            layout=layout, L_m=L_m, device=device, forward=forward)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     timer = PhaseTimer(device)
     wall = 0.0
@@ -209,7 +224,7 @@ def train_epochs(model, n_samples: int, batch_size: int, get_batch: Callable[[np
             timer.sync()
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss = train_step(model, x, y, method, backend, layout, L_m, optimizer)
+            loss = train_step(model, x, y, method, backend, layout, L_m, optimizer, forward=forward)
             timer.sync()
             wall += time.perf_counter() - t0
             losses.append(loss.item())

@@ -5,8 +5,12 @@ memory per rank (``bppsa workers``; docs/distributed.md).
 the groups of the first p ranks run each p.  Every round runs, after a barrier, every (p, method) once, in an order
 rotated from round to round, so the methods are paired by round:
 
-* ``bppsa``: :class:`bppsa.nn.RNN` with ``process_group`` (backend ``cpu``): local up-sweeps, the ranks' scan,
-  local down-sweeps, the weights' gradients all-reduced;
+* ``bppsa``: :class:`bppsa.nn.RNN` with ``process_group`` (backend ``cpu``): its forward the layer's default, the
+  Jacobi sweeps over the ranks (every slice at once from a guess, reruns until the trajectories meet; the serial
+  hand-off from its next call on where they did not pay), its backward local up-sweeps, the ranks' scan, local
+  down-sweeps, the weights' gradients all-reduced;
+* ``bppsa-handoff`` (p > 1; at p = 1 it is ``bppsa``): the same layer with ``parallel_forward=False``, whose forward
+  is always the serial hand-off (rank r waits for rank r - 1's end state), the same backward;
 * ``pipeline``: the same split as the stages of ``torch.distributed.pipelining``'s GPipe schedule
   (:mod:`bppsa.bench.gpipe`): stage r is ``torch.nn.RNN`` over rank r's slice of T, the ``micro_batches``
   micro-batches split the batch (B / m sequences each), stage r runs micro-batch k while stage r + 1 runs k - 1;
@@ -22,11 +26,13 @@ rotated from round to round, so the methods are paired by round:
 * ``scan-rounds``, ``scan-allgather`` (p > 1): :func:`bppsa.distributed.rank_scan` alone with either strategy on
   one [B, H, H] summary per rank, to choose the default per p (``ALLGATHER_UP_TO``).
 
-Each rank records its own backward wall time, ``backward_s`` (``bppsa``: from a barrier of the group after the
+Each rank records its own backward wall time, ``backward_s`` (``bppsa*``: from a barrier of the group after the
 forward; ``pipeline``: as above; the one-process rivals: from the forward's end; each to the end of its backward,
-the weights' gradients all-reduced), and the whole step's, ``fwd_bwd_s`` (from a barrier before the forward, none
-for the one-process rivals, to the same end; a barrier between forward and backward included; none for
-``scan-*``); a step's time is the slowest rank's.
+the weights' gradients all-reduced), its forward's, ``forward_s`` (from a barrier before the forward, none for the
+one-process rivals, to the end of this rank's forward; ``pipeline``: to the barrier at its first backward), and the
+whole step's, ``fwd_bwd_s`` (from the barrier before the forward to the backward's end; the barrier between forward
+and backward included; none of the three but ``backward_s`` for ``scan-*``); a step's time is the slowest rank's.
+``forward_sweeps``: the sweeps the split layer's forward ran (0: the serial hand-off).
 
 **Memory** (:func:`memory_rows`): per (p, method), BPPSA's and the pipeline's, a fresh spawn (the kernels and plans
 already built and cached by the timing run); every rank resets its peak resident set (``/proc/self/clear_refs``),
@@ -42,7 +48,8 @@ import torch
 
 __all__ = ["METHODS", "MICRO_BATCHES", "check_sizes", "memory_rows", "time_rows"]
 
-METHODS = ("bppsa", "pipeline", "threads", "sequential")
+METHODS = ("bppsa", "bppsa-handoff", "pipeline", "threads", "sequential")
+SPLIT = ("bppsa", "bppsa-handoff")  # the split layers: the default forward (the sweeps), the serial hand-off
 # The pipeline's micro-batches by default: one.  On CPUs at B = 16, H = 20 a step's cost hardly depends on how many
 # sequences it carries, so m micro-batches cost ~m times one and the overlap never repays it (T = 10,000 at p = 2 on
 # a Zen 4: backward 0.39 s with m = 1 against 0.99 s with m = 4; docs/measurements.md): m = 1 is the stronger
@@ -52,7 +59,8 @@ MICRO_BATCHES = 1
 
 def _jobs(ps, threads: int) -> list[tuple[int, str]]:
     """(p, method) of every step a round runs: the split methods at every p, the one-process rivals at p = 1."""
-    return ([(p, m) for p in ps for m in ("bppsa", "pipeline")] + [(1, "sequential")]
+    return ([(p, m) for p in ps for m in ("bppsa", "pipeline")] + [(p, "bppsa-handoff") for p in ps if p > 1]
+            + [(1, "sequential")]
             + ([(1, "threads")] if threads > 1 else [])
             + [(p, f"scan-{s}") for p in ps if p > 1 for s in ("rounds", "allgather")])
 
@@ -70,19 +78,22 @@ def _setup(T: int, B: int, H: int, I: int, dtype: torch.dtype, seed: int, loss: 
 
 
 def _models(H: int, I: int, dtype, seed: int, group, r: int, p: int, B: int, micro_batches: int, loss: str):
-    """BPPSA's split layer, the one-process rivals, and this rank's GPipe stage, all with the same weights."""
+    """BPPSA's split layers (the sweeps, the serial hand-off), the one-process rivals, and this rank's GPipe stage,
+    all with the same weights."""
     import bppsa.nn as bnn
 
     from .gpipe import GPipe
 
     torch.manual_seed(seed)
     split = bnn.RNN(I, H, backend="cpu", dtype=dtype, process_group=group)
+    handoff = bnn.RNN(I, H, backend="cpu", dtype=dtype, process_group=group, parallel_forward=False)
+    handoff.load_state_dict(split.state_dict())
     single = bnn.RNN(I, H, backend="cpu", dtype=dtype)
     single.load_state_dict(split.state_dict())
     sequential = bnn.RNN(I, H, backend="cpu", dtype=dtype, L_m=0)
     sequential.load_state_dict(split.state_dict())
     pipe = GPipe(split.to_torch(), group, r, p, B, micro_batches, loss)
-    return split, {"threads": single, "sequential": sequential}, pipe
+    return {"bppsa": split, "bppsa-handoff": handoff}, {"threads": single, "sequential": sequential}, pipe
 
 
 def _bppsa_step(split, x, g_out, group, timed: dict) -> None:
@@ -93,11 +104,14 @@ def _bppsa_step(split, x, g_out, group, timed: dict) -> None:
     dist.barrier(group)
     t_f = time.perf_counter()
     out, _ = split(x)
+    t_fe = time.perf_counter()
     dist.barrier(group)
     t0 = time.perf_counter()
     torch.autograd.backward(out, g_out)
     t1 = time.perf_counter()
-    timed["backward_s"], timed["fwd_bwd_s"] = t1 - t0, t1 - t_f
+    timed["backward_s"], timed["fwd_bwd_s"], timed["forward_s"] = t1 - t0, t1 - t_f, t_fe - t_f
+    (stats,) = split.forward_stats  # one layer, one direction: None where it ran the serial hand-off
+    timed["forward_sweeps"] = 0 if stats is None else stats["sweeps"]
 
 
 def _scan_step(strategy: str, B: int, H: int, dtype, group, timed: dict) -> None:
@@ -124,7 +138,7 @@ def _threads_step(single, x, g_out, threads: int, timed: dict) -> None:
         t0 = time.perf_counter()
         torch.autograd.backward(out, g_out)
         t1 = time.perf_counter()
-        timed["backward_s"], timed["fwd_bwd_s"] = t1 - t0, t1 - t_f
+        timed["backward_s"], timed["fwd_bwd_s"], timed["forward_s"] = t1 - t0, t1 - t_f, t0 - t_f
     finally:
         torch.set_num_threads(prev)
 
@@ -150,13 +164,15 @@ def _time_worker(rank: int, world: int, ps, T, B, H, I, dtype, rounds, seed, los
             if rank >= p:
                 continue
             timed: dict = {}
-            split, singles, pipe = models[p]
-            _run(method, split, singles, pipe, _slice(x, p, rank), _slice(g_out, p, rank), groups[p], rank, p,
+            splits, singles, pipe = models[p]
+            _run(method, splits, singles, pipe, _slice(x, p, rank), _slice(g_out, p, rank), groups[p], rank, p,
                  threads, timed)
             if rnd >= 0:
                 rows.append({"round": rnd, "p": p, "method": method, "rank": rank,
                              "threads": threads if method == "threads" else 1, "backward_s": timed["backward_s"],
-                             "fwd_bwd_s": timed.get("fwd_bwd_s", float("nan"))})
+                             "forward_s": timed.get("forward_s", float("nan")),
+                             "fwd_bwd_s": timed.get("fwd_bwd_s", float("nan")),
+                             "forward_sweeps": timed.get("forward_sweeps", float("nan"))})
     dist.barrier()
     return rows
 
@@ -208,7 +224,7 @@ def _memory_worker(rank: int, p: int, methods, T, B, H, I, dtype, seed, loss, th
 
     torch.set_num_threads(1)
     group = dist.group.WORLD
-    split, singles, pipe = _models(H, I, dtype, seed, group, rank, p, B, micro_batches, loss)
+    splits, singles, pipe = _models(H, I, dtype, seed, group, rank, p, B, micro_batches, loss)
     x, g_out = _setup(T, B, H, I, dtype, seed, loss)
     xs, gs = _slice(x, p, rank), _slice(g_out, p, rank)
     xw, gw = _setup(max(8, p), B, H, I, dtype, seed, loss)
@@ -217,29 +233,29 @@ def _memory_worker(rank: int, p: int, methods, T, B, H, I, dtype, seed, loss, th
     for method in methods:
         timed: dict = {}
         # warm up on a short sequence: libraries, kernels (the plan of the measured shape is cached on disk)
-        _run(method, split, singles, pipe, _slice(xw, p, rank), _slice(gw, p, rank), group, rank, p, threads, timed)
+        _run(method, splits, singles, pipe, _slice(xw, p, rank), _slice(gw, p, rank), group, rank, p, threads, timed)
         gc.collect()
         dist.barrier()
         ok = _reset_peak()
         rss0 = _status_kb("VmRSS")
-        _run(method, split, singles, pipe, xs, gs, group, rank, p, threads, timed)
+        _run(method, splits, singles, pipe, xs, gs, group, rank, p, threads, timed)
         peak = (_status_kb("VmHWM") - rss0) * 1024 if ok else float("nan")
         rows.append({"p": p, "method": method, "rank": rank, "threads": threads if method == "threads" else 1,
                      "peak_bytes": peak, "backward_s": timed["backward_s"]})
-        for q in list(split.parameters()) + list(pipe.rnn.parameters()) + [q for m in singles.values()
-                                                                           for q in m.parameters()]:
+        for q in list(pipe.rnn.parameters()) + [q for m in (*splits.values(), *singles.values())
+                                                 for q in m.parameters()]:
             q.grad = None
         gc.collect()
         dist.barrier()
     return rows
 
 
-def _run(method, split, singles, pipe, x, g, group, rank, p, threads, timed):
+def _run(method, splits, singles, pipe, x, g, group, rank, p, threads, timed):
     """One forward and backward of ``method`` on this rank's slice (the one-process rivals: p = 1, the whole)."""
     if method.startswith("scan-"):
-        _scan_step(method[len("scan-"):], x.shape[1], split.hidden_size, x.dtype, group, timed)
-    elif method == "bppsa":
-        _bppsa_step(split, x, g, group, timed)
+        _scan_step(method[len("scan-"):], x.shape[1], splits["bppsa"].hidden_size, x.dtype, group, timed)
+    elif method in SPLIT:
+        _bppsa_step(splits[method], x, g, group, timed)
     elif method == "pipeline":
         pipe.step(x, g, timed)
     else:

@@ -16,6 +16,7 @@ from ..bench.recurrent import (
     NOBP,
     VARIANTS,
     baseline_backend_name,
+    compiled_forward_here,
     parse_variant,
     time_interleaved,
     train_epochs,
@@ -47,6 +48,9 @@ def register(sub) -> None:
     p.add_argument("--seq-len", type=positive_int, required=True)
     p.add_argument("--batch", type=positive_int, required=True)
     p.add_argument("--input-size", type=positive_int, default=None, help="default: the model's (bppsa.models.SPECS)")
+    p.add_argument("--forward", choices=["torch", "auto"], default="torch",
+                   help="BPPSA's forward: torch's kernels (what every timed comparison of the paper's claims runs) or "
+                        "the backend's own (auto: the CPU's compiled kernel)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.set_defaults(func=_verify, dtype="float64")
 
@@ -76,6 +80,9 @@ def register(sub) -> None:
     _model_args(p, data_required=True)
     p.add_argument("--batch", type=positive_int, required=True)
     p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--forward", choices=["torch", "auto"], default="torch",
+                   help="BPPSA's forward: torch's kernels, the baseline's (the paper's comparison), or the backend's "
+                        "own (auto: the CPU's compiled kernel; the variant bppsa-<layout>-compiled)")
     p.add_argument("--epochs", type=positive_int, required=True)
     p.add_argument("--lr", type=float, required=True, help="config rnn.lr / gru.lr")
     p.add_argument("--out", required=True)
@@ -92,8 +99,10 @@ def _setup(args):
 def _check(args, dev, seq_len, input_size, layout, out, show=None) -> bool:
     """One batch through autograd and BPPSA (bppsa.verify), the result printed to ``show``; written to ``out``
     only where it passes, so the workflow cannot proceed past a failure."""
+    # `bppsa bench`'s check runs torch's forward, the one its variants time; `bppsa verify --forward auto` the other
     res = verify(args.model, seq_len, args.batch, args.hidden, input_size, dtype=args.dtype, backend=args.backend,
-                 layout=layout, L_m=args.L_m, seed=args.seed, device=str(dev))
+                 layout=layout, L_m=args.L_m, seed=args.seed, device=str(dev),
+                 forward=getattr(args, "forward", "torch"))
     res["device_slug"] = args.device_slug
     print(json.dumps(res, sort_keys=True), file=show or sys.stdout)
     if not res["ok"]:
@@ -180,13 +189,23 @@ def _train(args) -> int:
     ds = open_dataset(args.data, DTYPES[args.dtype], dev)
     model = _model_for(args, ds, dev)
     backend = get_backend(args.backend, dev) if args.method == "bppsa" else None
+    if args.forward != "torch" and args.method != "bppsa":
+        raise ValueError("--forward names BPPSA's forward; the baseline always runs torch's")
+    # which forward ran, recorded: 'auto' runs torch's kernels where there is no compiled one (no C compiler, a GPU)
+    kernel = "torch"
+    if args.forward == "auto" and compiled_forward_here(model, ds.get_batch(np.arange(1))[0]):
+        kernel = "compiled"
+    elif args.forward == "auto":
+        print(f"bppsa train: no compiled forward for the {args.model.upper()} here ({args.dtype}, {dev}): "
+              "--forward auto runs torch's kernels", file=sys.stderr)
     rows = list(train_epochs(model, ds.n, args.batch, ds.get_batch, args.method, device=dev, epochs=args.epochs,
                              lr=args.lr, seed=args.seed, backend=backend, layout=args.layout, L_m=args.L_m,
-                             desc=f"train {args.model} {args.method}"))
+                             desc=f"train {args.model} {args.method}", forward=args.forward))
     df = pd.DataFrame(rows)
     meta = dict(profile=args.profile, device=args.device_slug, model=args.model, method=args.method,
                 backend=backend.name if backend else baseline_backend_name(dev),
-                layout=args.layout if backend else "", dtype=args.dtype, seq_len=ds.seq_len, batch=args.batch,
+                layout=args.layout if backend else "", forward=args.forward, forward_kernel=kernel,
+                dtype=args.dtype, seq_len=ds.seq_len, batch=args.batch,
                 hidden=args.hidden, lr=args.lr, samples=ds.n, data=ds.source)
     for k, v in meta.items():
         df[k] = v

@@ -1,4 +1,5 @@
-"""`bppsa speed`: the CPU speed benchmark of the recurrent backward and of the scan alone (paired ratios)."""
+"""`bppsa speed`: the CPU speed benchmark of the recurrent backward, of the scan alone and of the whole training step
+with torch's and with the compiled forward (paired ratios)."""
 from __future__ import annotations
 
 import sys
@@ -41,9 +42,12 @@ def labelled(df: pd.DataFrame, args, **extra) -> pd.DataFrame:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("speed", help="RNN/GRU/LSTM backward and scan-alone speed ratios (CSV)")
+    p = sub.add_parser("speed", help="RNN/GRU/LSTM backward, scan-alone and whole-step speed ratios (CSV)")
     add_model_args(p)
     p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--step-batches", type=positive_int, nargs="*", default=None,
+                   help="the batch sizes of the whole-step group (autograd, BPPSA with torch's forward, BPPSA with "
+                        "the compiled forward); default: --batches; none given: no step group")
     p.add_argument("--layouts", nargs="+", default=["fused"], choices=["fused", "paper"])
     p.add_argument("--L-m", dest="L_ms", type=optional_int, nargs="+", default=[None],
                    help="scan variants to time (none = full Blelloch)")
@@ -68,7 +72,8 @@ def _speed(args) -> int:
         check_layout(args.model, layout)
     cpu_setup(args)
     rows = speed.run(args.seq_len, args.batches, args.hidden, args.layouts, args.L_ms, args.backends,
-                     StopRule.from_args(args), args.seed, DTYPES[args.dtype], model=args.model, data=args.data)
+                     StopRule.from_args(args), args.seed, DTYPES[args.dtype], model=args.model, data=args.data,
+                     step_batches=args.step_batches)
     df = labelled(pd.DataFrame(rows), args)
     io.write_csv(args.out, df)
     print(speed.summary(df).to_string(index=False), file=sys.stderr)

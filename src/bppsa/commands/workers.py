@@ -1,5 +1,6 @@
 """`bppsa workers`: BPPSA with the RNN's sequence split over p processes against the pipeline on the same split
-(backward time per rank in paired rounds, peak memory per rank), and the comparisons (CSVs); its figure:
+(forward, backward and whole-step time per rank in paired rounds, the split layer's default forward beside the serial
+hand-off; peak memory per rank), and the comparisons (CSVs); its figure:
 `bppsa plot workers`.  docs/distributed.md.
 
 Run plainly, it spawns its processes on this machine.  Under ``torchrun --nproc-per-node P --no-python bppsa
@@ -15,7 +16,8 @@ from .argtypes import positive_int
 
 
 def register(sub) -> None:
-    p = sub.add_parser("workers", help="BPPSA over p processes vs the pipeline on the same split: time, memory (CSV)")
+    p = sub.add_parser("workers", help="BPPSA over p processes vs the pipeline on the same split: forward, backward, "
+                                       "step time, memory (CSV)")
     p.add_argument("--ps", type=positive_int, nargs="+", default=[1, 2], help="process counts (local processes, gloo)")
     p.add_argument("--seq-len", type=positive_int, default=10000, help="T, split over the processes")
     p.add_argument("--batch", type=positive_int, default=16)
@@ -88,7 +90,8 @@ def _write(folder, rows, mem, label, final: bool = True) -> None:
     for name, df in (("time", t), ("memory", m), ("summary", s)):
         io.write_csv(out / f"{name}.csv", df.assign(**label))
     if final:
-        print(analysis.medians(t).to_string(index=False), file=sys.stderr)
+        for metric in ("forward_s", "backward_s", "fwd_bwd_s"):
+            print(f"{metric}:\n{analysis.medians(t, metric).to_string(index=False)}", file=sys.stderr)
         print(s.to_string(index=False), file=sys.stderr)
     else:
         print(f"bppsa workers: timing written to {out}; now the memory spawns", file=sys.stderr)

@@ -11,12 +11,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from ..analysis.results import COMPILED, variants  # noqa: E402
 from ..io import atomic_path  # noqa: E402
 
 VARIANT_STYLE = {"baseline": dict(ls="--", marker="s"), "baseline-packed": dict(ls=":", marker="D"),
-                 "bppsa-fused": dict(ls="-", marker="o"), "bppsa-paper": dict(ls="-.", marker="^")}
+                 "bppsa-fused": dict(ls="-", marker="o"), "bppsa-paper": dict(ls="-.", marker="^"),
+                 "bppsa-fused-compiled": dict(ls=(0, (1, 1)), marker="v"),
+                 "bppsa-paper-compiled": dict(ls=(0, (3, 1, 1, 1, 1, 1)), marker="<")}
 VARIANT_NAME = {"baseline": "baseline", "baseline-packed": "baseline, packed (per-step, the paper's)",
-                "bppsa-fused": "BPPSA (fused Jacobians)", "bppsa-paper": "BPPSA (paper's two Jacobians per step)"}
+                "bppsa-fused": "BPPSA (fused Jacobians)", "bppsa-paper": "BPPSA (paper's two Jacobians per step)",
+                "bppsa-fused-compiled": "BPPSA (fused), compiled forward",
+                "bppsa-paper-compiled": "BPPSA (paper's layout), compiled forward"}
 PROTOCOL_NOTE = "median, 95 % CI error bars; hollow = noisy"
 
 
@@ -119,9 +124,18 @@ def errorbar(ax, x, med, lo, hi, noisy, *, color, label=None, marker="o", ls="-"
 
 
 def variant(df):
-    """'baseline' or 'bppsa-<layout>' per row: what a line or bar of a figure stands for."""
-    layout = df["layout"].fillna("").astype(str) if "layout" in df else ""
-    return df["method"].where(df["method"] == "baseline", "bppsa-" + layout)
+    """'baseline', 'bppsa-<layout>' or 'bppsa-<layout>-compiled' per row: what a line or bar of a figure stands for
+    (:func:`bppsa.analysis.results.variants`)."""
+    return variants(df)
+
+
+def curve_label(var: str, g) -> str:
+    """A training curve's legend entry: the variant and its backend, and where a ``-compiled`` variant found no
+    compiled forward on its machine (``forward_kernel``), that it ran torch's kernels."""
+    label = variant_label(var, backends_of(g))
+    if var.endswith(COMPILED) and "forward_kernel" in g and (g["forward_kernel"].astype(str) == "torch").any():
+        label += " (no compiled forward there: torch's)"
+    return label
 
 
 def device_colors(labels) -> dict[str, str]:
@@ -141,9 +155,10 @@ def save(fig, path: str | Path) -> None:
 BASELINE_NAME = {"autograd": "autograd", "cudnn": "cuDNN", "cudnn-per-step": "cuDNN per-step",
                  "autograd-packed": "autograd, packed"}
 SHORT_NAME = {"baseline": "baseline", "baseline-packed": "baseline, per-step", "bppsa-fused": "BPPSA fused",
-              "bppsa-paper": "BPPSA paper's layout"}
+              "bppsa-paper": "BPPSA paper's layout", "bppsa-fused-compiled": "BPPSA fused, compiled fwd",
+              "bppsa-paper-compiled": "BPPSA paper's, compiled fwd"}
 VARIANT_COLOR = {"baseline": "#555555", "baseline-packed": "#555555", "bppsa-fused": "#1f77b4",
-                 "bppsa-paper": "#d62728"}
+                 "bppsa-paper": "#d62728", "bppsa-fused-compiled": "#2ca02c", "bppsa-paper-compiled": "#9467bd"}
 MAX_COLUMNS = 3
 MIN_WIDTH_IN = 8.0  # a two-line figure title fits; a single panel is drawn this wide
 
@@ -200,8 +215,8 @@ def legend_below(ax, handles=None, below_pt: float = 30, **kw):
 
     anchor = offset_copy(ax.transAxes, fig=ax.figure, y=-below_pt, units="points")
     extra = {"handles": handles} if handles is not None else {}
-    return ax.legend(**extra, loc="upper center", bbox_to_anchor=(0.5, 0.0), bbox_transform=anchor, fontsize=7,
-                     **kw)
+    kw.setdefault("fontsize", 7)
+    return ax.legend(**extra, loc="upper center", bbox_to_anchor=(0.5, 0.0), bbox_transform=anchor, **kw)
 
 
 def n_text(df) -> str:

@@ -13,19 +13,21 @@ from ..analysis.results import load_all
 from ..data.irmas import MFCC_SETS
 from ..io import write_csv
 from .common import (
+    MIN_WIDTH_IN,
     PROTOCOL_NOTE,
     VARIANT_STYLE,
     backends_of,
     baseline_name,
+    curve_label,
     device_colors,
     device_order,
     errorbar,
     finish,
     footer_text,
+    legend_below,
     n_text,
     save,
     variant,
-    variant_label,
 )
 
 SET_OF_FRAMES = {s.frames: name.upper() for name, s in MFCC_SETS.items()}
@@ -206,21 +208,22 @@ def fig_13(curves: pd.DataFrame, out: str | Path) -> None:
     curves["variant"] = variant(curves)
     sets = sorted(curves["set"].unique(), key=lambda n: (SET_ORDER.index(n) if n in SET_ORDER else 99, n))
     colors = device_colors(curves["device_label"])
-    fig, axes = plt.subplots(1, len(sets), figsize=(4.6 * len(sets), 4.2), squeeze=False)
+    # never narrower than the title: one set alone (the .test profile) clipped it
+    fig, axes = plt.subplots(1, len(sets), figsize=(max(4.6 * len(sets), MIN_WIDTH_IN), 4.2), squeeze=False)
     for ax, name in zip(axes[0], sets):
         sub = curves[curves["set"] == name]
         for (dev, var), g in sub.groupby(["device_label", "variant"]):
             g = g.sort_values("epoch")
             style = VARIANT_STYLE.get(var, dict(ls="-", marker="o"))
             ax.plot(g["wall_clock_s"], g["loss"], color=colors[dev], ls=style["ls"], marker=style["marker"], ms=3,
-                    label=f"{variant_label(var, backends_of(g))} · {dev}")
+                    label=f"{curve_label(var, g)} · {dev}")
         spec = MFCC_SETS.get(name.lower())
         ax.set_title(f"set {name} ({spec.frames} frames × {spec.features} features)" if spec else f"set {name}",
                      fontsize=9)
         ax.set_xlabel("wall-clock training time (s)")
         ax.set_ylabel("training loss (cross-entropy)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        legend_below(ax)  # under the axes: three curves leave no empty corner in a set's panel
     B = ",".join(map(str, sorted(set(curves["batch"]))))
     lr = ",".join(f"{v:g}" for v in sorted(set(curves["lr"])))
     epochs = int(curves["epoch"].max())
