@@ -177,8 +177,8 @@ def forward_suite(rank: int, p: int, group) -> list[tuple]:
     """The forward across the ranks (bppsa.nn.split.ranks_forward) against the single-process layer's forward, for
     each cell, layers that forget (torch's init) and that remember, lengths ending inside a slice, parallel_forward
     True (the sweeps; twice: zeros, then the last call's starts as the guesses, on other inputs), None (where it
-    pays) and False (the serial hand-off): (case, whether every call's states and h_n equal the single process's bit
-    for bit, the sweeps of each call)."""
+    pays) and False (the serial hand-off): (case, whether every call's states and h_n equal the single process's (bit
+    for bit where the cell meets bitwise), the sweeps of each call)."""
     import bppsa.nn as bnn
 
     out = []
@@ -203,10 +203,11 @@ def forward_suite(rank: int, p: int, group) -> list[tuple]:
                     with torch.no_grad():
                         want, want_n = single(x, lengths=lengths)
                         got, got_n = split(x[sl], lengths=lengths)
-                    exact = exact and torch.equal(got, want[sl])
+                    same = torch.equal if split.cell.meet_ulps == 0 else (lambda a, b: _rel(a, b) <= 1e-12)
+                    exact = exact and same(got, want[sl])
                     if rank == p - 1:
-                        exact = exact and torch.equal(torch.cat(list(got_n)) if isinstance(got_n, tuple) else got_n,
-                                                      torch.cat(list(want_n)) if isinstance(want_n, tuple) else want_n)
+                        exact = exact and same(torch.cat(list(got_n)) if isinstance(got_n, tuple) else got_n,
+                                               torch.cat(list(want_n)) if isinstance(want_n, tuple) else want_n)
                     stats = split.forward_stats[0]
                     sweeps.append(None if stats is None else stats["sweeps"])
                 out.append(((cell, remembers, mode), exact, sweeps))
@@ -304,10 +305,10 @@ def test_split_layers_equal_autograd_on_the_whole_sequence(four_ranks, p):
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 def test_the_forward_across_ranks_is_the_serial_forward(four_ranks, p):
     """Every rank's states (and the last rank's h_n) equal the single process's bit for bit, by the sweeps and by
-    the serial hand-off, in every call; at most one sweep per rank; parallel_forward=True always sweeps, False
-    never; None sweeps in its first call of a shape, and after a call that did not pay (a layer that remembers, the
-    tanh RNN whose trajectories stay an ulp apart) runs the serial hand-off; a layer that forgets (the GRU, the LSTM)
-    ends in two sweeps at two ranks (sweep 0 and one correction, its rerun meeting)."""
+    the serial hand-off, in every call (the tanh RNN, which meets within two ulps, within 1e-12); at most one sweep per
+    rank; parallel_forward=True always sweeps, False never; None sweeps in its first call of a shape, and after a
+    call that did not pay (a layer that remembers) runs the serial hand-off; a layer that forgets ends its first call
+    in two sweeps at two ranks (sweep 0 and one correction, its rerun meeting)."""
     members = [res[p]["forward"] for res in four_ranks if p in res]
     assert len(members) == p
     for rank, cases in enumerate(members):
@@ -320,9 +321,9 @@ def test_the_forward_across_ranks_is_the_serial_forward(four_ranks, p):
             assert sweeps[0] is not None and 1 <= sweeps[0] <= p, case
             if mode is True:
                 assert sweeps[1] is not None and 1 <= sweeps[1] <= p, case
-            if remembers or cell == "RNN":  # never met: the first call did not pay
+            if remembers:  # never met: the first call did not pay
                 assert mode is True or sweeps[1] is None, case
-            elif p == 2:
+            elif p == 2:  # (whether it paid: fp64 meets after ~100-200 steps, about half a slice here)
                 assert sweeps[0] == 2, case
 
 

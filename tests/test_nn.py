@@ -254,7 +254,8 @@ def test_torch_layer_is_in_training_mode_where_autograd_records(monkeypatch):
 @pytest.mark.parametrize("cell", ["rnn", "rnn_relu", "gru", "lstm"])
 def test_the_sliced_forward_is_the_serial_forward(cell):
     """parallel_forward=True (the compiled forward split over slices of the sequence, corrected until they meet):
-    the serial compiled forward's states bit for bit, whatever the slices' guesses (zeros, then the last call's),
+    the serial compiled forward's states bit for bit (within 1e-12 for the tanh RNN, which meets within two ulps),
+    whatever the slices' guesses (zeros, then the last call's),
     lengths ending inside a slice, and the backward through it equal to torch.nn's autograd; its record of each
     call (sweeps, meeting lengths, hand-off) per layer and direction (False records none); on torch's kernels the
     same within 1e-12."""
@@ -273,7 +274,10 @@ def test_the_sliced_forward_is_the_serial_forward(cell):
         want = serial(x, lengths=lengths)
         for _ in range(2):  # zeros, then the last call's starts as the guesses
             got = sliced(x, lengths=lengths)
-            assert torch.equal(got[0], want[0]) and torch.equal(_finals(got[1]), _finals(want[1]))
+            if sliced.cell.meet_ulps == 0:  # bitwise: the serial forward's bits
+                assert torch.equal(got[0], want[0]) and torch.equal(_finals(got[1]), _finals(want[1]))
+            else:  # the tanh RNN meets within its ulps: the error is (slices - 1) times that, carried by its Jacobian
+                assert _rel(got[0], want[0]) <= 1e-12 and _rel(_finals(got[1]), _finals(want[1])) <= 1e-12
     assert len(sliced.forward_stats) == 2 and all(st["sweeps"] >= 1 for st in sliced.forward_stats)
     assert serial.forward_stats == [None, None]
     have = _run(sliced, x, None, lengths, "both", False, w_out, w_hn, ours=True)[0]

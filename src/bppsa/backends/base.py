@@ -20,12 +20,12 @@ class Backend(Protocol):
     * :meth:`forward`: one layer's states ``(h, c, stats)`` by a forward kernel of the backend's own (``kernel``:
       "rnn_tanh", "rnn_relu", "gru", "lstm"; ``state0 = (h0, c0)``, ``weights`` torch.nn's tensors of the layer;
       ``slices``: 1 the serial forward, k >= 2 the sequence split into k slices run side by side, None the backend's
-      choice; ``stats`` what a sliced run did, None for a serial one), or None where it has none: the layer then
-      runs torch's own kernels (cuDNN on a GPU);
+      choice; ``tol`` the slices' meeting criterion, relative, 0 bitwise; ``stats`` what a sliced run did, None for a
+      serial one), or None where it has none: the layer then runs torch's own kernels (cuDNN on a GPU);
     * :meth:`forward_until_meet`: the same steps rerun from a new ``state0`` into ``stored = (h, c)`` (which hold
-      their states from another start), each batch element until its new state equals the stored one bitwise
-      (the rest kept); the last step where one met (T: some never did), or None where the backend has no such
-      kernel (the caller reruns all the steps);
+      their states from another start), each batch element until its new state meets the stored one (within
+      ``tol``, relative; 0: bitwise; the rest kept); the last step where one met (T: some never did), or None
+      where the backend has no such kernel (the caller reruns all the steps);
     * :meth:`scanner`: the backend that scans a chain of ``kind`` ("rnn", "paper", "gru", "lstm"), and with
       ``per_step`` the affine recurrence of a loss on every state or of sequences of several lengths: itself,
       or the torch twin on the same device where it has no kernel for it;
@@ -46,10 +46,10 @@ class Backend(Protocol):
     workspace: Workspace
 
     def forward(self, kernel: str, x: torch.Tensor, state0: tuple, weights: tuple, lengths: torch.Tensor | None = None,
-                slices: int | None = 1): ...
+                slices: int | None = 1, tol: float = 0.0): ...
 
     def forward_until_meet(self, kernel: str, x: torch.Tensor, state0: tuple, weights: tuple, lengths,
-                           stored: tuple) -> int | None: ...
+                           stored: tuple, tol: float = 0.0) -> int | None: ...
 
     def scanner(self, kind: str, per_step: bool = False) -> Backend: ...
 

@@ -18,11 +18,13 @@ class TorchBackend:
     def __init__(self):
         self.workspace = _scan.Workspace()
 
-    def forward(self, kernel: str, x, state0: tuple, weights: tuple, lengths=None, slices: int | None = 1):
+    def forward(self, kernel: str, x, state0: tuple, weights: tuple, lengths=None, slices: int | None = 1,
+                tol: float = 0.0):
         """None: the twin's forward is torch's own kernels, which the layer runs itself."""
         return None
 
-    def forward_until_meet(self, kernel: str, x, state0: tuple, weights: tuple, lengths, stored: tuple):
+    def forward_until_meet(self, kernel: str, x, state0: tuple, weights: tuple, lengths, stored: tuple,
+                           tol: float = 0.0):
         """None: torch's kernels cannot stop where two trajectories meet (the caller reruns every step)."""
         return None
 

@@ -40,7 +40,8 @@ def layer_forward(cell: Cell, x, h0, c0, w: Weights, lengths, options: Options):
     slices = options.slices
     if slices == 0:
         slices = torch.get_num_threads() if x.device.type == "cpu" else GPU_SLICES
-    out = backend_for(options.backend, x.device).forward(cell.kernel, x, (h0, c0), w.tensors(), lengths, slices)
+    out = backend_for(options.backend, x.device).forward(cell.kernel, x, (h0, c0), w.tensors(), lengths, slices,
+                                                         cell.meet_tol(x.dtype))
     if out is None and slices is not None and slices > 1:
         out = torch_sliced(cell, x, h0, c0, w, lengths, slices)
     if out is None:
@@ -87,9 +88,9 @@ def torch_slice(cell: Cell, x, start: torch.Tensor, w: Weights, valid):
     return carried(h, h_in), (None if c is None else carried(c, c_in))
 
 
-def _met(new: torch.Tensor, old: torch.Tensor) -> bool:
-    """Whether every sequence's state [B, S] is within MEET_ULPS of the stored one (relative to its largest unit)."""
-    tol = MEET_ULPS * torch.finfo(new.dtype).eps
+def _met(new: torch.Tensor, old: torch.Tensor, ulps: int) -> bool:
+    """Whether every sequence's state [B, S] is within ``ulps`` of the stored one (relative to its largest unit)."""
+    tol = ulps * torch.finfo(new.dtype).eps
     return bool(((new - old).abs().amax(-1) <= tol * old.abs().amax(-1)).all())
 
 
@@ -134,7 +135,7 @@ def torch_sliced(cell: Cell, x, h0, c0, w: Weights, lengths, slices: int):
             old = stored(t1 - 1).clone()
             state = write(t, t1, state)
             t, m = t1, 2 * m
-            if _met(state, old):
+            if _met(state, old, max(MEET_ULPS, cell.meet_ulps)):
                 break
         return t - bounds[k]
 

@@ -132,7 +132,7 @@ class _Slice:
         step where one met), or all of them (T) where the backend cannot stop there."""
         cell, w = self.cell, self.w
         met = self.be.forward_until_meet(cell.kernel, self.x, cell.split_state(start, w), w.tensors(), self.lengths,
-                                         (h, c))
+                                         (h, c), cell.meet_tol(self.x.dtype))
         if met is None:
             h_new, c_new = self.run(start)
             h.copy_(h_new)
@@ -146,8 +146,12 @@ _starts: dict = {}  # the slices' guesses: where each started in the last call, 
 _paid: dict = {}  # whether the last sliced forward of a layer and shape paid (the same on every rank)
 
 
-def _differs(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return not torch.equal(a, b)
+def _differs(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    """Whether two states [B, S] differ: bitwise, or (``tol`` > 0) for some sequence by more than tol times its
+    largest unit."""
+    if tol == 0:
+        return not torch.equal(a, b)
+    return bool(((a - b).abs().amax(-1) > tol * b.abs().amax(-1)).any())
 
 
 def ranks_forward(cell: Cell, x, state0: torch.Tensor | None, w: Weights, valid, spec: Spec):
@@ -157,6 +161,7 @@ def ranks_forward(cell: Cell, x, state0: torch.Tensor | None, w: Weights, valid,
     p, r = dist.get_world_size(group), dist.get_rank(group)
     T_r, B = x.shape[:2]
     sl = _Slice(cell, x, w, valid, _bw.backend_for(spec.options.backend, x.device))
+    tol = cell.meet_tol(x.dtype)
     key = (spec.key, cell.name, r, p, T_r, B, x.dtype, str(x.device))
     slices = spec.options.slices  # None: where it pays (the last call of the shape says); 1: never; else always
     if p == 1 or slices == 1 or (slices is None and not _paid.get(key, True)):  # the serial hand-off
@@ -175,11 +180,11 @@ def ranks_forward(cell: Cell, x, state0: torch.Tensor | None, w: Weights, valid,
         changed = False
         if r > 0:
             new = _dist.recv_from(x.new_empty(B, cell.state_size(w)), r - 1, group, timeout)
-            if _differs(new, start):
+            if _differs(new, start, tol):
                 start = new
                 meet_steps.append(sl.rerun(start, h, c))
                 long_reruns += meet_steps[-1] >= T_r // 2
-                changed = _differs(_end(cell, h, c), end)
+                changed = _differs(_end(cell, h, c), end, tol)
         flags = _dist.all_reduce_sum(torch.tensor([float(changed), float(long_reruns)]), group, timeout)
         if not flags[0] or sweeps >= p:  # (after p sweeps every slice is exact: its start was)
             break

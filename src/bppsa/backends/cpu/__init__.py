@@ -92,7 +92,8 @@ class CpuBackend(TorchBackend):
             self.name = "cpu-sequential"
         self._split = "slices" if sequential else "auto"
 
-    def forward(self, kernel: str, x, state0: tuple, weights: tuple, lengths=None, slices: int | None = 1):
+    def forward(self, kernel: str, x, state0: tuple, weights: tuple, lengths=None, slices: int | None = 1,
+                tol: float = 0.0):
         """The compiled forward (:mod:`.forward`; with ``slices`` >= 2 split over the sequence, :mod:`.sliced`;
         None: :func:`.sliced.auto_slices` decides); None where it cannot run the case (no compiler, tensors off the
         CPU, another dtype, an LSTM with a projection)."""
@@ -104,18 +105,19 @@ class CpuBackend(TorchBackend):
         if k <= 1:
             out = forward.compiled_forward(kernel, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths)
             return None if out is None else (*out, None)
-        out = sliced.sliced_forward(kernel, x, h0, c0, (w_ih, w_hh, b_ih, b_hh), lengths, k, guess="last")
+        out = sliced.sliced_forward(kernel, x, h0, c0, (w_ih, w_hh, b_ih, b_hh), lengths, k, guess="last", tol=tol)
         if out is not None and slices is None:
             sliced.remember(kernel, x, out[2])
         return out
 
-    def forward_until_meet(self, kernel: str, x, state0: tuple, weights: tuple, lengths, stored: tuple):
-        """:func:`.forward.forward_until_meet` over all the steps, bitwise; None where it cannot run the case."""
+    def forward_until_meet(self, kernel: str, x, state0: tuple, weights: tuple, lengths, stored: tuple,
+                           tol: float = 0.0):
+        """:func:`.forward.forward_until_meet` over all the steps; None where it cannot run the case."""
         w_ih, w_hh, b_ih, b_hh, w_hr = weights
         if w_hr is not None or x.device.type != "cpu":
             return None
         return forward.forward_until_meet(kernel, x, *state0, w_ih, w_hh, b_ih, b_hh, 0, x.shape[0], *stored,
-                                          lengths=lengths)
+                                          lengths=lengths, tol=tol)
 
     def _L_m(self, L_m):
         return 0 if self.sequential else L_m

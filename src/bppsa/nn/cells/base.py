@@ -110,6 +110,13 @@ class Cell:
     torch_cls: type  # the torch.nn module it stands in for
     layouts = ("fused",)  # the chains' layouts it has (the RNN also the paper's)
     cell_state = False  # whether the state carries a cell state c beside h (the LSTM)
+    # The sliced forward's meeting criterion (bppsa.nn.forward): two trajectories from different starts meet where
+    # they agree within this many units in the last place (relative to the state's largest unit), 0 bitwise, which
+    # the GRU's, the LSTM's and a relu RNN's reach within a few hundred steps
+    meet_ulps = 0
+
+    def meet_tol(self, dtype: torch.dtype) -> float:
+        return self.meet_ulps * torch.finfo(dtype).eps
 
     def hidden(self, w: Weights) -> int:
         """H, the size of the gates."""

@@ -16,6 +16,8 @@ from .base import Cell, Saved, Weights
 class TanhRnn(Cell):
     name, kind, gates, torch_cls = "rnn", "rnn", 1, nn.RNN
     kernel = "rnn_tanh"  # torch's, and the compiled forward's (looked up at the call)
+    # tanh's rounded map: two trajectories come within an ulp in ~100 steps and can stay an ulp apart for thousands
+    meet_ulps = 2
     layouts = ("fused", "paper")
     act = "tanh"
 
@@ -53,3 +55,4 @@ class TanhRnn(Cell):
 
 class ReluRnn(TanhRnn):
     name, act, kernel = "rnn_relu", "relu", "rnn_relu"
+    meet_ulps = 0
