@@ -389,15 +389,16 @@ class EmulatedFactored(TorchBackend):
         super().__init__()
         self.lib, self.C = lib, C
 
-    def rnn_jacobians_t(self, h, W_hh, layout, x=None):
+    def rnn_jacobians_t(self, h, W_hh, layout, x=None, act="tanh"):
         assert layout == "fused"
-        return RnnChain.from_states(h, W_hh, x)
+        return RnnChain.from_states(h, W_hh, x, act=act)
 
     def gru_jacobians_t(self, x, h, cell, gates=None):
         return GruChain.from_states(x, h, cell)
 
-    def cell_grads(self, g, J, L_m, from_scan):
-        acc, _ = emulated_factored(self.lib, J, g.numpy(), C=self.C, grads=True, L_m=L_m)
+    def cell_grads(self, g, J, L_m, from_scan, c=None):
+        acc, _ = emulated_factored(self.lib, J, g.numpy(), C=self.C, grads=True, L_m=L_m,
+                                   c=None if c is None else c.numpy())
         return _views(J, acc)
 
 

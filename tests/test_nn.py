@@ -244,10 +244,11 @@ def test_torch_layer_is_in_training_mode_where_autograd_records(monkeypatch):
                                                                            else a[6]) or real(*a))
     x, h0, c0, *w, lengths = _op_args("rnn", torch.float64, False)
     CELLS["rnn"].torch_run(x, (h0.detach()[None],), Weights(*w))[1][0].sum().backward()  # the harness's baseline
-    bnn.RNN(I, H, dtype=torch.float64)(x.detach())  # the layer's forward, under no_grad
+    # the layers' forward on torch's kernels (backend="torch": on a CPU "auto" runs the compiled forward)
+    bnn.RNN(I, H, dtype=torch.float64, backend="torch")(x.detach())
     packed = pack_padded_sequence(x.detach(), torch.tensor([5, 1, 3]), enforce_sorted=False)
-    bnn.GRU(I, H, dtype=torch.float64)(packed)
-    bnn.LSTM(I, H, dtype=torch.float64)(packed)
+    bnn.GRU(I, H, dtype=torch.float64, backend="torch")(packed)
+    bnn.LSTM(I, H, dtype=torch.float64, backend="torch")(packed)
     assert seen == [True, False, False, False] and all(type(t) is bool for t in seen), seen
 
 

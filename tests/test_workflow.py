@@ -151,10 +151,11 @@ def test_rnn_workflow_end_to_end(test_run, tmp_path):
     for (T, B, layout), _ in bench[bench["method"] == "bppsa"].groupby(["seq_len", "batch", "layout"]):
         assert (rnn / f"verify_T{T}_B{B}_{layout}.json").exists()
     assert not list(run.rglob("*.tmp*")), "temporary files were left behind"
-    # Fig 7's curves in the workflow's dtype and their float64 twins, each naming its backend
+    # Fig 7's curves in the workflow's dtype and their float64 twins, each naming its backend, and BPPSA with the
+    # compiled forward (rnn.curves.compiled_forward, a CPU folder, the workflow's dtype only)
     curves = {p.name: pd.read_csv(p) for p in rnn.glob("curve_*.csv")}
-    assert sorted(curves) == ["curve_baseline.csv", "curve_baseline_float64.csv", "curve_bppsa-fused.csv",
-                              "curve_bppsa-fused_float64.csv"]
+    assert sorted(curves) == ["curve_baseline.csv", "curve_baseline_float64.csv", "curve_bppsa-fused-compiled.csv",
+                              "curve_bppsa-fused.csv", "curve_bppsa-fused_float64.csv"]
     for name, c in curves.items():
         assert set(c["dtype"]) == {"float64" if "float64" in name else "float32"}
         assert c["backend"].notna().all()
