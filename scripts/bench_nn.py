@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--L-m", type=_L, nargs="+", default=[None], help="the bppsa layers' L_m (none: the full tree)")
     ap.add_argument("--parallel-forward", dest="forwards", nargs="+", default=["none"],
                     choices=("none", "true", "false"), help="the bppsa layers' parallel_forward (none: where it pays)")
+    ap.add_argument("--jax", action="store_true", help="also JAX's jitted training step (one-layer RNNs; needs jax)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-seconds", type=float, default=60.0)
@@ -44,7 +45,7 @@ def main() -> None:
     torch.set_flush_denormal(True)  # as the bppsa commands do: the long products underflow
     forwards = tuple({"none": None, "true": True, "false": False}[f] for f in a.forwards)
     df = layers.run(a.layer, a.seq_len, a.batch, a.hidden, a.input_size, a.num_layers, a.loss, tuple(a.L_m),
-                    StopRule(max_seconds=a.max_seconds), forwards=forwards, device=a.device)
+                    StopRule(max_seconds=a.max_seconds), forwards=forwards, device=a.device, jax=a.jax)
     io.write_csv(a.out, df)
     s = layers.summary(df)
     print(s.to_string(index=False, float_format=lambda v: f"{v:.4g}"))

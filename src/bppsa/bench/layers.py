@@ -7,7 +7,11 @@ Methods, per layer (``rnn``, ``rnn_relu``, ``gru``, ``lstm``; ``num_layers`` of 
   split over slices or not): the bppsa.nn layer, its backward the scan;
 * ``torch``: torch.nn's layer as it comes (on a CPU the LSTM runs oneDNN's fused kernel: the rival a user has);
 * ``torch-generic`` (the LSTM): the same with oneDNN off, torch's generic recurrent loop, as torch.nn.RNN and GRU
-  always run.
+  always run;
+* ``jax`` (``jax=True``; one-layer RNNs on a CPU): the same layer, weights and loss in JAX, ``lax.scan`` over time,
+  the loss's ``jax.value_and_grad`` and the SGD update jitted as one XLA program (fp32 matmuls at full precision),
+  its gradient checked against autograd's before timing.  Its rows have the one phase ``step`` (XLA fuses the
+  three), so only the step is compared with it.
 
 The loss is on h_n alone (``hn``, the paper's single seed) or on every step (``steps``).  One row per method, round
 and phase (``forward``, ``backward``, ``sgd``); :func:`summary` gives each phase's and the whole step's medians and
@@ -18,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -58,9 +63,61 @@ def methods_for(layer: str, input_size: int, hidden: int, num_layers: int, L_ms=
     return out
 
 
+def jax_step(mod, x: torch.Tensor, w: torch.Tensor, loss: str, lr: float, tol: float = 1e-4):
+    """The ``jax`` method's step for the one-layer RNN ``mod`` (a bppsa.nn or torch.nn RNN): a callable ``step(i)``
+    that runs one jitted training step (value, gradient, SGD) and returns ``{"step": seconds}``.  Raises
+    ImportError without JAX, ValueError for a layer it does not write, and RuntimeError where JAX's gradient is
+    more than ``tol`` (relative) from autograd's on the same weights, batch and loss."""
+    import jax
+    import jax.numpy as jnp
+
+    if mod.mode not in ("RNN_TANH", "RNN_RELU") or mod.num_layers != 1 or mod.bidirectional or not mod.bias:
+        raise ValueError(f"jax_step writes the one-layer, one-direction RNN with biases, not {mod}")
+    jax.config.update("jax_default_matmul_precision", "highest")  # fp32 products, as torch's on a CPU
+    act = jnp.tanh if mod.mode == "RNN_TANH" else jax.nn.relu
+    names = ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")
+    p = {k: jnp.asarray(getattr(mod, k).detach().cpu().numpy()) for k in names}
+    X, W = jnp.asarray(x.cpu().numpy()), jnp.asarray(w.cpu().numpy())
+
+    def objective(p):
+        a = X @ p["weight_ih_l0"].T + p["bias_ih_l0"] + p["bias_hh_l0"]
+
+        def cell(h, a_t):
+            h = act(a_t + h @ p["weight_hh_l0"].T)
+            return h, h
+
+        h_n, hs = jax.lax.scan(cell, jnp.zeros((X.shape[1], W.shape[2]), X.dtype), a)
+        return (hs * W).sum() if loss == "steps" else (h_n * W[-1]).sum()
+
+    @jax.jit
+    def train(p):
+        v, g = jax.value_and_grad(objective)(p)
+        return v, g, jax.tree_util.tree_map(lambda q, d: q - lr * d, p, g)
+
+    _, g, _ = train(p)  # compiles; the gradient against autograd's on the same weights
+    ref = torch.nn.RNN(mod.input_size, mod.hidden_size, nonlinearity=mod.nonlinearity)
+    ref.load_state_dict({k: getattr(mod, k).detach().cpu() for k in names})
+    out, h_n = ref(x.cpu())
+    ((out * w.cpu()).sum() if loss == "steps" else (h_n[-1] * w[-1].cpu()).sum()).backward()
+    for k in names:
+        want = getattr(ref, k).grad
+        err = float((torch.from_numpy(np.asarray(g[k])) - want).norm() / want.norm())
+        if not err <= tol:
+            raise RuntimeError(f"jax_step: JAX's gradient of {k} is {err:.2e} from autograd's (> {tol})")
+    state = {"p": p}
+
+    def step(i: int) -> dict:
+        t0 = time.perf_counter()
+        _, _, state["p"] = train(state["p"])
+        jax.block_until_ready(state["p"])
+        return {"step": time.perf_counter() - t0}
+
+    return step
+
+
 def run(layer: str, seq_len: int, batch: int, hidden: int = 20, input_size: int = 1, num_layers: int = 1,
         loss: str = "hn", L_ms=(None,), rule: StopRule | None = None, seed: int = 0, forwards=(None,),
-        device="cpu") -> pd.DataFrame:
+        device="cpu", jax: bool = False) -> pd.DataFrame:
     """Interleaved rounds of every method of :func:`methods_for`: tidy rows (method, iter, phase, seconds); on a
     GPU the device is synchronised around every phase."""
     gen = torch.Generator().manual_seed(seed)
@@ -90,6 +147,9 @@ def run(layer: str, seq_len: int, batch: int, hidden: int = 20, input_size: int 
             return {"forward": t1 - t0, "backward": t2 - t1, "sgd": t3 - t2}
 
         fns[name] = step
+    if jax:
+        fns["jax"] = jax_step(methods_for(layer, input_size, hidden, num_layers, device=device)["torch"][0], x, w,
+                              loss, lr=1e-6)
     m = interleave(fns, rule or StopRule(), reference="bppsa" if "bppsa" in fns else next(iter(fns)),
                    metric="backward")
     return pd.DataFrame(m.rows).assign(layer=layer, device=str(device), seq_len=seq_len, batch=batch, hidden=hidden,
@@ -101,16 +161,18 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
     """Per phase and for the whole step (their sum): each method's median with its interval, and every paired
     ratio torch* / bppsa*."""
     wide = df.pivot_table(index=["method", "iter"], columns="phase", values="seconds").reset_index()
-    wide["step"] = wide[list(PHASES)].sum(axis=1)
+    phased = wide[list(PHASES)].notna().all(axis=1)
+    wide["step"] = wide[list(PHASES)].sum(axis=1).where(phased, wide.get("step"))  # jax: its one phase
     rows = []
     methods = list(dict.fromkeys(df.method))
     for what in ("forward", "backward", "step"):
         per = {k: wide[wide.method == k].sort_values("iter")[what].to_numpy() for k in methods}
+        per = {k: v for k, v in per.items() if not pd.isna(v).all()}  # jax has the step alone
         for k, v in per.items():
             med, lo, hi = median_ci(v)
             rows.append({"what": what, "ratio": k, "median": med, "ci_low": lo, "ci_high": hi, "n": len(v)})
-        for num in (k for k in methods if k.startswith("torch")):
-            for den in (k for k in methods if k.startswith("bppsa")):
+        for num in (k for k in per if k.startswith(("torch", "jax"))):
+            for den in (k for k in per if k.startswith("bppsa")):
                 med, lo, hi = ratio_ci(per[num], per[den])
                 rows.append({"what": what, "ratio": f"{num} / {den}", "median": med, "ci_low": lo, "ci_high": hi,
                              "n": len(per[num])})
