@@ -179,6 +179,7 @@ def test_up_kernel_loop_shared_loads_per_fma(record, arch, kernel):
 
 # H at the register budget's edges (plan.up_columns): fp32 with 4 columns (H = 16) and 1 (H = 40), fp64 with 2
 # (H = 13); the reference H = 20 (fp64 with 1 column) is in the record
+@pytest.mark.matrix  # three full compiles of the unrolled kernel (H = 40: ~35 s of ptxas): a build matrix
 @pytest.mark.parametrize("H", [13, 16, 40])
 def test_register_up_kernel_keeps_to_registers_at_the_budget_edges(tools, tmp_path, H):
     from bppsa.backends.cuda import plan
