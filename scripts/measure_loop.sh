@@ -45,7 +45,7 @@ step install bash scripts/install.sh
 export PYTHONPATH="$WORK/tools"
 step suite python -m pytest -q -n auto -p suite_timing --timing-log="$OUT/suite.tsv"
 if grep -q '"matrix:' pyproject.toml; then
-  step tier2 python -m pytest -q -n auto -m matrix -p suite_timing --timing-log="$OUT/tier2.tsv"
+  step tier2 python -m pytest -q -n auto -m "$(grep -q '"dag:' pyproject.toml && echo "matrix or dag" || echo matrix)" -p suite_timing --timing-log="$OUT/tier2.tsv"
   python "$WORK/tools/suite_timing.py" "$OUT/tier2.tsv" 30 > "$OUT/tier2.md"
 fi
 step suite-warm python -m pytest -q -n auto -p suite_timing --timing-log="$OUT/suite-warm.tsv"

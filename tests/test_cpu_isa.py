@@ -46,7 +46,7 @@ def test_every_kernel_variant_compiles_without_a_piecewise_vector(target, kind, 
                 assert r.returncode == 0 and not r.stderr.strip(), (target, defs, r.stderr[-2000:])
 
 
-@pytest.mark.slow
+@pytest.mark.matrix
 @pytest.mark.parametrize("cell", [0, 1, 2, 3])
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_every_forward_variant_compiles_without_a_piecewise_vector(target, cell, tmp_path):

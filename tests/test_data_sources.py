@@ -166,6 +166,7 @@ def _mirror(tmp_path, section: str, url: str, md5: str, **extra) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.dag
 def test_workflow_irmas_mirror_survives_a_drop_and_a_503_then_a_416(irmas_bytes, tmp_path):
     """`snakemake data/irmas/mfcc_s.npz --configfile mirror.yaml` in one run each time: a server that
     drops the connection at 40 % and then answers 503 once; a complete .part left behind (416)."""
@@ -196,6 +197,7 @@ def test_workflow_irmas_mirror_survives_a_drop_and_a_503_then_a_416(irmas_bytes,
 
 
 @pytest.mark.slow
+@pytest.mark.dag
 def test_workflow_cifar10_mirror_through_vgg11_training(cifar_bytes, tmp_path, monkeypatch):
     """The CIFAR-10 equivalent: cifar10_make (a localrule) downloads through a drop and a 503, then
     VGG-11 trains at the .test size from the manifest; a complete .part left behind ends in a 416."""

@@ -73,6 +73,7 @@ def _compile_targets():
     return params
 
 
+@pytest.mark.matrix  # every kernel source for every arch: a build matrix
 @pytest.mark.parametrize("source,arch", _compile_targets())
 def test_nvcc_compiles(source, arch, tmp_path):
     cubin = tmp_path / "k.cubin"

@@ -123,6 +123,7 @@ def test_run(resumed_run):
 
 
 @pytest.mark.slow
+@pytest.mark.dag
 def test_rnn_workflow_end_to_end(test_run, tmp_path):
     cfg = yaml.safe_load(TEST_CONFIG.read_text())
     assert cfg["rnn"]["seq_lens"] == [5, 9] and cfg["rnn"]["batches"] == [2, 4]
@@ -208,6 +209,7 @@ def _caption_lines(name):
 
 
 @pytest.mark.slow
+@pytest.mark.dag
 def test_snakemake_report_holds_every_figure_with_its_caption_and_the_claims(test_run):
     import html as html_lib
 
@@ -250,6 +252,7 @@ def test_snakemake_report_holds_every_figure_with_its_caption_and_the_claims(tes
 
 
 @pytest.mark.slow
+@pytest.mark.dag
 def test_another_devices_folder_redraws_the_figures_that_overlay_it(test_run, tmp_path):
     """The figure, Table 1 and report rules declare what they read in other device folders: a folder
     added makes exactly the rules that read its files (and what depends on them) run again."""
@@ -307,6 +310,7 @@ def _check_declared(name, opened, declared, device):
 
 
 @pytest.mark.slow
+@pytest.mark.dag
 def test_the_report_and_the_figures_open_what_they_declare(test_run, tmp_path):
     """What the report's rule and each figure's rule declare in other device folders (REPORT_READS, the figures'
     reads) is what they open in one: each claim row, report.md's sections and each figure, run on this run's
@@ -355,6 +359,7 @@ def _planned_files(run, target):
 
 
 @pytest.mark.slow
+@pytest.mark.dag
 def test_a_run_killed_mid_job_resumes_with_the_readmes_line(resumed_run):
     """The kill left a lock and half-done jobs; the README's line, run as written, finished the run with exactly
     the files the DAG plans (every job's outputs and logs, nothing half-written beside them)."""
