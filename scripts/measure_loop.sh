@@ -7,7 +7,7 @@
 # Steps, each timed into OUT_DIR/steps.tsv (step, seconds, exit status): the install; the README's test command
 # with every test phase logged (OUT_DIR/suite.tsv, summary in suite.md); the second tier where REV has one
 # (-m matrix; tier2.tsv, tier2.md); the README's test command again on the now warm caches (suite-warm.*);
-# `snakemake --cores all` (per rule from Snakemake's log: workflow.md; every output listed in outputs.txt, the
+# (WARM=0 skips it); `snakemake --cores all` (per rule from Snakemake's log: workflow.md; every output listed in outputs.txt, the
 # figures and claims.md copied to OUT_DIR/results/); with WITH_CI=1 also `bash .ci/run` on a second fresh clone and venv.
 # The timing tools are this checkout's (scripts/suite_timing.py, scripts/workflow_timing.py), so REV need not have
 # them. Say the machine's CPU and load beside the numbers: OUT_DIR/machine.txt records them.
@@ -48,9 +48,11 @@ if grep -q '"matrix:' pyproject.toml; then
   step tier2 python -m pytest -q -n auto -m "$(grep -q '"dag:' pyproject.toml && echo "matrix or dag" || echo matrix)" -p suite_timing --timing-log="$OUT/tier2.tsv"
   python "$WORK/tools/suite_timing.py" "$OUT/tier2.tsv" 30 > "$OUT/tier2.md"
 fi
-step suite-warm python -m pytest -q -n auto -p suite_timing --timing-log="$OUT/suite-warm.tsv"
+if [ "${WARM:-1}" = 1 ]; then
+  step suite-warm python -m pytest -q -n auto -p suite_timing --timing-log="$OUT/suite-warm.tsv"
+  python "$WORK/tools/suite_timing.py" "$OUT/suite-warm.tsv" 40 > "$OUT/suite-warm.md"
+fi
 python "$WORK/tools/suite_timing.py" "$OUT/suite.tsv" 40 > "$OUT/suite.md"
-python "$WORK/tools/suite_timing.py" "$OUT/suite-warm.tsv" 40 > "$OUT/suite-warm.md"
 unset PYTHONPATH
 step workflow snakemake --cores all
 python "$WORK/tools/workflow_timing.py" "$(ls -t .snakemake/log/*.snakemake.log | head -1)" > "$OUT/workflow.md"

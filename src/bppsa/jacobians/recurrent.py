@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-LAYOUTS = ("paper", "fused")
+from . import LAYOUTS
+
 ACTIVATIONS = ("tanh", "relu")
 
 

@@ -5,7 +5,7 @@ import copy
 import importlib
 from dataclasses import dataclass
 
-from ..jacobians.recurrent import LAYOUTS as _RNN_LAYOUTS
+from ..jacobians import LAYOUTS as _RNN_LAYOUTS  # torch-free: the workflow imports SPECS
 
 
 @dataclass(frozen=True)
