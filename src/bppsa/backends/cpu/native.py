@@ -92,7 +92,13 @@ def cache_dir() -> Path:
 
 
 def _compiler() -> str | None:
-    return shutil.which(compiler_name())
+    return _which(compiler_name())
+
+
+@functools.cache
+def _which(name: str) -> str | None:
+    """``shutil.which``, once per name and process: every forward call asks for the target (a PATH scan, ~0.1 ms)."""
+    return shutil.which(name)
 
 
 def compiler_name() -> str:
@@ -173,7 +179,7 @@ _loaded: list = []  # other modules' caches of loaded builds (forward.py's), for
 
 def reset() -> None:
     """Forget this process's target, builds and their errors (after ``BPPSA_CPU_ISA`` or ``CC`` changed)."""
-    for f in (_target, library, unavailable_reason, *_loaded):
+    for f in (_which, _target, library, unavailable_reason, *_loaded):
         f.cache_clear()
     _errors.clear()
 
