@@ -26,6 +26,17 @@ def test_rows_and_summary_of_both_experiments():
     assert sl.loc[("remembers", "sliced-2"), "meet_steps"] == "1:30"
 
 
+def test_the_tanh_rnn_is_also_timed_at_its_cells_criterion():
+    """The layers give the tanh RNN's sliced forward its cell's criterion (two ulps): the benchmark times that too,
+    as ``sliced-p-cell``; the bitwise cells have no such row."""
+    rows, summary = forward.run(["rnn_tanh", "gru"], [30], [3], 20, 1, torch.float32, 2, 2, RULE, 60,
+                                layers=("forgets",), experiments=("sliced",), progress=lambda line: None)
+    assert set(rows[rows.cell == "rnn_tanh"].method) == {"compiled-1", "compiled-2", "sliced-2", "sliced-2-cell"}
+    assert "sliced-2-cell" not in set(rows[rows.cell == "gru"].method)
+    row = summary[(summary.cell == "rnn_tanh") & (summary.method == "sliced-2-cell")].iloc[0]
+    assert row.tol == 2 * torch.finfo(torch.float32).eps and row.sweeps >= 1
+
+
 @pytest.mark.parametrize("cell", ["rnn_tanh", "gru", "lstm"])
 def test_a_layer_made_to_remember_keeps_its_start(cell):
     m = forward.make_layer(cell, 1, 20, torch.float64, "remembers")

@@ -9,8 +9,9 @@ its distribution-free 95 % interval:
   fused kernel) against ``compiled`` (:func:`~bppsa.backends.cpu.forward.compiled_forward`), both on ``threads``;
 - ``sliced``: ``compiled-1`` (the compiled forward on one thread: the reference), ``compiled-p`` (on ``threads``:
   the batch split) and ``sliced-p`` (:func:`~bppsa.backends.cpu.sliced.sliced_forward`, ``slices`` slices on
-  ``threads``; ``sliced-p-tol`` with a tolerance), for a layer that forgets (torch's init) and one that remembers
-  (:func:`make_layer`: the LSTM's forget gates' and the GRU's update gates' biases raised by 6; the RNNs with W_hh =
+  ``threads``, meeting bitwise; ``sliced-p-cell`` at the cell's own criterion where it is not bitwise, the one the
+  layers use, ``Cell.meet_ulps``: the tanh RNN's two ulps; ``sliced-p-tol`` with a tolerance), for a layer that
+  forgets (torch's init) and one that remembers (:func:`make_layer`: the LSTM's forget gates' and the GRU's update gates' biases raised by 6; the RNNs with W_hh =
   0.999 · orthogonal, no biases and W_ih / 100, so that the states stay small: a start is still felt after 3000
   steps).
 
@@ -133,6 +134,13 @@ def bench_compiled(cell: str, T: int, B: int, H: int, I: int, dtype, threads: in
                                          "load1_after": os.getloadavg()[0]})
 
 
+def _cell_tol(kernel: str, dtype) -> float:
+    """The meeting criterion the layers give the sliced forward of this kernel (``Cell.meet_tol``; 0: bitwise)."""
+    from ..nn.cells import CELLS
+
+    return next(c for c in CELLS.values() if c.kernel == kernel).meet_tol(dtype)
+
+
 def bench_sliced(cell: str, layer: str, T: int, B: int, H: int, I: int, dtype, threads: int, slices: int,
                  rule: StopRule, tol: float | None = None):
     """The compiled forward on one thread and on ``threads``, and the sliced forward on ``threads`` (and with the
@@ -158,6 +166,9 @@ def bench_sliced(cell: str, layer: str, T: int, B: int, H: int, I: int, dtype, t
     methods = {"compiled-1": _timed(lambda: forward.compiled_forward(cell, x, None, None, *w, threads=1)),
                f"compiled-{p}": _timed(lambda: forward.compiled_forward(cell, x, None, None, *w, threads=p)),
                f"sliced-{p}": _timed(run_sliced(0.0))}
+    cell_tol = _cell_tol(cell, dtype)
+    if cell_tol:
+        methods[f"sliced-{p}-cell"] = _timed(run_sliced(cell_tol))
     if tol:
         methods[f"sliced-{p}-tol"] = _timed(run_sliced(tol))
     load0 = os.getloadavg()[0]
@@ -166,7 +177,8 @@ def bench_sliced(cell: str, layer: str, T: int, B: int, H: int, I: int, dtype, t
     rows, summary = _collect(cfg, meas, "compiled-1", {"load1_before": load0, "load1_after": os.getloadavg()[0],
                                                         "slices": slices})
     for row in summary:
-        t = tol if row["method"].endswith("-tol") else 0.0 if row["method"].startswith("sliced") else None
+        t = (tol if row["method"].endswith("-tol") else cell_tol if row["method"].endswith("-cell")
+             else 0.0 if row["method"].startswith("sliced") else None)
         if t is not None and t in last:
             st = last[t]
             row.update(tol=t, sweeps=st["sweeps"], handoff=len(st["handoff"]), bound=st["bound"],
