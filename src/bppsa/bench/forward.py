@@ -11,9 +11,9 @@ its distribution-free 95 % interval:
   the batch split) and ``sliced-p`` (:func:`~bppsa.backends.cpu.sliced.sliced_forward`, ``slices`` slices on
   ``threads``, meeting bitwise; ``sliced-p-cell`` at the cell's own criterion where it is not bitwise, the one the
   layers use, ``Cell.meet_ulps``: the tanh RNN's two ulps; ``sliced-p-tol`` with a tolerance), for a layer that
-  forgets (torch's init) and one that remembers (:func:`make_layer`: the LSTM's forget gates' and the GRU's update gates' biases raised by 6; the RNNs with W_hh =
-  0.999 · orthogonal, no biases and W_ih / 100, so that the states stay small: a start is still felt after 3000
-  steps).
+  forgets (torch's init) and one that remembers (:func:`make_layer`: the LSTM's forget gates' and the GRU's update
+  gates' biases raised by 6; the RNNs with W_hh = 0.999 · orthogonal, no biases and W_ih / 100, so that the states
+  stay small: a start is still felt after 3000 steps).
 
 Inputs are the paper's bitstreams (x_t ~ Bernoulli(0.05 + 0.1 c)).  Rows (one per method, round and phase):
 ``experiment``, ``cell``, ``layer`` (forgets / remembers), ``T``, ``B``, ``H``, ``I``, ``dtype``, ``threads``,
