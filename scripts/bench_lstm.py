@@ -45,6 +45,7 @@ from bppsa.backends.cpu import CpuBackend, plan
 from bppsa.backends.cpu.chain import synthetic
 from bppsa.bench.protocol import StopRule, interleave
 from bppsa.jacobians.lstm import lstm_gates
+from bppsa.nn.cells import CELLS, Weights
 
 
 def cpu_model() -> str:
@@ -56,24 +57,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
-
-
-def states(lstm, x):
-    """Every h_t and c_t of ``lstm`` over ``x`` (torch.nn.LSTM returns only the last c_t): its equations."""
-    H = lstm.hidden_size
-    T, B, _ = x.shape
-    with torch.no_grad():
-        xin = torch.addmm(lstm.bias_ih_l0 + lstm.bias_hh_l0, x.reshape(T * B, -1), lstm.weight_ih_l0.t())
-        xin = xin.view(T, B, 4 * H)
-        h, c, hs, cs = x.new_zeros(B, H), x.new_zeros(B, H), [], []
-        for t in range(T):
-            pre = torch.addmm(xin[t], h, lstm.weight_hh_l0.t())
-            i, f, o = pre[:, :H].sigmoid(), pre[:, H:2 * H].sigmoid(), pre[:, 3 * H:].sigmoid()
-            c = f * c + i * pre[:, 2 * H:3 * H].tanh()
-            h = o * c.tanh()
-            hs.append(h)
-            cs.append(c)
-    return torch.stack(hs), torch.stack(cs)
 
 
 def main(argv=None) -> None:
@@ -92,9 +75,9 @@ def main(argv=None) -> None:
     lstm = torch.nn.LSTM(I, H)
     x = torch.randn(T, B, I, generator=gen)
     w = torch.randn(T, B, H, generator=gen)
-    h, c = states(lstm, x)
     params = dict(lstm.named_parameters())
     W = [params[k].detach() for k in ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")]
+    h, c = CELLS["lstm"].forward(x, None, None, Weights(*W), None)  # every h_t and c_t (the cell's torch twin)
     g = torch.cat([w[-1], torch.zeros(B, H)], -1)  # ∇[h_T; c_T]
     direct = torch.cat([w.flip(0)[1:], torch.zeros(T - 1, B, H)], -1)  # ∂l/∂s_{T-1-k} entering after J_k
     direct = torch.cat([direct, torch.zeros(1, B, 2 * H)]).contiguous()

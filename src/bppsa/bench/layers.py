@@ -125,8 +125,8 @@ def run(layer: str, seq_len: int, batch: int, hidden: int = 20, input_size: int 
     w = torch.randn(seq_len, batch, hidden, generator=gen).to(device)  # the loss: sum_t <w_t, h_t>, or <w_T, h_n>
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     fns = {}
-    for name, (mod, ctx) in methods_for(layer, input_size, hidden, num_layers, L_ms, forwards=forwards,
-                                        device=device).items():
+    mods = methods_for(layer, input_size, hidden, num_layers, L_ms, forwards=forwards, device=device)
+    for name, (mod, ctx) in mods.items():
         opt = torch.optim.SGD(mod.parameters(), lr=1e-6)  # a real update, small enough to keep the weights
 
         def step(i: int, mod=mod, ctx=ctx, opt=opt) -> dict:
@@ -147,9 +147,8 @@ def run(layer: str, seq_len: int, batch: int, hidden: int = 20, input_size: int 
             return {"forward": t1 - t0, "backward": t2 - t1, "sgd": t3 - t2}
 
         fns[name] = step
-    if jax:
-        fns["jax"] = jax_step(methods_for(layer, input_size, hidden, num_layers, device=device)["torch"][0], x, w,
-                              loss, lr=1e-6)
+    if jax:  # torch.nn's layer, not yet stepped: the same weights as every other method's
+        fns["jax"] = jax_step(mods["torch"][0], x, w, loss, lr=1e-6)
     m = interleave(fns, rule or StopRule(), reference="bppsa" if "bppsa" in fns else next(iter(fns)),
                    metric="backward")
     return pd.DataFrame(m.rows).assign(layer=layer, device=str(device), seq_len=seq_len, batch=batch, hidden=hidden,
