@@ -254,7 +254,10 @@ def test_both_thread_splits_and_a_chain_without_x(T, B, I, H, dtype, monkeypatch
 @pytest.mark.parametrize("T,B,I,H", [(1, 3, 4, 3), (100, 17, 1, 3), (1001, 3, 4, 20), (7, 1, 1, 20)])
 def test_the_kernels_chain_product_is_the_dense_chains(T, B, I, H, dtype):
     """chain_product (a middle rank's map): P = J_{n-1} ... J_0 and the affine offset q, against the dense chain
-    multiplied out in fp64."""
+    multiplied out in fp64.  In fp32 the kernel forms each J_k's entries with its own roundings (an ulp from
+    dense()'s), and with f ≈ 0.98 (|λ| ≈ 1) nothing damps them: over n steps they add up to n·ε at worst, 6e-5 at
+    n = 1001 (2e-6 to 1.5e-5 over four seeds on an AVX-512 Xeon, the same with its AVX2 build): the project's fp32 bound, 1e-4."""
+    tol = {torch.float64: TOL[torch.float64], torch.float32: 1e-4}[dtype]
     case = Case(T, B, I, H, seed=7, dtype=dtype, scale=0.5)
     chain = case.chain()
     c = torch.randn(T, B, 2 * H, generator=torch.Generator().manual_seed(1), dtype=dtype)
@@ -264,9 +267,9 @@ def test_the_kernels_chain_product_is_the_dense_chains(T, B, I, H, dtype):
         P = J[k] @ P
         q = (J[k] @ q.unsqueeze(-1)).squeeze(-1) + c[k].double()
     got, none = chain_product(chain)
-    assert none is None and _rel(got, P) <= TOL[dtype]
+    assert none is None and _rel(got, P) <= tol
     got, off = chain_product(chain, c)
-    assert _rel(got, P) <= TOL[dtype] and _rel(off, q) <= TOL[dtype]
+    assert _rel(got, P) <= tol and _rel(off, q) <= tol
 
 
 @kernel
