@@ -20,7 +20,8 @@ from bppsa.bench.protocol import StopRule
 
 
 def _L(v: str):
-    return None if v.lower() == "none" else int(v)
+    v = v.lower()
+    return None if v == "none" else v if v == "auto" else int(v)
 
 
 def main() -> None:
@@ -32,7 +33,9 @@ def main() -> None:
     ap.add_argument("--input-size", type=int, default=1)
     ap.add_argument("--num-layers", type=int, default=1)
     ap.add_argument("--loss", choices=("hn", "steps"), default="hn")
-    ap.add_argument("--L-m", type=_L, nargs="+", default=[None], help="the bppsa layers' L_m (none: the full tree)")
+    ap.add_argument("--L-m", type=_L, nargs="+", default=["auto"],
+                    help="the bppsa layers' L_m (auto, the layers' default: the backend's choice; none: the full tree, "
+                         "named -tree; an int)")
     ap.add_argument("--parallel-forward", dest="forwards", nargs="+", default=["none"],
                     choices=("none", "true", "false"), help="the bppsa layers' parallel_forward (none: where it pays)")
     ap.add_argument("--jax", action="store_true", help="also JAX's jitted training step (one-layer RNNs; needs jax)")

@@ -11,14 +11,14 @@ RULE = StopRule(warmup=1, min_iters=8, max_iters=8, min_seconds=0.0, max_seconds
 
 @pytest.mark.parametrize("layer", ["rnn_relu", "lstm"])
 def test_rows_per_method_phase_and_round_and_their_ratios(layer):
-    df = layers.run(layer, 37, 3, hidden=5, loss="steps", L_ms=(None, 0), rule=RULE)
-    want = {"bppsa", "bppsa-L0", "torch"} | ({"torch-generic"} if layer == "lstm" else set())
+    df = layers.run(layer, 37, 3, hidden=5, loss="steps", L_ms=("auto", None, 0), rule=RULE)
+    want = {"bppsa", "bppsa-tree", "bppsa-L0", "torch"} | ({"torch-generic"} if layer == "lstm" else set())
     assert set(df.method) == want
     assert (df.groupby(["method", "phase"]).size() == 8).all() and set(df.phase) == set(layers.PHASES)
     assert (df.seconds > 0).all()
     s = layers.summary(df)
     step = s[s.what == "step"].set_index("ratio")
-    assert {"torch / bppsa", "torch / bppsa-L0"} <= set(step.index)
+    assert {"torch / bppsa", "torch / bppsa-tree", "torch / bppsa-L0"} <= set(step.index)
     for r in step.itertuples():
         assert r.ci_low <= r.median <= r.ci_high
 

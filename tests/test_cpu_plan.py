@@ -90,6 +90,19 @@ def test_a_plan_is_measured_once_stored_beside_the_kernels_and_reused(monkeypatc
     assert plan.choose(*shape[:-1]) == plan.estimate("rnn", 300, 16, 20, torch.float32, "auto", 2)
 
 
+@pytest.mark.parametrize("nbytes,B,threads,expect", [
+    (32, 16, 2, 0),     # two 8-lane slices, one per thread: the linear scan
+    (64, 4, 2, 0),      # two 2-lane slices: each thread has one
+    (32, 1, 2, None),   # one element, two threads: the linear scan would leave one idle, the tree shares its blocks
+    (32, 1, 1, 0),      # one thread: nothing for the tree's extra work to buy
+    (32, 3, 4, None),   # three slices for four threads
+])
+def test_the_auto_depth_is_linear_where_the_slices_fill_the_threads(widest, nbytes, B, threads, expect):
+    widest(nbytes)
+    for kind in ("rnn", "gru", "lstm"):
+        assert plan.auto_levels(kind, B, torch.float32, threads) == expect
+
+
 def test_a_damaged_plan_store_is_measured_again(monkeypatch, tmp_path):
     monkeypatch.setenv("BPPSA_PLAN", "measure")
     monkeypatch.setattr(native, "cache_dir", lambda: tmp_path)

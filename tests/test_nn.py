@@ -166,6 +166,33 @@ def test_rnn_layouts_and_heterogeneous_scans(layout, L_m, backend, nonlinearity)
         assert max(_rel(have[k], want[k]) for k in want) <= 1e-10
 
 
+@pytest.mark.parametrize("cls", [bnn.RNN, bnn.GRU, bnn.LSTM])
+@pytest.mark.parametrize("loss_kind", ["hn", "both"])
+def test_auto_L_m_is_the_scanning_backends_choice(cls, loss_kind, monkeypatch):
+    """The default L_m="auto" asks the backend that scans (levels(J, grads)) and scans at the depth it names; the
+    gradients are autograd's whichever depth it names."""
+    torch.manual_seed(2)
+    ref = cls.cell.torch_cls(I, H, dtype=torch.float64)
+    got = cls.from_torch(ref, backend="cpu")
+    assert got.L_m == "auto" and "L_m='auto'" in repr(got)
+    cpu = type(nn_backward.backend_for("cpu", torch.device("cpu")))
+    asked, scanned = [], []
+    x = torch.randn(37, 5, I, dtype=torch.float64)
+    finals = 2 if cls is bnn.LSTM else 1  # h_n (and c_n)
+    w_out, w_hn = torch.randn(37, 5, H, dtype=torch.float64), torch.randn(finals * 5 * H, dtype=torch.float64)
+    want = _run(ref, x, None, None, loss_kind, False, w_out, w_hn, ours=False)[0]
+    for depth in (0, 2, None):
+        monkeypatch.setattr(cpu, "levels", lambda self, J, grads=False, d=depth: asked.append(grads) or d)
+        for name in ("scan", "affine_scan", "cell_grads"):
+            real = getattr(cpu, name)
+            monkeypatch.setattr(cpu, name, lambda self, g, J, *a, _r=real, **k: scanned.append(a[0] if a else None)
+                                or _r(self, g, J, *a, **k))
+        have = _run(got, x, None, None, loss_kind, False, w_out, w_hn, ours=True)[0]
+        assert max(_rel(have[k], want[k]) for k in want) <= 1e-10
+        assert asked and scanned and scanned[0] == depth, (depth, scanned)
+        asked.clear(), scanned.clear(), monkeypatch.undo()
+
+
 @pytest.mark.parametrize("cls", [bnn.GRU, bnn.LSTM])
 def test_routing_single_seed_and_per_step(cls, monkeypatch):
     """A loss on h_n alone runs each backend's own scan (on the CPU: the kernel that sums the weights'
@@ -544,6 +571,8 @@ def test_state_dict_round_trips_with_torch(cell, bias, bi):
     (lambda: bnn.GRU(I, H, layout="paper"), "unknown layout 'paper'"),
     (lambda: bnn.LSTM(I, H, layout="paper"), "unknown layout 'paper'"),
     (lambda: bnn.RNN(I, H, L_m=-1), "L_m"),
+    (lambda: bnn.GRU(I, H, L_m="full"), "L_m must be 'auto'"),
+    (lambda: bnn.LSTM(I, H, L_m=True), "L_m must be 'auto'"),
     (lambda: bnn.GRU(I, H, bidirectional=True, process_group=object()), "bidirectional=True with a process_group"),
     (lambda: bnn.LSTM.from_torch(torch.nn.GRU(I, H)), "takes a LSTM"),
     (lambda: bnn.GRU(I, H, parallel_forward=2), "parallel_forward"),

@@ -1,10 +1,11 @@
 """The shared timing protocol: median intervals, paired ratios, the stop rule, interleaving."""
+import collections
 import math
 
 import numpy as np
 import pytest
 
-from bppsa.bench.protocol import StopRule, interleave
+from bppsa.bench.protocol import StopRule, balanced_orders, interleave
 from bppsa.stats import median_ci, min_n_for_ci, ratio_ci, rel_halfwidth
 
 
@@ -104,6 +105,18 @@ def test_rounds_rotate_and_share_the_iteration_index():
     assert [rnd[0][1] for rnd in rounds] == list(range(7))          # warm-up round is i = 0
     firsts = [rnd[0][0] for rnd in rounds[1:]]
     assert sorted(firsts) == ["a", "a", "b", "b", "c", "c"]         # each method first equally often
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_round_orders_balance_places_and_predecessors(n):
+    """A Williams design: every method at every place equally often, and right after every other equally often
+    (a rotation would keep one predecessor per method)."""
+    orders = balanced_orders(n)
+    assert all(sorted(o) == list(range(n)) for o in orders) and len(orders) == (n if n % 2 == 0 else 2 * n)
+    for place in range(n):
+        assert sorted(o[place] for o in orders) == sorted(list(range(n)) * (len(orders) // n))
+    pairs = collections.Counter((o[k], o[k + 1]) for o in orders for k in range(n - 1))
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
 
 
 def test_dispersed_method_runs_to_the_cap_and_is_flagged():

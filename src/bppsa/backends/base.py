@@ -29,6 +29,8 @@ class Backend(Protocol):
     * :meth:`scanner`: the backend that scans a chain of ``kind`` ("rnn", "paper", "gru", "lstm"), and with
       ``per_step`` the affine recurrence of a loss on every state or of sequences of several lengths: itself,
       or the torch twin on the same device where it has no kernel for it;
+    * :meth:`levels`: the ``L_m`` a layer's ``L_m="auto"`` takes for scans of chains like ``J`` (``grads``: those
+      that sum the cell's gradients): None (the full tree) or a depth, 0 the linear scan;
     * :meth:`scan`: the exclusive scan (a backend may overwrite ``J`` as workspace); :meth:`affine_scan`: the
       per-step-gradient scan ``out[k+1] = J[k] out[k] + c[k]``, identities at the steps ``past`` a sequence's end;
     * :meth:`rnn_jacobians_t`, :meth:`gru_jacobians_t`, :meth:`lstm_jacobians_t`: the transposed Jacobians of an
@@ -52,6 +54,8 @@ class Backend(Protocol):
                            stored: tuple, tol: float = 0.0) -> int | None: ...
 
     def scanner(self, kind: str, per_step: bool = False) -> Backend: ...
+
+    def levels(self, J: Any, grads: bool = False) -> int | None: ...
 
     def scan(self, g: torch.Tensor, J: Any, L_m: int | None = None) -> torch.Tensor: ...
 

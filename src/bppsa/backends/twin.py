@@ -71,6 +71,11 @@ class TorchBackend:
         recurrence's offset with ``c``), or None where it has none: the caller composes it (the twin has none)."""
         return None
 
+    def levels(self, J, grads: bool = False) -> int | None:
+        """The ``L_m`` that ``L_m="auto"`` takes for scans of chains like ``J`` (``grads``: the scans that sum the
+        cell's gradients): the full tree (None), the paper's scan.  The CPU's compiled kernel chooses its own."""
+        return None
+
     def cell_grads(self, g, J, L_m: int | None, from_scan, c: torch.Tensor | None = None) -> dict:
         """The cell's parameter gradients, ``from_scan`` of the single seed's scan or (``c``: the loss's gradients
         at every step, in scan order) of the affine one; a backend may accumulate them as it scans instead."""

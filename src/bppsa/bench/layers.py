@@ -3,8 +3,9 @@
 
 Methods, per layer (``rnn``, ``rnn_relu``, ``gru``, ``lstm``; ``num_layers`` of them):
 
-* ``bppsa`` (``bppsa-L<L_m>`` for each heterogeneous scan asked for, ``-sliced``/``-serial`` for the forward
-  split over slices or not): the bppsa.nn layer, its backward the scan;
+* ``bppsa`` (the layer's default ``L_m="auto"``; ``bppsa-tree`` for the full tree, ``bppsa-L<L_m>`` for each
+  heterogeneous scan asked for, ``-sliced``/``-serial`` for the forward split over slices or not): the bppsa.nn
+  layer, its backward the scan;
 * ``torch``: torch.nn's layer as it comes (on a CPU the LSTM runs oneDNN's fused kernel: the rival a user has);
 * ``torch-generic`` (the LSTM): the same with oneDNN off, torch's generic recurrent loop, as torch.nn.RNN and GRU
   always run;
@@ -39,10 +40,11 @@ def _finals(h_n) -> torch.Tensor:
     return h_n[0] if isinstance(h_n, tuple) else h_n
 
 
-def methods_for(layer: str, input_size: int, hidden: int, num_layers: int, L_ms=(None,), backend: str = "auto",
+def methods_for(layer: str, input_size: int, hidden: int, num_layers: int, L_ms=("auto",), backend: str = "auto",
                 forwards=(None,), device="cpu"):
-    """name -> module, on one set of weights: the bppsa.nn layer per L_m and per ``parallel_forward`` in
-    ``forwards`` (``-sliced`` True, ``-serial`` False; None, the default, unnamed), torch.nn's, and (oneDNN's layers
+    """name -> module, on one set of weights: the bppsa.nn layer per L_m (``auto``, the default, unnamed; None the
+    full tree, ``-tree``; an int ``-L<int>``) and per ``parallel_forward`` in ``forwards`` (``-sliced`` True,
+    ``-serial`` False; None, the default, unnamed), torch.nn's, and (oneDNN's layers
     on a CPU) its generic loop."""
     import bppsa.nn as bnn
 
@@ -55,7 +57,7 @@ def methods_for(layer: str, input_size: int, hidden: int, num_layers: int, L_ms=
             m = getattr(bnn, name)(input_size, hidden, num_layers, backend=backend, L_m=L_m, parallel_forward=pf,
                                    **kw)
             m.load_state_dict(ours.state_dict())
-            tag = ("" if L_m is None else f"-L{L_m}") + {None: "", True: "-sliced", False: "-serial"}[pf]
+            tag = {"auto": "", None: "-tree"}.get(L_m, f"-L{L_m}") + {None: "", True: "-sliced", False: "-serial"}[pf]
             out[f"bppsa{tag}"] = (m.to(device), contextlib.nullcontext)
     out["torch"] = (ours.to_torch().to(device), contextlib.nullcontext)
     if layer in FUSED_ON_CPU and torch.device(device).type == "cpu":
@@ -116,7 +118,7 @@ def jax_step(mod, x: torch.Tensor, w: torch.Tensor, loss: str, lr: float, tol: f
 
 
 def run(layer: str, seq_len: int, batch: int, hidden: int = 20, input_size: int = 1, num_layers: int = 1,
-        loss: str = "hn", L_ms=(None,), rule: StopRule | None = None, seed: int = 0, forwards=(None,),
+        loss: str = "hn", L_ms=("auto",), rule: StopRule | None = None, seed: int = 0, forwards=(None,),
         device="cpu", jax: bool = False) -> pd.DataFrame:
     """Interleaved rounds of every method of :func:`methods_for`: tidy rows (method, iter, phase, seconds); on a
     GPU the device is synchronised around every phase."""

@@ -90,10 +90,18 @@ def no_autocast(device: torch.device):
     return contextlib.nullcontext()  # autocast off already: no context to build on every call
 
 
+AUTO = -1  # Options.L_m for a layer's L_m="auto" (the torch op's schema takes an int): the backend's levels()
+
+
+def resolve_levels(L_m: int | None, ps, J, grads: bool) -> int | None:
+    """``L_m``, or for :data:`AUTO` the depth the scanning backend ``ps`` picks for ``J`` (its ``levels``)."""
+    return ps.levels(J, grads) if L_m == AUTO else L_m
+
+
 @dataclass(frozen=True)
 class Options:
-    """How a layer runs: the backend's name, the chain's layout, the heterogeneous scan's L_m and the forward's
-    slices (:mod:`.forward`)."""
+    """How a layer runs: the backend's name, the chain's layout, the heterogeneous scan's L_m (:data:`AUTO`: the
+    backend's choice) and the forward's slices (:mod:`.forward`)."""
 
     backend: str = "auto"
     layout: str = "fused"
@@ -196,14 +204,15 @@ def scan_states(cell: Cell, s: Saved, w: Weights, p: Plan, be, options: Options)
     ps = be.scanner(cell.kind, p.per_step)
     with jacobian_phase():
         J = cell.chain(ps, s, w, layout, with_x=p.sums)
+    L_m = resolve_levels(options.L_m, ps, J, p.sums)
     if p.sums:
         def from_scan(out):
             return cell.grads(s, w, cell.states_grads(out, layout).flip(0), Needs())[2]
 
-        return ps.cell_grads(p.seed, J, options.L_m, from_scan, c=p.direct)
+        return ps.cell_grads(p.seed, J, L_m, from_scan, c=p.direct)
     if not p.per_step:
-        return cell.states_grads(ps.scan(p.seed, J, options.L_m), layout)
-    return affine_prefixes(ps, p.seed, J, p.direct, options.L_m, p.past)
+        return cell.states_grads(ps.scan(p.seed, J, L_m), layout)
+    return affine_prefixes(ps, p.seed, J, p.direct, L_m, p.past)
 
 
 @torch.no_grad()

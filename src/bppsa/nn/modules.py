@@ -19,7 +19,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from ..backends import BACKENDS
 from ..distributed import GroupRef, all_gather_ints
 from . import ops, split
-from .backward import Options, no_autocast, valid_steps
+from .backward import AUTO, Options, no_autocast, valid_steps
 from .cells import CELLS, Cell, Weights
 from .forward import take_stats
 
@@ -34,7 +34,7 @@ class _Recurrent(nn.Module):
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, device=None,
                  dtype=None, *, proj_size: int = 0, backend: str = "auto", layout: str = "fused",
-                 L_m: int | None = None, parallel_forward: bool | None = None, process_group=None,
+                 L_m: int | str | None = "auto", parallel_forward: bool | None = None, process_group=None,
                  group_timeout: float | None = None):
         super().__init__()
         name = type(self).__name__
@@ -55,8 +55,9 @@ class _Recurrent(nn.Module):
             raise ValueError(f"bppsa.nn.{name}: unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
         if layout not in self.cell.layouts:
             raise ValueError(f"bppsa.nn.{name}: unknown layout '{layout}' (choose from {', '.join(self.cell.layouts)})")
-        if L_m is not None and (not isinstance(L_m, int) or L_m < 0):
-            raise ValueError(f"bppsa.nn.{name}: L_m must be None (the full tree) or an int >= 0, got {L_m!r}")
+        if L_m not in (None, "auto") and (not isinstance(L_m, int) or isinstance(L_m, bool) or L_m < 0):
+            raise ValueError(f"bppsa.nn.{name}: L_m must be 'auto' (the backend's choice), None (the full tree) or an "
+                             f"int >= 0, got {L_m!r}")
         if process_group is not None and layout != "fused":
             raise ValueError(f"bppsa.nn.{name}: process_group runs the fused layout only, got layout='{layout}'")
         if process_group is not None and bidirectional:
@@ -136,7 +137,7 @@ class _Recurrent(nn.Module):
                              ("proj_size", 0)):
             if getattr(self, key) != default:
                 s += f", {key}={getattr(self, key)}"
-        return s + f", backend={self.backend!r}, layout={self.layout!r}, L_m={self.L_m}, " \
+        return s + f", backend={self.backend!r}, layout={self.layout!r}, L_m={self.L_m!r}, " \
                    f"parallel_forward={self.parallel_forward}"
 
     # -- the call ---------------------------------------------------------------------------------
@@ -215,7 +216,7 @@ class _Recurrent(nn.Module):
         valid = valid_steps(lengths, T, x.device, t0)
         rev = None if not self.bidirectional else _reversal(T, lengths, x.device)
         slices = {None: None, True: 0, False: 1}[self.parallel_forward]
-        options = Options(self.backend, self.layout, self.L_m, slices)
+        options = Options(self.backend, self.layout, AUTO if self.L_m == "auto" else self.L_m, slices)
         finals: list[list] = [[], []]
         record = not torch.compiler.is_compiling()
         if record:

@@ -261,7 +261,8 @@ def _slice_backward(cell: Cell, s: Saved, w: Weights, plan: _bw.Plan, need: Need
     ps = be.scanner(cell.kind, plan.per_step)
     # with the carry known a slice's scan needs no tree of its own (its products were the up-sweep's): across
     # ranks the local down-sweep is the linear scan (L_m = 0) unless L_m says otherwise
-    local = _bw.Options(spec.options.backend, "fused", spec.options.L_m if spec.options.L_m is not None else 0)
+    local = _bw.Options(spec.options.backend, "fused", spec.options.L_m if spec.options.L_m not in (None, _bw.AUTO)
+                        else 0)
     with _bw.jacobian_phase():
         J = cell.chain(ps, s, w, "fused", with_x=plan.sums)
     if r == p - 1:

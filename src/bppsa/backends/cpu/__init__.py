@@ -28,7 +28,7 @@ from ... import scan as _scan
 from ..base import check_operands
 from ..chain import FactoredChain, PaperChain, RnnChain
 from ..twin import TorchBackend
-from . import forward, native, sliced
+from . import forward, native, plan, pool, sliced
 from .chain import gru_chain, lstm_chain, native_chain_scan, rnn_chain, rnn_chain_product, rnn_chain_scan
 from .dense import dense_tree_scan
 
@@ -148,6 +148,16 @@ class CpuBackend(TorchBackend):
             if chain is not None:
                 return chain
         return super().lstm_jacobians_t(x, h, gates, W_hh, W_hr)
+
+    def levels(self, J, grads: bool = False) -> int | None:
+        """``L_m="auto"``'s depth for scans of ``J`` by the compiled kernel: the linear scan (0) where the batch's
+        lane slices give every thread one, else the full tree (:func:`.plan.auto_levels`); the twin's answer (the
+        full tree) where the kernel does not run ``J``; 0 for the sequential rival."""
+        if self.sequential:
+            return 0
+        if not isinstance(J, FactoredChain) or J.kind == "paper" or not native.available():
+            return super().levels(J, grads)
+        return plan.auto_levels(J.kind, J.shape[1], J.dtype, pool.threads())
 
     def scan(self, g: torch.Tensor, J, L_m: int | None = None) -> torch.Tensor:
         return cpu_scan(g, J, self._L_m(L_m), self.workspace, self._split)

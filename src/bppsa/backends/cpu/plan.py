@@ -29,7 +29,7 @@ import torch
 from . import native
 
 __all__ = ["Plan", "MIN_CHUNK_FLOP", "KERNEL_SPEEDUP", "MAX_THREADS", "fused_levels", "lane_slices", "estimate",
-           "candidates", "predict", "choose", "team_for", "mode"]
+           "candidates", "predict", "choose", "team_for", "mode", "auto_levels"]
 
 # A chunk handed to another thread must carry enough work to repay the hand-off (~20-50 us), at the rate of
 # numpy's small GEMMs (~50 GFLOP/s); the compiled kernel runs ~KERNEL_SPEEDUP times faster.
@@ -225,20 +225,17 @@ def _save(path: str, key: str, entry: dict) -> None:
         os.replace(tmp, path)
 
 
-def _measure(make, L, grads, plans: list[Plan]) -> tuple[Plan, dict]:
-    """Time each plan's team on the synthetic chain ``make()`` returns (with its ∇h_T), in interleaved rounds;
-    the fastest median wins."""
-    chain, g = make()
+def _time_teams(chain, g, teams: list, grads: bool) -> tuple[int, list[float], list[int]]:
+    """Each team's scan of ``chain`` (seed ``g``) timed in interleaved rounds: the index of the fastest median
+    (``teams[0]``, the estimate, unless another is faster by more than KEEP_ESTIMATE), the medians, the rounds."""
     n, B, H, _ = chain.shape
-    dtype = chain.dtype
-    teams = [_team(chain, L, pl, grads) for pl in plans]
     src = chain.states if chain.states is not None else chain._f
-    out = None if grads else torch.empty((n, B, H), dtype=dtype)
-    times: list[list[float]] = [[] for _ in plans]
+    out = None if grads else torch.empty((n, B, H), dtype=chain.dtype)
+    times: list[list[float]] = [[] for _ in teams]
     t_end = time.perf_counter() + MEASURE_SECONDS
     for r in range(MEASURE_ROUNDS[1]):
-        for k in range(len(plans)):
-            i = (k + r) % len(plans)  # each plan at every place of a round in turn
+        for k in range(len(teams)):
+            i = (k + r) % len(teams)  # each team at every place of a round in turn
             if teams[i] is None:
                 continue
             t0 = time.perf_counter()
@@ -248,12 +245,20 @@ def _measure(make, L, grads, plans: list[Plan]) -> tuple[Plan, dict]:
         if r >= MEASURE_ROUNDS[0] and time.perf_counter() > t_end:
             break
     med = [statistics.median(ts) if ts else float("inf") for ts in times]
-    best = min(range(len(plans)), key=lambda i: med[i])
-    if med[0] <= KEEP_ESTIMATE * med[best]:  # plans[0] is the estimate: kept unless another is clearly faster
+    best = min(range(len(teams)), key=lambda i: med[i])
+    if med[0] <= KEEP_ESTIMATE * med[best]:
         best = 0
+    return best, med, [len(ts) for ts in times]
+
+
+def _measure(make, L, grads, plans: list[Plan]) -> tuple[Plan, dict]:
+    """Time each plan's team on the synthetic chain ``make()`` returns (with its ∇h_T), in interleaved rounds;
+    the fastest median wins."""
+    chain, g = make()
+    best, med, rounds = _time_teams(chain, g, [_team(chain, L, pl, grads) for pl in plans], grads)
     return dataclasses.replace(plans[best], source="measured"), {
-        "candidates": [{**dataclasses.asdict(pl), "median_ms": round(m * 1e3, 4), "rounds": len(ts)}
-                       for pl, m, ts in zip(plans, med, times)]}
+        "candidates": [{**dataclasses.asdict(pl), "median_ms": round(m * 1e3, 4), "rounds": k}
+                       for pl, m, k in zip(plans, med, rounds)]}
 
 
 def choose(kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype, L: int, split: str, grads: bool,
@@ -314,3 +319,16 @@ def team_for(chain, L: int, split: str, grads: bool, threads: int, affine: bool 
     plan = choose(chain.kind, n, B, H, chain.I, chain.dtype, L, split, grads, threads, example)
     return _team(chain, L, plan, grads, affine)
 
+
+
+# -- the tree's depth for L_m = "auto" ---------------------------------------------------------------------------
+
+def auto_levels(kind: str, B: int, dtype: torch.dtype, threads: int) -> int | None:
+    """``L_m = "auto"``'s depth, by rule: the linear scan (0) where its lane slices give every thread one, else the
+    full tree (None), whose blocks the threads the batch leaves idle can share.  Measured on two threads of an
+    AVX-512 Xeon, T = 1000, H = 20 (docs/measurements.md, 2026-12-02, "L_m auto"): wherever the batch fills
+    the threads the linear scan's backward is 1.0-4.4x faster than the full tree's; at B = 1 on two threads the tree
+    is 1.4x faster for the GRU, 1.6x slower for the RNN, even for the LSTM.  (Not timed at first use as the plans are:
+    the synthetic chains they are timed on hold no gate pass, which is what the tree's threads share at B = 1.)"""
+    threads = min(threads, MAX_THREADS)
+    return 0 if len(lane_slices(B, threads, _widest(kind, dtype))) >= threads else None
