@@ -256,7 +256,8 @@ def test_the_kernels_chain_product_is_the_dense_chains(T, B, I, H, dtype):
     """chain_product (a middle rank's map): P = J_{n-1} ... J_0 and the affine offset q, against the dense chain
     multiplied out in fp64.  In fp32 the kernel forms each J_k's entries with its own roundings (an ulp from
     dense()'s), and with f ≈ 0.98 (|λ| ≈ 1) nothing damps them: over n steps they add up to n·ε at worst, 6e-5 at
-    n = 1001 (2e-6 to 1.5e-5 over four seeds on an AVX-512 Xeon, the same with its AVX2 build): the project's fp32 bound, 1e-4."""
+    n = 1001 (2e-6 to 1.5e-5 over four seeds on an AVX-512 Xeon, the same with its AVX2 build): the project's fp32
+    bound, 1e-4."""
     tol = {torch.float64: TOL[torch.float64], torch.float32: 1e-4}[dtype]
     case = Case(T, B, I, H, seed=7, dtype=dtype, scale=0.5)
     chain = case.chain()

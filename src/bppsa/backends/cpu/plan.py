@@ -326,9 +326,9 @@ def team_for(chain, L: int, split: str, grads: bool, threads: int, affine: bool 
 def auto_levels(kind: str, B: int, dtype: torch.dtype, threads: int) -> int | None:
     """``L_m = "auto"``'s depth, by rule: the linear scan (0) where its lane slices give every thread one, else the
     full tree (None), whose blocks the threads the batch leaves idle can share.  Measured on two threads of an
-    AVX-512 Xeon, T = 1000, H = 20 (docs/measurements.md, 2026-12-02, "L_m auto"): wherever the batch fills
-    the threads the linear scan's backward is 1.0-4.4x faster than the full tree's; at B = 1 on two threads the tree
-    is 1.4x faster for the GRU, 1.6x slower for the RNN, even for the LSTM.  (Not timed at first use as the plans are:
+    AVX-512 Xeon, T = 1000, H = 20, fp32 (docs/cpu-fast-path.md, "The depth, L_m auto"): wherever the batch fills the
+    threads the linear scan's backward is 1.0-4.4x faster than the full tree's; at B = 1 on two threads the tree is
+    1.4x faster for the GRU, 1.3x slower for the RNN, even for the LSTM.  (Not timed at first use as the plans are:
     the synthetic chains they are timed on hold no gate pass, which is what the tree's threads share at B = 1.)"""
     threads = min(threads, MAX_THREADS)
     return 0 if len(lane_slices(B, threads, _widest(kind, dtype))) >= threads else None
