@@ -21,8 +21,9 @@ rotated from round to round, so the methods are paired by round:
 * ``threads``: one process (rank 0) running the single-process layer on the CPU kernel with ``threads`` torch
   threads (recorded at p = 1): the in-process parallel BPPSA the split is compared with;
 * ``sequential``: one process, one thread, the single-process layer with ``L_m = 0``: the linear scan through the
-  same kernel, back-propagation built with the care BPPSA gets (recorded at p = 1).  On one thread the BPPSA tree
-  (``bppsa`` at p = 1, the layer's default ``L_m``) does ~H times its work; read the p = 1 rows with both;
+  same kernel, back-propagation built with the care BPPSA gets (recorded at p = 1).  ``bppsa`` at p = 1 is the
+  layer at its default ``L_m="auto"``, which on one thread is that linear scan too (the full tree would do ~H times
+  its work), so the p = 1 rows of the two agree;
 * ``scan-rounds``, ``scan-allgather`` (p > 1): :func:`bppsa.distributed.rank_scan` alone with either strategy on
   one [B, H, H] summary per rank, to choose the default per p (``ALLGATHER_UP_TO``).
 
