@@ -14,7 +14,7 @@ import bppsa.nn  # noqa: F401 - before torch: its OpenMP settings (bppsa.process
 import torch
 # isort: on
 
-from bppsa import io
+from bppsa import io, process
 from bppsa.bench import layers
 from bppsa.bench.protocol import StopRule
 
@@ -46,6 +46,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.set_flush_denormal(True)  # as the bppsa commands do: the long products underflow
+    process.keep_large_blocks()  # as the bppsa commands: the [T, B, H] outputs made every round are not faulted anew
     forwards = tuple({"none": None, "true": True, "false": False}[f] for f in a.forwards)
     df = layers.run(a.layer, a.seq_len, a.batch, a.hidden, a.input_size, a.num_layers, a.loss, tuple(a.L_m),
                     StopRule(max_seconds=a.max_seconds), forwards=forwards, device=a.device, jax=a.jax)
