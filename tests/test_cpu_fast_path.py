@@ -170,13 +170,14 @@ def test_factored_chain_scan_equals_torch_twin(chunking, chain_path, kind, T, B,
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     assert _rel(cpu.cpu_scan(g, chain, L_m), ref) <= tol
     grads = cpu.param_grads(g, chain, L_m, scan.Workspace(), ref_grads)
-    if dtype == torch.float64:
-        assert _rel_grads(grads, ref_grads(ref)) <= tol
-    else:  # sums over T steps: fp32 summed in another order can differ by T ulp of the terms, so against the
-        # exact value, relative to the terms' magnitudes (terms that cancel leave a sum far smaller than them)
-        want, mags = exact()
-        assert grads.keys() == want.keys()
-        assert max((grads[k].double() - want[k]).abs().max() / mags[k].max().clamp_min(1e-300) for k in want) <= 1e-4
+    # sums over T steps, added in another order: relative to the terms' magnitudes (terms that cancel leave a sum
+    # far smaller than them: W_hh's at H = 1, T = 277 came out -2e-5 from terms of ~1, 1.2e-12 from the reference's)
+    exact_grads, mags = exact()
+    want = ref_grads(ref) if dtype == torch.float64 else exact_grads  # fp32: the exact value, free of its rounding
+    assert grads.keys() == want.keys()
+    err = max(((grads[k].double() - want[k].double()).abs().max() / mags[k].max().clamp_min(1e-300)).item()
+              for k in want)
+    assert err <= (tol if dtype == torch.float64 else 1e-4)
 
 
 @pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
