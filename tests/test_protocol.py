@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from bppsa.bench.protocol import StopRule, balanced_orders, interleave
-from bppsa.stats import median_ci, min_n_for_ci, ratio_ci, rel_halfwidth
+from bppsa.bench.protocol import StopRule, interleave
+from bppsa.stats import balanced_orders, median_ci, min_n_for_ci, ratio_ci, rel_halfwidth
 
 
 def test_median_ci_is_the_textbook_order_statistics():

@@ -1,4 +1,4 @@
-"""Statistics of timing samples: the median with a distribution-free interval, paired ratios.
+"""Statistics of timing samples: the median with a distribution-free interval, paired ratios, the rounds' orders.
 
 The benchmarks (:mod:`bppsa.bench.protocol`) stop on them, and the analysis (:mod:`bppsa.analysis`) reports
 them; why the median and order statistics, not a mean and a normal interval: docs/timing.md.
@@ -74,3 +74,21 @@ def rel_halfwidth(x: Sequence[float], conf: float = 0.95) -> float:
     if not m > 0:
         return math.inf
     return max(m - lo, hi - m) / m
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """The rounds' orders of ``n`` methods, a Williams design: each method runs at every place, and right after each
+    other method, equally often (n orders for even n, 2n for odd).  A plain rotation keeps the cyclic order, so one
+    method would always follow the same other one and pay for what it leaves behind (spinning OpenMP threads, a cold
+    cache): measured, 10-50 % on the forward of the method that followed torch.nn's (docs/timing.md)."""
+    if n < 1:
+        return [[]]
+    first, lo, hi = [0], 1, n - 1
+    while lo <= hi:  # 0, 1, n-1, 2, n-2, ...
+        first.append(lo)
+        lo += 1
+        if lo <= hi:
+            first.append(hi)
+            hi -= 1
+    orders = [[(j + r) % n for j in first] for r in range(n)]
+    return orders + ([o[::-1] for o in orders] if n % 2 else [])

@@ -8,9 +8,10 @@ Why these choices (their measured effect under load is in docs/measurements.md; 
 - **Interval from order statistics.** The confidence interval of the median uses the binomial
   distribution of the number of samples below it, so it assumes nothing about the shape of the timing
   distribution (which is skewed and often bimodal).
-- **Interleaving.** Every method being compared runs one iteration per round, in an order rotated round
-  by round, so slow phases of the machine hit all methods alike; a speedup is then the median of the
-  ratios of *paired* iterations (same round, same batch), not a ratio of two means taken minutes apart.
+- **Interleaving.** Every method being compared runs one iteration per round, the rounds' orders a Williams
+  design (:func:`bppsa.stats.balanced_orders`), so slow phases of the machine hit all methods alike; a speedup is
+  then the median of the ratios of *paired* iterations (same round, same batch), not a ratio of two means taken
+  minutes apart.
 - **Stop when stable.** A configuration is timed until a minimum count *and* a minimum time are
   reached, then until every median (and every paired ratio) is known to within ``rel_ci``, or until a
   cap; what is still too dispersed at the cap is marked ``noisy`` instead of being silently averaged.
@@ -24,7 +25,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from ..stats import median_ci, ratio_ci, rel_halfwidth
+from ..stats import balanced_orders, median_ci, ratio_ci, rel_halfwidth
 
 Metric = str | Callable[[Mapping[str, float]], float | None]
 TOTAL = "total"  # the metric "sum of every phase": one whole iteration
@@ -151,24 +152,6 @@ def _series(rows: list[dict], method: str, metric: Metric, iters: int) -> np.nda
             v = metric_value(phases, metric)
             out[i] = math.nan if v is None else v
     return out
-
-
-def balanced_orders(n: int) -> list[list[int]]:
-    """The rounds' orders of ``n`` methods, a Williams design: each method runs at every place, and right after each
-    other method, equally often (n orders for even n, 2n for odd).  A plain rotation keeps the cyclic order, so one
-    method would always follow the same other one and pay for what it leaves behind (spinning OpenMP threads, a cold
-    cache): measured, 10-50 % on the forward of the method that followed torch.nn's (docs/timing.md)."""
-    if n < 1:
-        return [[]]
-    first, lo, hi = [0], 1, n - 1
-    while lo <= hi:  # 0, 1, n-1, 2, n-2, ...
-        first.append(lo)
-        lo += 1
-        if lo <= hi:
-            first.append(hi)
-            hi -= 1
-    orders = [[(j + r) % n for j in first] for r in range(n)]
-    return orders + ([o[::-1] for o in orders] if n % 2 else [])
 
 
 def interleave(methods: Mapping[str, Callable[[int], Mapping[str, float]]], rule: StopRule, *,

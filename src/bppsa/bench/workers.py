@@ -2,8 +2,8 @@
 memory per rank (``bppsa workers``; docs/distributed.md).
 
 **Time** (:func:`time_rows`): one spawn of max(ps) processes on 127.0.0.1 in a gloo group, one torch thread each;
-the groups of the first p ranks run each p.  Every round runs, after a barrier, every (p, method) once, in an order
-rotated from round to round, so the methods are paired by round:
+the groups of the first p ranks run each p.  Every round runs, after a barrier, every (p, method) once, the rounds'
+orders a Williams design (:func:`bppsa.stats.balanced_orders`), so the methods are paired by round:
 
 * ``bppsa``: :class:`bppsa.nn.RNN` with ``process_group`` (backend ``cpu``): its forward the layer's default, the
   Jacobi sweeps over the ranks (every slice at once from a guess, reruns until the trajectories meet; the serial
@@ -46,6 +46,8 @@ import os
 import time
 
 import torch
+
+from ..stats import balanced_orders
 
 __all__ = ["METHODS", "MICRO_BATCHES", "check_sizes", "memory_rows", "time_rows"]
 
@@ -157,10 +159,10 @@ def _time_worker(rank: int, world: int, ps, T, B, H, I, dtype, rounds, seed, los
     models = {p: _models(H, I, dtype, seed, groups[p], rank, p, B, micro_batches, loss) for p in set(ps) | {1}
               if rank < p}
     jobs = _jobs(ps, threads)
+    orders = balanced_orders(len(jobs))
     rows = []
     for rnd in range(-1, rounds):  # round -1 warms up (kernels, plans, buffers) and is not recorded
-        k = max(rnd, 0) % len(jobs)
-        for p, method in jobs[k:] + jobs[:k]:
+        for p, method in (jobs[j] for j in orders[max(rnd, 0) % len(orders)]):
             dist.barrier()
             if rank >= p:
                 continue

@@ -93,11 +93,6 @@ def no_autocast(device: torch.device):
 AUTO = -1  # Options.L_m for a layer's L_m="auto" (the torch op's schema takes an int): the backend's levels()
 
 
-def resolve_levels(L_m: int | None, ps, J, grads: bool) -> int | None:
-    """``L_m``, or for :data:`AUTO` the depth the scanning backend ``ps`` picks for ``J`` (its ``levels``)."""
-    return ps.levels(J, grads) if L_m == AUTO else L_m
-
-
 @dataclass(frozen=True)
 class Options:
     """How a layer runs: the backend's name, the chain's layout, the heterogeneous scan's L_m (:data:`AUTO`: the
@@ -204,7 +199,7 @@ def scan_states(cell: Cell, s: Saved, w: Weights, p: Plan, be, options: Options)
     ps = be.scanner(cell.kind, p.per_step)
     with jacobian_phase():
         J = cell.chain(ps, s, w, layout, with_x=p.sums)
-    L_m = resolve_levels(options.L_m, ps, J, p.sums)
+    L_m = ps.levels(J, p.sums) if options.L_m == AUTO else options.L_m
     if p.sums:
         def from_scan(out):
             return cell.grads(s, w, cell.states_grads(out, layout).flip(0), Needs())[2]

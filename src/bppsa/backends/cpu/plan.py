@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...stats import balanced_orders
 from . import native
 
 __all__ = ["Plan", "MIN_CHUNK_FLOP", "KERNEL_SPEEDUP", "MAX_THREADS", "fused_levels", "lane_slices", "estimate",
@@ -225,17 +226,20 @@ def _save(path: str, key: str, entry: dict) -> None:
         os.replace(tmp, path)
 
 
-def _time_teams(chain, g, teams: list, grads: bool) -> tuple[int, list[float], list[int]]:
-    """Each team's scan of ``chain`` (seed ``g``) timed in interleaved rounds: the index of the fastest median
-    (``teams[0]``, the estimate, unless another is faster by more than KEEP_ESTIMATE), the medians, the rounds."""
+def _measure(make, L, grads, plans: list[Plan]) -> tuple[Plan, dict]:
+    """Time each plan's team on the synthetic chain ``make()`` returns (with its ∇h_T), in interleaved rounds
+    (a Williams design: each plan at every place, and after every other, equally often); the fastest median wins."""
+    chain, g = make()
     n, B, H, _ = chain.shape
+    dtype = chain.dtype
+    teams = [_team(chain, L, pl, grads) for pl in plans]
     src = chain.states if chain.states is not None else chain._f
-    out = None if grads else torch.empty((n, B, H), dtype=chain.dtype)
-    times: list[list[float]] = [[] for _ in teams]
+    out = None if grads else torch.empty((n, B, H), dtype=dtype)
+    times: list[list[float]] = [[] for _ in plans]
+    orders = balanced_orders(len(plans))
     t_end = time.perf_counter() + MEASURE_SECONDS
     for r in range(MEASURE_ROUNDS[1]):
-        for k in range(len(teams)):
-            i = (k + r) % len(teams)  # each team at every place of a round in turn
+        for i in orders[r % len(orders)]:
             if teams[i] is None:
                 continue
             t0 = time.perf_counter()
@@ -245,20 +249,12 @@ def _time_teams(chain, g, teams: list, grads: bool) -> tuple[int, list[float], l
         if r >= MEASURE_ROUNDS[0] and time.perf_counter() > t_end:
             break
     med = [statistics.median(ts) if ts else float("inf") for ts in times]
-    best = min(range(len(teams)), key=lambda i: med[i])
-    if med[0] <= KEEP_ESTIMATE * med[best]:
+    best = min(range(len(plans)), key=lambda i: med[i])
+    if med[0] <= KEEP_ESTIMATE * med[best]:  # plans[0] is the estimate: kept unless another is clearly faster
         best = 0
-    return best, med, [len(ts) for ts in times]
-
-
-def _measure(make, L, grads, plans: list[Plan]) -> tuple[Plan, dict]:
-    """Time each plan's team on the synthetic chain ``make()`` returns (with its ∇h_T), in interleaved rounds;
-    the fastest median wins."""
-    chain, g = make()
-    best, med, rounds = _time_teams(chain, g, [_team(chain, L, pl, grads) for pl in plans], grads)
     return dataclasses.replace(plans[best], source="measured"), {
-        "candidates": [{**dataclasses.asdict(pl), "median_ms": round(m * 1e3, 4), "rounds": k}
-                       for pl, m, k in zip(plans, med, rounds)]}
+        "candidates": [{**dataclasses.asdict(pl), "median_ms": round(m * 1e3, 4), "rounds": len(ts)}
+                       for pl, m, ts in zip(plans, med, times)]}
 
 
 def choose(kind: str, n: int, B: int, H: int, I: int, dtype: torch.dtype, L: int, split: str, grads: bool,
@@ -318,7 +314,6 @@ def team_for(chain, L: int, split: str, grads: bool, threads: int, affine: bool 
     example = None if synthetic is None else functools.partial(synthetic, chain.kind, n, B, H, chain.I, chain.dtype)
     plan = choose(chain.kind, n, B, H, chain.I, chain.dtype, L, split, grads, threads, example)
     return _team(chain, L, plan, grads, affine)
-
 
 
 # -- the tree's depth for L_m = "auto" ---------------------------------------------------------------------------
