@@ -1,7 +1,7 @@
 """The compiled forward of the recurrent layers (bppsa.backends.cpu.forward, forward.c) against torch's own forward:
 torch.nn.RNN (tanh, relu), GRU and LSTM on the same weights, oneDNN on and off, with start states, without biases,
 with sequence lengths; fp64 within 1e-12 and fp32 within 1e-6 relative (max-abs error over max-abs value of the
-whole output).  Few (H, I) per kernel build: a build is ~1-5 s, and cached."""
+whole output).  Few (H, dtype) per kernel build (the input size is the call's): a build is ~1-5 s, and cached."""
 import os
 
 import pytest
@@ -101,6 +101,18 @@ def test_fp32_equals_torch(cell):
     check(cell, 7, 17, 12, 33, torch.float32, lengths=True)
     check(cell, 100, 3, 12, 33, torch.float32, bias=False)
     check(cell, 1001, 16, 1, 20, torch.float32)
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_one_build_serves_every_input_size(cell):
+    """The input size is the call's, not the build's: a stack's layers (I, then H) share one kernel, each exact."""
+    libs = set()
+    for I in (1, 2, 7, 20):
+        check(cell, 9, 3, I, 5, torch.float64)
+        m = layer(cell, I, 5, torch.float64, 0)
+        pb = forward.problem(cell, torch.zeros(9, 3, I, dtype=torch.float64), None, None, *weights(m), None)
+        libs.add(id(pb.lib))
+    assert len(libs) == 1
 
 
 @pytest.mark.parametrize("cell", ["gru", "lstm"])

@@ -2,8 +2,9 @@
  * torch.nn's weight layouts and gate orders, every step's state written out (the backward reads them all).
  *
  * Compiled at first use by bppsa.backends.cpu.native.build once per CELL (0 tanh RNN, 1 relu RNN, 2 GRU, 3 LSTM),
- * hidden size HID, input size INP, lane count LANES (one vector register of the target, simd.h, or half of an
- * AVX-512 one) and REAL type, and called through ctypes (the GIL released) by bppsa.backends.cpu.forward.
+ * hidden size HID, lane count LANES (one vector register of the target, simd.h, or half of an AVX-512 one) and REAL
+ * type, and called through ctypes (the GIL released) by bppsa.backends.cpu.forward.  The input size is the call's
+ * (fw_call.ni): one build serves every layer of a hidden size, the first of a stack and the ones above it alike.
  *
  * Why it is fast.  torch runs a recurrent layer's forward step by step, each step a few small GEMMs and elementwise
  * ops whose dispatch (~20-40 us a step at H = 20) is most of its time.  Here one call runs every step, and
@@ -18,8 +19,8 @@
  *    unit's ~30 dependent operations alone leave the out-of-order window short of work);
  *  - the lane slices (jobs) are spread over a pool of threads (the end of this file).
  *
- * Layout: x [T][B][INP], the states h (and the LSTM's cells c) [T][B][H] (time-major, as torch.nn's own), the start
- * state [B][H]; W_ih [G*H][INP], W_hh [G*H][H] and the biases [G*H] as torch.nn holds them (gates r, z, n for the
+ * Layout: x [T][B][ni], the states h (and the LSTM's cells c) [T][B][H] (time-major, as torch.nn's own), the start
+ * state [B][H]; W_ih [G*H][ni], W_hh [G*H][H] and the biases [G*H] as torch.nn holds them (gates r, z, n for the
  * GRU; i, f, g, o for the LSTM).  Sequence lengths (optional): a step t >= len[b] carries b's state (h_t = h_{t-1},
  * and c), the convention of bppsa.nn.backward.layer_forward.
  *
@@ -41,7 +42,6 @@
 #endif
 
 #define H HID
-#define NI INP
 typedef REAL real;
 #define NL LANES /* the lanes: a power of two, one register or less (simd.h refuses more) */
 #define SIMD_BYTES (LANES * REALBITS / 8)
@@ -56,7 +56,7 @@ typedef fvec vec;
 #define ACT 4 /* units whose activations run side by side */
 #endif
 
-_Static_assert(NI >= 1 && H >= 1, "a layer has inputs and hidden units");
+_Static_assert(H >= 1, "a layer has hidden units");
 
 #if CELL == 0 || CELL == 1
 #define G 1
@@ -76,11 +76,11 @@ _Static_assert(NI >= 1 && H >= 1, "a layer has inputs and hidden units");
 #endif
 
 typedef struct {
-    const real *x;                 /* [T][B][INP] */
-    const real *Wi, *Wh, *bi, *bh; /* [G*H][INP], [G*H][H], [G*H], [G*H] (a bias NULL: none) */
+    const real *x;                 /* [T][B][ni] */
+    const real *Wi, *Wh, *bi, *bh; /* [G*H][ni], [G*H][H], [G*H], [G*H] (a bias NULL: none) */
     const int64_t *len;            /* [B], or NULL: every sequence T steps */
     real *h, *c;                   /* [T][B][H]: the state after each step (c: the LSTM's cells) */
-    long T, B;
+    long T, B, ni;                 /* ni: the input size (>= 1) */
     double tol;                    /* the meeting's tolerance (0: bitwise) */
 } fw_call;
 
@@ -104,12 +104,12 @@ static AI void lanes_in(const real *restrict src, long ld, int n, int nb, vec *r
     } else if (nb == NL && n == 1 && ld == 1) {
         memcpy(dst, src, sizeof(vec));
     } else if (nb == NL) {
-        real buf[NI > H ? NI : H][NL] ALIGN;
+        real buf[n][NL] ALIGN;
         for (int q = 0; q < NL; ++q)
             for (int j = 0; j < n; ++j) buf[j][q] = src[q * ld + j];
         memcpy(dst, buf, sizeof(vec) * n);
     } else {
-        real buf[NI > H ? NI : H][NL] ALIGN;
+        real buf[n][NL] ALIGN;
         memset(buf, 0, sizeof buf);
         for (int q = 0; q < nb; ++q)
             for (int j = 0; j < n; ++j) buf[j][q] = src[q * ld + j];
@@ -131,16 +131,16 @@ static AI void lanes_out(const vec *restrict src, int nb, real *restrict dst) {
 
 /* -- a step's pre-activations ---------------------------------------------------------------------- */
 
-/* pre[r0 + k] = st[r0 + k] + Wi[r0 + k] x + Wh[r0 + k] h for k < W (Wi or Wh NULL: that part left out): the W rows'
+/* pre[r0 + k] = st[r0 + k] + Wi[r0 + k] x + Wh[r0 + k] h for k < W (x: ni inputs) (Wi or Wh NULL: that part left out): the W rows'
  * accumulators in registers, the input part first (it does not wait for h). */
 static AI void tile(const real *restrict st, const real *restrict Wi, const real *restrict Wh,
-                    const vec *restrict xs, const vec *restrict hs, vec *restrict pre, int r0, int W) {
+                    const vec *restrict xs, int ni, const vec *restrict hs, vec *restrict pre, int r0, int W) {
     vec acc[ACC];
     UNROLL for (int k = 0; k < W; ++k) acc[k] = SPLAT(st[r0 + k]);
     if (Wi)
-        for (int j = 0; j < NI; ++j) {
+        for (int j = 0; j < ni; ++j) {
             vec xj = xs[j];
-            UNROLL for (int k = 0; k < W; ++k) acc[k] += Wi[(long)k * NI + j] * xj;
+            UNROLL for (int k = 0; k < W; ++k) acc[k] += Wi[(long)k * ni + j] * xj;
         }
     if (Wh)
         for (int m = 0; m < H; ++m) {
@@ -152,11 +152,11 @@ static AI void tile(const real *restrict st, const real *restrict Wi, const real
 
 /* Rows r0 .. r0 + n - 1 (n a constant where it is called), in tiles of at most ACC; Wi, Wh point at row r0. */
 static AI void rows(const real *restrict st, const real *restrict Wi, const real *restrict Wh,
-                    const vec *restrict xs, const vec *restrict hs, vec *restrict pre, int r0, int n) {
+                    const vec *restrict xs, int ni, const vec *restrict hs, vec *restrict pre, int r0, int n) {
     const int nt = (n + ACC - 1) / ACC, ct = (n + nt - 1) / nt, cl = n - (nt - 1) * ct;
     for (int t = 0; t + 1 < nt; ++t)
-        tile(st, Wi ? Wi + (long)t * ct * NI : 0, Wh ? Wh + (long)t * ct * H : 0, xs, hs, pre, r0 + t * ct, ct);
-    tile(st, Wi ? Wi + (long)(nt - 1) * ct * NI : 0, Wh ? Wh + (long)(nt - 1) * ct * H : 0, xs, hs, pre,
+        tile(st, Wi ? Wi + (long)t * ct * ni : 0, Wh ? Wh + (long)t * ct * H : 0, xs, ni, hs, pre, r0 + t * ct, ct);
+    tile(st, Wi ? Wi + (long)(nt - 1) * ct * ni : 0, Wh ? Wh + (long)(nt - 1) * ct * H : 0, xs, ni, hs, pre,
          r0 + (nt - 1) * ct, cl);
 }
 
@@ -209,12 +209,13 @@ static AI void act(const vec *pre, const vec *hs, const vec *cs, vec *hn, vec *c
 /* One step of the cell: hn (and cn) from the state hs (cs) and the input xs. */
 static void step(const fw_call *C, const real *st, const vec *xs, const vec *hs, const vec *cs, vec *hn, vec *cn) {
     vec pre[NPRE] ALIGN;
+    const int ni = (int)C->ni;
 #if CELL == 2
-    rows(st, C->Wi, C->Wh, xs, hs, pre, 0, 2 * H);
-    rows(st, 0, C->Wh + 2 * H * H, xs, hs, pre, 2 * H, H);
-    rows(st, C->Wi + 2 * H * NI, 0, xs, hs, pre, 3 * H, H);
+    rows(st, C->Wi, C->Wh, xs, ni, hs, pre, 0, 2 * H);
+    rows(st, 0, C->Wh + 2 * H * H, xs, ni, hs, pre, 2 * H, H);
+    rows(st, C->Wi + 2 * H * ni, 0, xs, ni, hs, pre, 3 * H, H);
 #else
-    rows(st, C->Wi, C->Wh, xs, hs, pre, 0, G * H);
+    rows(st, C->Wi, C->Wh, xs, ni, hs, pre, 0, G * H);
 #endif
     for (int i = 0; i + ACT <= H; i += ACT) act(pre, hs, cs, hn, cn, i, ACT);
     if (H % ACT) act(pre, hs, cs, hn, cn, H - H % ACT, H % ACT);
@@ -260,7 +261,8 @@ static void run_job(const fw_call *C, fw_job *J) {
     const int nb = (int)J->nb;
     real st[NPRE];
     starts(C, st);
-    vec xs[NI] ALIGN, hb[2][H] ALIGN, cb[2][H] ALIGN;
+    const int ni = (int)C->ni;
+    vec xs[ni] ALIGN, hb[2][H] ALIGN, cb[2][H] ALIGN;
     vec *hs = hb[0], *hn = hb[1], *cs = cb[0], *cn = cb[1];
     lanes_in(J->h0 ? J->h0 + b0 * H : 0, H, H, nb, hs);
 #if CELL == 3
@@ -277,7 +279,7 @@ static void run_job(const fw_call *C, fw_job *J) {
     }
     long t;
     for (t = J->t0; t < J->t1 && left; ++t) {
-        lanes_in(C->x + (t * B + b0) * NI, NI, NI, nb, xs);
+        lanes_in(C->x + (t * B + b0) * ni, ni, ni, nb, xs);
         step(C, st, xs, hs, cs, hn, cn);
         if (C->len) { /* past its end a sequence keeps its state */
             ivec on = SPLAT((real)t) < lenv;

@@ -42,7 +42,7 @@ _p, _l = ctypes.c_void_p, ctypes.c_long
 class _Call(ctypes.Structure):
     """forward.c's fw_call."""
     _fields_ = [("x", _p), ("Wi", _p), ("Wh", _p), ("bi", _p), ("bh", _p), ("len", _p), ("h", _p), ("c", _p),
-                ("T", _l), ("B", _l), ("tol", ctypes.c_double)]
+                ("T", _l), ("B", _l), ("ni", _l), ("tol", ctypes.c_double)]
 
 
 class _Job(ctypes.Structure):
@@ -62,18 +62,18 @@ def plan_lanes(B: int, dtype: torch.dtype, threads: int) -> int:
 
 
 @functools.cache
-def library(cell: str, H: int, I: int, dtype: torch.dtype, lanes: int | None = None) -> ctypes.CDLL | None:
-    """The forward kernel of ``cell`` (:data:`CELLS`) for hidden size H, input size I, ``dtype`` and ``lanes`` (a
-    power of two, default one vector register); None where it cannot be built (why:
+def library(cell: str, H: int, dtype: torch.dtype, lanes: int | None = None) -> ctypes.CDLL | None:
+    """The forward kernel of ``cell`` (:data:`CELLS`) for hidden size H, ``dtype`` and ``lanes`` (a power of two,
+    default one vector register), for every input size (the call's); None where it cannot be built (why:
     :func:`bppsa.backends.cpu.native.unavailable_reason`)."""
     real = _REAL.get(dtype)
     if real is None:
         return None
     lanes = lanes or native.lane_width("forward", dtype)
-    defs = [f"-DCELL={CELLS[cell]}", f"-DHID={H}", f"-DINP={I}", f"-DLANES={lanes}", f"-DREAL={real}",
+    defs = [f"-DCELL={CELLS[cell]}", f"-DHID={H}", f"-DLANES={lanes}", f"-DREAL={real}",
             f"-DREALBITS={8 * dtype.itemsize}"]
     try:
-        lib = native.build("forward.c", defs, f"forward_{cell}_{real}_H{H}_I{I}_L{lanes}")
+        lib = native.build("forward.c", defs, f"forward_{cell}_{real}_H{H}_L{lanes}")
     except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, compiler killed, bad .so ...
         native._errors["cc"] = f"{type(e).__name__}: {e}"
         return None
@@ -98,14 +98,14 @@ class Problem:
 
     def __init__(self, cell, lib, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, tol=0.0):
         self.cell, self.lib = cell, lib
-        self.T, self.B, _ = x.shape
+        self.T, self.B, I = x.shape
         self.H = w_hh.shape[1]
         self.keep = [t.contiguous() if t is not None else None for t in (x, w_ih, w_hh, b_ih, b_hh, lengths)]
         xc, wi, wh, bi, bh, ln = self.keep
         self.h, self.c = h, c
         self.h0, self.c0 = h0, c0
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        self.call = _Call(ptr(xc), ptr(wi), ptr(wh), ptr(bi), ptr(bh), ptr(ln), ptr(h), ptr(c), self.T, self.B, tol)
+        self.call = _Call(ptr(xc), ptr(wi), ptr(wh), ptr(bi), ptr(bh), ptr(ln), ptr(h), ptr(c), self.T, self.B, I, tol)
         self.lanes = lanes(lib)
 
     def slices(self) -> list[tuple[int, int]]:
@@ -140,7 +140,7 @@ def problem(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h=None, c=Non
     if w_hh.dim() != 2 or w_hh.shape[0] % G:
         raise ValueError(f"w_hh must be [{G}·H, H] for {cell} (got {tuple(w_hh.shape)})")
     H = w_hh.shape[0] // G
-    if w_hh.shape[1] != H:  # an LSTM with proj_size > 0 (W_hh [4H, P]): not built here
+    if w_hh.shape[1] != H or I == 0:  # an LSTM with proj_size > 0 (W_hh [4H, P]), a layer without inputs
         return None
     if tuple(w_ih.shape) != (G * H, I):
         raise ValueError(f"w_ih must be [{G * H}, {I}] (got {tuple(w_ih.shape)})")
@@ -159,7 +159,7 @@ def problem(cell: str, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h=None, c=Non
             return None
         lengths = lengths.to(torch.int64)
     p = max(1, torch.get_num_threads() if threads is None else threads)
-    lib = library(cell, H, I, x.dtype, lanes or plan_lanes(B, x.dtype, p))
+    lib = library(cell, H, x.dtype, lanes or plan_lanes(B, x.dtype, p))
     if lib is None:
         return None
     for name, out in (("h", h), ("c", c)):
