@@ -117,7 +117,7 @@ def fma_latency(dtype=torch.float32, n: int = 20_000_000) -> float | None:
     """Seconds per dependent multiply-add on this core (a chain of n, compiled); None without the kernel."""
     from ..backends.cpu import native
 
-    lib = native.library("rnn", 1, 0, 1, dtype) if native.available() else None
+    lib = native.library("rnn", 1, 1, dtype) if native.available() else None
     if lib is None:
         return None
     lib.fma_chain(1000)

@@ -21,11 +21,11 @@ from .dense import dense_tree_scan
 FACTOR_FLOP = 50  # a factor builder's cost per value written (~1 ns, a strided store), in those FLOP
 
 
-def _kernel_has(kind: str, h: torch.Tensor, I: int, act: str = "tanh", S: int | None = None) -> bool:
+def _kernel_has(kind: str, h: torch.Tensor, act: str = "tanh", S: int | None = None) -> bool:
     """The compiled kernel reads host memory: CUDA tensors (the factored GPU path) take torch's factors.  ``S``: the
     chain's state size, where it is not the states' (the LSTM's [h; c])."""
     S = h.shape[2] if S is None else S
-    return h.device.type == "cpu" and native.available() and native.library(kind, S, I, 1, h.dtype, act) is not None
+    return h.device.type == "cpu" and native.available() and native.library(kind, S, 1, h.dtype, act) is not None
 
 
 def rnn_chain(cls: type[RnnChain] | type[PaperChain], h: torch.Tensor, W_hh: torch.Tensor,
@@ -35,7 +35,7 @@ def rnn_chain(cls: type[RnnChain] | type[PaperChain], h: torch.Tensor, W_hh: tor
     1 - h², relu's 1[h > 0] -- as it scans it, and torch only where something reads
     :attr:`~bppsa.backends.chain.FactoredChain.f`); else ``cls.from_states`` (torch; ``out``: its buffer)."""
     I = 0 if x is None else x.shape[2]
-    if act not in native.ACTS or not _kernel_has("rnn", h, I, act):
+    if act not in native.ACTS or not _kernel_has("rnn", h, act):
         return cls.from_states(h, W_hh, x, out, act)  # (its error names an unknown nonlinearity)
     xc = x if x is not None else h[:, :, :0]
     return cls(W_hh, None, I, states=(h if h.is_contiguous() else h.contiguous(),
@@ -51,7 +51,7 @@ def lstm_chain(x: torch.Tensor | None, h: torch.Tensor, gates, W_hh: torch.Tenso
     the kernel).  None where the kernel is not at hand (no compiler, tensors off the CPU)."""
     I = 0 if x is None else x.shape[2]
     H = W_hh.shape[1]
-    if not _kernel_has("lstm", h, I, S=2 * H):
+    if not _kernel_has("lstm", h, S=2 * H):
         return None
     if states is None or x is None:
         return LstmChain.from_states(x, gates(), W_hh, out)
@@ -85,7 +85,7 @@ def gru_chain(x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor | None =
     scan's team writes it, in units of steps); else ``GruChain.from_states`` (torch).  ``out``: a [T, 6H + I, B]
     buffer, used where its shape fits."""
     I = x.shape[2]
-    if not _kernel_has("gru", h, I):
+    if not _kernel_has("gru", h):
         return GruChain.from_states(x, h, cell, out)
     f = factor_buffer(h, 6 * h.shape[2] + I, out)
     return GruChain(cell.weight_hh_l0, f, I, _GruFill(x.detach().contiguous(), h.detach().contiguous(), cell, f))
@@ -102,12 +102,12 @@ def _product(kind, T, B, S, I, dtype, Wt, f, h, x, c, act="tanh"):
     vl, b0 = native.lane_width(kind, dtype), 0
     while b0 < B:
         w = min(vl, 1 << (B - b0).bit_length() - 1)  # a kernel's lanes are a power of two
-        lib = native.library(kind, S, I, w, dtype, act)
+        lib = native.library(kind, S, w, dtype, act)
         if lib is None:
             return None
         M = torch.empty((S, S, w), dtype=dtype)
         qv = None if c is None else torch.empty((S, w), dtype=dtype)
-        lib.chain_product(Wt.data_ptr(), _ptr(f), _ptr(h), _ptr(x), _ptr(c), T, B, b0, 0, T, M.data_ptr(), _ptr(qv))
+        lib.chain_product(Wt.data_ptr(), _ptr(f), _ptr(h), _ptr(x), _ptr(c), I, T, B, b0, 0, T, M.data_ptr(), _ptr(qv))
         P[b0:b0 + w] = M.permute(2, 0, 1)
         if qv is not None:
             q[b0:b0 + w] = qv.t()
@@ -125,7 +125,7 @@ def rnn_chain_product(h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor, c: t
     the CPU)."""
     T, B, H = h.shape
     I = x.shape[2]
-    if T == 0 or not _kernel_has("rnn", h, I, act):
+    if T == 0 or not _kernel_has("rnn", h, act):
         return None
     Wt = W_hh.detach().t().contiguous()
     h, x = h.detach().contiguous(), x.detach().contiguous()
@@ -139,7 +139,7 @@ def chain_product(chain: FactoredChain, c: torch.Tensor | None = None
     :func:`rnn_chain_product` does the RNN's states: ``P`` [B, S, S] = J_{n-1} ... J_0 and, with ``c`` [n, B, S],
     the offset ``q`` [B, S].  None where the kernel is not at hand."""
     n, B, S, _ = chain.shape
-    if n == 0 or chain.kind == "paper" or not _kernel_has(chain.kind, chain.f, chain.I, S=S):
+    if n == 0 or chain.kind == "paper" or not _kernel_has(chain.kind, chain.f, S=S):
         return None
     c = None if c is None else c.detach().contiguous()
     return _product(chain.kind, n, B, S, chain.I, chain.dtype, chain.Wt, chain.f, None, None, c)

@@ -1,8 +1,9 @@
 /* The BPPSA scan over a recurrent network's factored Jacobian chain on a CPU, for one slice of batch lanes.
  *
  * Compiled at first use by bppsa.backends.cpu.native (cc -O3 -march=native) once per chain KIND, state size
- * HID (the hidden size; the LSTM's [h; c]: twice it), lane count LANES and REAL type, and called through ctypes
- * (the GIL released): one call, team_go, runs a whole scan on a team of threads (the caller and a pool of
+ * HID (the hidden size; the LSTM's [h; c]: twice it), lane count LANES and REAL type -- the input size is the
+ * call's (chain_src.ni, the factor builders' ni), so one build serves every layer of a stack -- and called
+ * through ctypes (the GIL released): one call, team_go, runs a whole scan on a team of threads (the caller and a pool of
  * pthreads), which claim its units -- ranges of a slice's blocks in the phases chain_up / chain_tree / chain_down --
  * as they come (the end of this file).
  *
@@ -41,8 +42,8 @@
  * (A2 A1, A2 b1 + b2), and the spine and the down phase add each position's gradient as they pass it.  (The
  * blocks-as-lanes path of one batch element does not take it: bppsa.backends.cpu.native.Team never uses it then.)
  *
- * Each step's factors also hold what the parameter gradients need beside the step's gradient: x_t (INP rows)
- * and h' = h_{t-1} (HC rows), so f is [steps][NR][B] with NR = NF*HC + INP + HC rows.
+ * Each step's factors also hold what the parameter gradients need beside the step's gradient: x_t (ni rows)
+ * and h' = h_{t-1} (HC rows), so f is [steps][NR][B] with NR = NF*HC + ni + HC rows.
  *
  * Output (runtime `mode`): 0 = the scan itself, out [n][B][H] in scan order; 1 = the cell's parameter
  * gradients, accumulated per lane as the prefixes come out (groups of GRP positions, register tiles), into
@@ -111,9 +112,8 @@ typedef real vec __attribute__((vector_size(NL * sizeof(real)), aligned(sizeof(r
 #define NW 1
 #define NA H
 #endif
-#define NI INP
-#define NBV (NI + 1 + HC)         /* the accumulated columns: x_t, 1, h' */
-#define NR (NF * HC + NI + HC)    /* rows of a step's factors */
+#define NBV (ni + 1 + HC)         /* the accumulated columns: x_t, 1, h' (ni: the call's input size, in scope) */
+#define NR (NF * HC + ni + HC)    /* rows of a step's factors */
 #define XROW (NF * HC)            /* where x_t starts among them, then h' */
 #define GRP 16                    /* positions per accumulation group */
 
@@ -470,12 +470,17 @@ static void jac_vec(const real *restrict Wt, const wcols *wc, long s, const real
 
 /* -- the parameter gradients (mode 1) --------------------------------------------------------------- */
 
-/* A group of up to GRP positions: each position's gradient rows A [NA][NL] and columns Bv [NBV][NL]. */
+/* A group of up to GRP positions: each position's gradient rows A [NA][NL] and columns Bv [NBV][NL] (Bv: the
+ * storage GROUP declares beside it, NBV of the call's input size ni). */
 typedef struct {
-    int np;
+    int np, ni;
     real A[GRP][NA * NL] __attribute__((aligned(64)));
-    real Bv[GRP][NBV * NL] __attribute__((aligned(64)));
+    real *Bv;
 } group;
+#define GROUP(ni_)                                                                                           \
+    real gp_bv[GRP * ((ni_) + 1 + HC) * NL] __attribute__((aligned(64)));                                     \
+    group gp;                                                                                                \
+    gp.np = 0, gp.ni = (ni_), gp.Bv = gp_bv
 
 /* The register tile of the sums: TR rows x TW columns of accumulators, beside TW column values and a row value
  * (4 x 6 + 7 = 31 of AVX-512's or NEON's 32 registers; 3 x 3 + 4 = 13 of AVX2's 16). */
@@ -490,12 +495,13 @@ typedef struct {
 /* acc[a .. a+R)[c .. c+W) += sum_p A_p[a] Bv_p[c]: one register tile, R x W accumulators (constants once
  * inlined), each summing the group's positions in order. */
 static AI void acc_tile(real *restrict acc, const group *restrict gp, long a, long c, int R, int W) {
+    const int ni = gp->ni;
     vec t[TR][TW];
     for (int i = 0; i < R; ++i)
         for (int j = 0; j < W; ++j) t[i][j] = LD(acc + ((a + i) * NBV + c + j) * NL);
     for (int p = 0; p < gp->np; ++p) {
         vec b[TW];
-        for (int j = 0; j < W; ++j) b[j] = LD(gp->Bv[p] + (c + j) * NL);
+        for (int j = 0; j < W; ++j) b[j] = LD(gp->Bv + p * NBV * NL + (c + j) * NL);
         for (int i = 0; i < R; ++i) {
             vec x = LD(gp->A[p] + (a + i) * NL);
             for (int j = 0; j < W; ++j) t[i][j] += x * b[j];
@@ -531,10 +537,11 @@ static void acc_range(real *restrict acc, const group *restrict gp, int a0, int 
 
 static void grp_flush(group *gp, real *acc) {
     if (!gp->np) return;
+    const int ni = gp->ni;
 #if KIND == 2
     acc_range(acc, gp, 0, 2 * H, 0, NBV);          /* dR, dZ: with x, 1 and h' */
-    acc_range(acc, gp, 2 * H, 3 * H, 0, NI + 1);   /* dN: with x and 1 */
-    acc_range(acc, gp, 3 * H, 4 * H, NI, NBV);     /* dM: with 1 and h' */
+    acc_range(acc, gp, 2 * H, 3 * H, 0, ni + 1);   /* dN: with x and 1 */
+    acc_range(acc, gp, 3 * H, 4 * H, ni, NBV);     /* dM: with 1 and h' */
 #elif KIND == 3
     acc_range(acc, gp, 0, 4 * HC, 0, NBV);         /* dpre (i, f, g, o): with x, 1 and h' */
 #else
@@ -556,7 +563,8 @@ static void take(real *out, int mode, group *gp, real *acc, long B, long b0, lon
 #if KIND == 1
     if (!(k & 1)) return; /* grad of h_t; the odd position after it is grad of a_t */
 #endif
-    real *A = gp->A[gp->np], *Bv = gp->Bv[gp->np];
+    const int ni = gp->ni;
+    real *A = gp->A[gp->np], *Bv = gp->Bv + gp->np * NBV * NL;
 #if KIND == 3
     real q[H * NL] __attribute__((aligned(64))), dc[HC * NL] __attribute__((aligned(64)));
     for (int i = 0; i < H; ++i) ST(q + i * NL) = LD(v + i * NL) * mask;
@@ -576,9 +584,9 @@ static void take(real *out, int mode, group *gp, real *acc, long B, long b0, lon
 #endif
     }
 #endif
-    for (int j = 0; j < NI; ++j) ST(Bv + j * NL) = LD(fs + (XROW + j) * ld);
-    ST(Bv + NI * NL) = (vec){0} + 1;
-    for (int j = 0; j < HC; ++j) ST(Bv + (NI + 1 + j) * NL) = LD(fs + (XROW + NI + j) * ld);
+    for (int j = 0; j < ni; ++j) ST(Bv + j * NL) = LD(fs + (XROW + j) * ld);
+    ST(Bv + ni * NL) = (vec){0} + 1;
+    for (int j = 0; j < HC; ++j) ST(Bv + (ni + 1 + j) * NL) = LD(fs + (XROW + ni + j) * ld);
     if (++gp->np == GRP) grp_flush(gp, acc);
 }
 
@@ -647,12 +655,13 @@ static void tree(const real *spine, const real *A, const real *Bo, real *out, lo
 
 /* Where the steps' factor rows come from: f [steps][NR][B], built before the scan (the GRU's: gru_factors);
  * or, where h is given (the RNN's), nothing built: each step's rows (rnn_factors': d = 1 - h_t^2, x_t and
- * h_{t-1}, 0 at t = 0) are read from the forward's states h [T][B][H] and inputs x [T][B][NI] into a tile of
+ * h_{t-1}, 0 at t = 0) are read from the forward's states h [T][B][H] and inputs x [T][B][ni] into a tile of
  * the lanes, [NR][NL], as the step is scanned. */
 typedef struct {
     const real *f, *h, *x;
     const real *c; /* the loss's direct gradients in scan order [n][B][H], c[s] entering after J_s (position s+1),
                     * or NULL: only h_T's, g */
+    long ni;       /* the input size: x_t's rows among the factors (0: none, a scan without parameter gradients) */
 } chain_src;
 
 /* v += c[s], every lane. */
@@ -730,19 +739,20 @@ static inline real deriv_one(real h) {
 /* dst [rows][NL] (rows: H, d only; or NR, all): lane q's rows of step k[q] of batch element b[q] of a chain
  * of T steps (step k is t = T - 1 - k of h and x). */
 static void rnn_tile(const chain_src *S, long T, long B, const long *k, const long *b, int rows, real *dst) {
+    const int ni = (int)S->ni;
     real hv[H * NL] __attribute__((aligned(64)));
     for (int q = 0; q < NL; ++q) {
         long t = T - 1 - k[q];
         const real *ht = S->h + (t * B + b[q]) * H;
         for (int i = 0; i < H; ++i) hv[i * NL + q] = ht[i];
         if (rows == H) continue;
-        const real *xt = S->x + (t * B + b[q]) * NI;
-        for (int j = 0; j < NI; ++j) dst[(XROW + j) * NL + q] = xt[j];
+        const real *xt = S->x + (t * B + b[q]) * ni;
+        for (int j = 0; j < ni; ++j) dst[(XROW + j) * NL + q] = xt[j];
         if (t) {
             const real *hp = S->h + ((t - 1) * B + b[q]) * H;
-            for (int i = 0; i < H; ++i) dst[(XROW + NI + i) * NL + q] = hp[i];
+            for (int i = 0; i < H; ++i) dst[(XROW + ni + i) * NL + q] = hp[i];
         } else {
-            for (int i = 0; i < H; ++i) dst[(XROW + NI + i) * NL + q] = 0;
+            for (int i = 0; i < H; ++i) dst[(XROW + ni + i) * NL + q] = 0;
         }
     }
     for (int i = 0; i < H; ++i) ST(dst + i * NL) = deriv(LD(hv + i * NL));
@@ -784,29 +794,30 @@ static void lane_rows(const real *src, real *dst) {
 /* The same for the lanes b0 .. b0 + NL - 1 at one step k; where the tile holds step k - 1's rows (the down
  * phase's order), its h_{t-1} is this step's h_t. */
 static void rnn_lanes(const chain_src *S, long T, long B, long b0, long k, int rows, int next, real *dst) {
+    const int ni = (int)S->ni;
     long t = T - 1 - k;
     const real *ht = S->h + (t * B + b0) * H;
 #ifdef LANE_ROWS
     if (next) {
-        for (int i = 0; i < H; ++i) ST(dst + i * NL) = deriv(LD(dst + (XROW + NI + i) * NL));
+        for (int i = 0; i < H; ++i) ST(dst + i * NL) = deriv(LD(dst + (XROW + ni + i) * NL));
     } else {
         lane_rows(ht, dst);
         for (int i = 0; i < H; ++i) ST(dst + i * NL) = deriv(LD(dst + i * NL));
     }
 #else
     for (int i = 0; i < H; ++i)
-        ST(dst + i * NL) = deriv(next ? LD(dst + (XROW + NI + i) * NL) : lanes_at(ht + i, H));
+        ST(dst + i * NL) = deriv(next ? LD(dst + (XROW + ni + i) * NL) : lanes_at(ht + i, H));
 #endif
     if (rows == H) return;
-    const real *xt = S->x + (t * B + b0) * NI, *hp = t ? S->h + ((t - 1) * B + b0) * H : 0;
-    for (int j = 0; j < NI; ++j) ST(dst + (XROW + j) * NL) = lanes_at(xt + j, NI);
+    const real *xt = S->x + (t * B + b0) * ni, *hp = t ? S->h + ((t - 1) * B + b0) * H : 0;
+    for (int j = 0; j < ni; ++j) ST(dst + (XROW + j) * NL) = lanes_at(xt + j, ni);
 #ifdef LANE_ROWS
     if (hp) {
-        lane_rows(hp, dst + (XROW + NI) * NL);
+        lane_rows(hp, dst + (XROW + ni) * NL);
         return;
     }
 #endif
-    for (int i = 0; i < H; ++i) ST(dst + (XROW + NI + i) * NL) = hp ? lanes_at(hp + i, H) : (vec){0};
+    for (int i = 0; i < H; ++i) ST(dst + (XROW + ni + i) * NL) = hp ? lanes_at(hp + i, H) : (vec){0};
 }
 #endif
 
@@ -814,6 +825,7 @@ static void rnn_lanes(const chain_src *S, long T, long B, long b0, long k, int r
  * of them (H or NR): the GRU's in f; the RNN's built into tile (which holds step *k, all rows if *full). */
 static inline const real *step_rows(const chain_src *S, long n, long B, long b0, long s, int rows, real *tile,
                                     long *k, int *full, long *ld) {
+    const int ni = (int)S->ni;
 #if KIND < 2
     if (S->h) {
         long ks = fstep(s);
@@ -831,7 +843,11 @@ static inline const real *step_rows(const chain_src *S, long n, long B, long b0,
     return S->f + fstep(s) * (long)NR * B + b0;
 }
 /* In an entry point: the tile, and the rows of position s. */
-#define TILE real tile[NR * NL] __attribute__((aligned(64))); long tk = -1, ld; int tfull = 0
+#define TILE                                                                                             \
+    const int ni = (int)S->ni;                                                                           \
+    real tile[NR * NL] __attribute__((aligned(64)));                                                     \
+    long tk = -1, ld;                                                                                    \
+    int tfull = 0
 #define ROWS(s, rows) step_rows(S, n, B, b0, (s), (rows), tile, &tk, &tfull, &ld)
 
 /* The blocks of level c (0 where the tree has no levels); block j holds J_lo .. J_hi. */
@@ -889,9 +905,9 @@ void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int L
  * ([H][H][NL], accumulated in cache from the factors as chain_up's blocks are) and, where c is given, its offset q
  * ([H][NL]: the positions replayed from 0 with the direct gradients injected), so that the (affine) recurrence
  * takes out[s0] to out[s1] = M out[s0] + q.  One thread; the middle ranks' up-sweep of bppsa.nn.split. */
-void chain_product(const real *Wt, const real *f, const real *h, const real *x, const real *c, long n, long B,
-                   long b0, long s0, long s1, real *M, real *q) {
-    chain_src src = {f, h, x, c}, *S = &src;
+void chain_product(const real *Wt, const real *f, const real *h, const real *x, const real *c, long nx, long n,
+                   long B, long b0, long s0, long s1, real *M, real *q) {
+    chain_src src = {f, h, x, c, nx}, *S = &src;
     TILE;
     WCOLS(wc);
     const real *fs = ROWS(s1 - 1, H);
@@ -923,8 +939,7 @@ void chain_tree(const real *Wt, const chain_src *S, const real *g, real *out, in
     if (n <= 0) return;
     if (c > L) c = L;
     TILE;
-    group gp;
-    gp.np = 0;
+    GROUP(ni);
     WCOLS(wc);
     real vu[2][H * NL] __attribute__((aligned(64))), *v = vu[0], *u = vu[1], *t;
     for (int i = 0; i < H; ++i)
@@ -955,8 +970,7 @@ void chain_down(const real *Wt, const chain_src *S, real *out, int mode, long n,
     if (c > L) c = L;
     TILE;
     const real *Q = work + chain_blocks(n, L, c) * MAT;
-    group gp;
-    gp.np = 0;
+    GROUP(ni);
     WCOLS(wc);
     real vu[2][H * NL] __attribute__((aligned(64))), *v, *u, *t;
     for (long j = j0; j < j1; ++j) {
@@ -996,6 +1010,7 @@ long chain_scan_work(long n, int L, int c) {
 /* The lanes' factor rows at offset off of their blocks: dst[r][q] = row r of the factors of position
  * lo + off of batch element b0, for block min(j + q, last). */
 static void gather_f(const chain_src *S, long n, long B, long b0, long j, long last, int c, long off, real *dst) {
+    const int ni = (int)S->ni;
     long kq[NL], bq[NL];
     for (int q = 0; q < NL; ++q) {
         long jq = j + q < last ? j + q : last;
@@ -1015,6 +1030,7 @@ static void gather_f(const chain_src *S, long n, long B, long b0, long j, long l
 
 void chain_up_lanes(const real *Wt, const chain_src *f, long n, long B, long b0, int L, int c, long j0, long j1,
                     real *A1, long *beat) {
+    const int ni = (int)f->ni;
     if (c > L) c = L;
     real M[H * H * NL] __attribute__((aligned(64))), fs[NR * NL] __attribute__((aligned(64)));
     long size = 1L << c, nc = chain_blocks(n, L, c);
@@ -1035,11 +1051,11 @@ void chain_up_lanes(const real *Wt, const chain_src *f, long n, long B, long b0,
 
 void chain_down_lanes(const real *Wt, const chain_src *f, real *out, int mode, long n, long B, long b0, int L, int c,
                       long j0, long j1, const real *work1, real *acc, long *beat) {
+    const int ni = (int)f->ni;
     if (c > L) c = L;
     long nc = chain_blocks(n, L, c), size = 1L << c;
     const real *Q = work1 + nc * H * H; /* the one-lane kernel's prefixes, [nc][H] */
-    group gp;
-    gp.np = 0;
+    GROUP(ni);
     WCOLS(wc);
     real vu[2][H * NL] __attribute__((aligned(64))), *v, *u, *t, fs[NR * NL] __attribute__((aligned(64)));
     for (long j = j0; j < j1; j += NL) {
@@ -1080,31 +1096,31 @@ real fma_chain(long n) {
 
 /* -- the factors, from the forward's states ------------------------------------------------------- */
 
-/* The RNN's factors [T][NR][B] in scan order (step T first) from h and x ([T][B][H], [T][B][INP]): rows
+/* The RNN's factors [T][NR][B] in scan order (step T first) from h and x ([T][B][H], [T][B][ni]): rows
  * d_k = 1 - h_{T-k}^2 (relu: 1[h_{T-k} > 0]; rounded as torch rounds it, so that the factors equal the dense
  * chains' bit for bit), then x_{T-k} and h_{T-k-1} (0 for the first step); steps k0 .. k1 - 1.  What the scan
  * reads from h and x itself (rnn_tile, rnn_lanes), written for other readers.  Loops run along the output rows
  * (contiguous stores; faster than along the inputs': docs/measurements.md, "Measurements the code cites"). */
 #if KIND < 2
-void rnn_factors(const real *h, const real *x, long T, long B, long k0, long k1, real *f) {
+void rnn_factors(const real *h, const real *x, long T, long B, long ni, long k0, long k1, real *f) {
     for (long k = k0; k < k1; ++k) {
         long t = T - 1 - k;
-        const real *ht = h + t * B * H, *hp = h + (t - 1) * B * H, *xt = x + t * B * NI;
+        const real *ht = h + t * B * H, *hp = h + (t - 1) * B * H, *xt = x + t * B * ni;
         real *fk = f + k * NR * B;
         for (int i = 0; i < H; ++i)
             for (long b = 0; b < B; ++b) fk[i * B + b] = deriv_one(ht[b * H + i]);
-        for (int j = 0; j < NI; ++j)
-            for (long b = 0; b < B; ++b) fk[(XROW + j) * B + b] = xt[b * NI + j];
+        for (int j = 0; j < ni; ++j)
+            for (long b = 0; b < B; ++b) fk[(XROW + j) * B + b] = xt[b * ni + j];
         for (int i = 0; i < H; ++i)
-            for (long b = 0; b < B; ++b) fk[(XROW + NI + i) * B + b] = t ? hp[b * H + i] : 0;
+            for (long b = 0; b < B; ++b) fk[(XROW + ni + i) * B + b] = t ? hp[b * H + i] : 0;
     }
 }
 
 #else
 /* -- the GRU's and the LSTM's gates, recomputed (the forward keeps none), with simd.h's vector exp ------------ */
 #define FV RVL /* lanes of the builder's vectors: one register */
-/* The GRU's factors [T][NR][B] in scan order for steps k0 .. k1 - 1, straight from x ([T][B][INP]) and h
- * ([T][B][H], h_0 = 0) and the cell's weights (W_ih [3H][INP], W_hh [3H][H], biases [3H]; gate order r, z, n):
+/* The GRU's factors [T][NR][B] in scan order for steps k0 .. k1 - 1, straight from x ([T][B][ni]) and h
+ * ([T][B][H], h_0 = 0) and the cell's weights (W_ih [3H][ni], W_hh [3H][H], biases [3H]; gate order r, z, n):
  * per step and block of FV lanes, x_t and h' go to lane order, the gates' two affine maps, r = sigmoid(R),
  * z = sigmoid(Z), n = tanh(N) (Eq. 10) are computed in registers, and the rows c_r, c_z, c_n, z, e, x_t and
  * h' written: one pass over memory, where torch's gate recomputation made several. */
@@ -1133,30 +1149,30 @@ static inline void store_lanes(real *dst, const real *src, int nb) {
 
 #if KIND == 2
 void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, const real *bi, const real *bh,
-                 long T, long B, long k0, long k1, real *f) {
+                 long T, long B, long ni, long k0, long k1, real *f) {
     for (long k = k0; k < k1; ++k) {
         long t = T - 1 - k;
         real *fk = f + k * NR * B;
         for (long b0 = 0; b0 < B; b0 += FV) {
             int nb = B - b0 < FV ? (int)(B - b0) : FV;
-            real xs[NI > 0 ? NI : 1][FV] __attribute__((aligned(64))), hs[H][FV] __attribute__((aligned(64)));
+            real xs[ni > 0 ? ni : 1][FV] __attribute__((aligned(64))), hs[H][FV] __attribute__((aligned(64)));
             real out[5][H][FV] __attribute__((aligned(64)));
             if (nb == FV && t) { /* a whole block: the transposes without a test per element */
-                const real *xb = x + (t * B + b0) * NI, *hb = h + ((t - 1) * B + b0) * H;
-                for (int j = 0; j < NI; ++j)
-                    UNROLL for (int q = 0; q < FV; ++q) xs[j][q] = xb[q * NI + j];
+                const real *xb = x + (t * B + b0) * ni, *hb = h + ((t - 1) * B + b0) * H;
+                for (int j = 0; j < ni; ++j)
+                    UNROLL for (int q = 0; q < FV; ++q) xs[j][q] = xb[q * ni + j];
                 for (int i = 0; i < H; ++i)
                     UNROLL for (int q = 0; q < FV; ++q) hs[i][q] = hb[q * H + i];
             } else {
-                for (int j = 0; j < NI; ++j)
-                    for (int q = 0; q < FV; ++q) xs[j][q] = q < nb ? x[(t * B + b0 + q) * NI + j] : 0;
+                for (int j = 0; j < ni; ++j)
+                    for (int q = 0; q < FV; ++q) xs[j][q] = q < nb ? x[(t * B + b0 + q) * ni + j] : 0;
                 for (int i = 0; i < H; ++i)
                     for (int q = 0; q < FV; ++q) hs[i][q] = q < nb && t ? h[((t - 1) * B + b0 + q) * H + i] : 0;
             }
             fvec gi[3 * H], gh[3 * H];
             for (int g = 0; g < 3 * H; ++g) {
                 fvec a = SPLAT(bi[g]), c = SPLAT(bh[g]);
-                for (int j = 0; j < NI; ++j) a += Wi[g * NI + j] * *(fvec *)xs[j];
+                for (int j = 0; j < ni; ++j) a += Wi[g * ni + j] * *(fvec *)xs[j];
                 UNROLL for (int i = 0; i < H; ++i) c += Wh[g * H + i] * *(fvec *)hs[i];
                 gi[g] = a;
                 gh[g] = c;
@@ -1175,8 +1191,8 @@ void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, c
             }
             for (int q = 0; q < 5; ++q)
                 for (int i = 0; i < H; ++i) store_lanes(fk + (q * H + i) * B + b0, out[q][i], nb);
-            for (int j = 0; j < NI; ++j) store_lanes(fk + (XROW + j) * B + b0, xs[j], nb);
-            for (int i = 0; i < H; ++i) store_lanes(fk + (XROW + NI + i) * B + b0, hs[i], nb);
+            for (int j = 0; j < ni; ++j) store_lanes(fk + (XROW + j) * B + b0, xs[j], nb);
+            for (int i = 0; i < H; ++i) store_lanes(fk + (XROW + ni + i) * B + b0, hs[i], nb);
         }
     }
 #if defined(__AVX512F__) || defined(__AVX__)
@@ -1200,30 +1216,31 @@ static inline void lanes_of(const real *src, long stride, int n, int nb, real (*
 }
 
 /* The LSTM's factors [T][NR][B] in scan order for steps k0 .. k1 - 1, as bppsa.backends.chain.LstmChain.from_states
- * writes them from lstm_factors(lstm_gates(...)), straight from x ([T][B][INP]), the states h and c ([T][B][HC]:
- * h_1 .. h_T, c_1 .. c_T), h_0 and c_0 ([B][HC], NULL: zero) and the cell's weights (W_ih [4HC][INP], W_hh
+ * writes them from lstm_factors(lstm_gates(...)), straight from x ([T][B][ni]), the states h and c ([T][B][HC]:
+ * h_1 .. h_T, c_1 .. c_T), h_0 and c_0 ([B][HC], NULL: zero) and the cell's weights (W_ih [4HC][ni], W_hh
  * [4HC][HC], biases [4HC]; gate order i, f, g, o): per step and block of FV lanes, the gates' pre-activations
  * in registers, i, f, o = sigmoid, g = tanh (with 1 - p and 1 - g^2 each to a few ulp, not from the rounded
  * gate), tanh(c_t) and 1 - tanh^2(c_t) from the state, then the rows a, ci, cf, cg, co, f, x_t and h' written: one
  * pass over memory where torch's gate recomputation and factors take some twenty. */
 void lstm_factors(const real *x, const real *h, const real *c, const real *Wi, const real *Wh, const real *bi,
-                  const real *bh, const real *h0, const real *c0, long T, long B, long k0, long k1, real *f) {
+                  const real *bh, const real *h0, const real *c0, long T, long B, long ni, long k0, long k1,
+                  real *f) {
     for (long k = k0; k < k1; ++k) {
         long t = T - 1 - k;
         real *fk = f + k * NR * B;
         for (long b0 = 0; b0 < B; b0 += FV) {
             int nb = B - b0 < FV ? (int)(B - b0) : FV;
-            real xs[NI > 0 ? NI : 1][FV] __attribute__((aligned(64))), hs[HC][FV] __attribute__((aligned(64)));
+            real xs[ni > 0 ? ni : 1][FV] __attribute__((aligned(64))), hs[HC][FV] __attribute__((aligned(64)));
             real cp[HC][FV] __attribute__((aligned(64))), ct[HC][FV] __attribute__((aligned(64)));
             real out[6][HC][FV] __attribute__((aligned(64)));
-            lanes_of(x + (t * B + b0) * NI, NI, NI, nb, xs);
+            lanes_of(x + (t * B + b0) * ni, ni, ni, nb, xs);
             lanes_of(t ? h + ((t - 1) * B + b0) * HC : h0 ? h0 + b0 * HC : 0, HC, HC, nb, hs);
             lanes_of(t ? c + ((t - 1) * B + b0) * HC : c0 ? c0 + b0 * HC : 0, HC, HC, nb, cp);
             lanes_of(c + (t * B + b0) * HC, HC, HC, nb, ct);
             fvec pre[4 * HC];
             for (int g = 0; g < 4 * HC; ++g) {
                 fvec a = SPLAT(bi[g] + bh[g]);
-                for (int j = 0; j < NI; ++j) a += Wi[g * NI + j] * *(fvec *)xs[j];
+                for (int j = 0; j < ni; ++j) a += Wi[g * ni + j] * *(fvec *)xs[j];
                 UNROLL for (int i = 0; i < HC; ++i) a += Wh[g * HC + i] * *(fvec *)hs[i];
                 pre[g] = a;
             }
@@ -1243,8 +1260,8 @@ void lstm_factors(const real *x, const real *h, const real *c, const real *Wi, c
             }
             for (int q = 0; q < 6; ++q)
                 for (int i = 0; i < HC; ++i) store_lanes(fk + (q * HC + i) * B + b0, out[q][i], nb);
-            for (int j = 0; j < NI; ++j) store_lanes(fk + (XROW + j) * B + b0, xs[j], nb);
-            for (int i = 0; i < HC; ++i) store_lanes(fk + (XROW + NI + i) * B + b0, hs[i], nb);
+            for (int j = 0; j < ni; ++j) store_lanes(fk + (XROW + j) * B + b0, xs[j], nb);
+            for (int i = 0; i < HC; ++i) store_lanes(fk + (XROW + ni + i) * B + b0, hs[i], nb);
         }
     }
 #if defined(__AVX512F__) || defined(__AVX__)
@@ -1352,6 +1369,7 @@ void team_up_lanes_pub(const void *args, long j0, long j1, long part, const real
  * 1): [the prefixes Q: nc][the spine's prefix and the tree's scratch][the spine's sums: NA * NBV * NL]. */
 void team_mid(const void *args, long j0, long j1, long part, real *priv, long *beat) {
     const slice_args *a = args;
+    const int ni = (int)a->call->S.ni;
     (void)j0, (void)j1, (void)part;
     long nc = nblocks(a);
     real *A = a->work, *Q = A + nc * MAT, *Bo = Q + nc * VEC, *acc = a->acc, *tw = Bo + nc * VEC;
@@ -1368,6 +1386,7 @@ void team_mid(const void *args, long j0, long j1, long part, real *priv, long *b
 
 void team_mid_pub(const void *args, long j0, long j1, long part, const real *priv) {
     const slice_args *a = args;
+    const int ni = (int)a->call->S.ni;
     (void)j0, (void)j1, (void)part;
     long nc = nblocks(a), sz = (long)NA * NBV * NL;
     memcpy(a->work + nc * MAT, priv, sizeof(real) * nc * VEC);
@@ -1382,6 +1401,7 @@ void team_mid_pub(const void *args, long j0, long j1, long part, const real *pri
 
 /* Down: its part's sums, as the middle left them, added into in priv (mode 1) or in place. */
 static void down_run(const slice_args *a, long j0, long j1, real *sums, real *priv, long *beat, int wide) {
+    const int ni = (int)a->call->S.ni;
     long sz = (long)NA * NBV * NL;
     if (priv && a->mode) memcpy(priv, sums, sizeof(real) * sz);
     real *acc = !a->mode ? 0 : priv ? priv : sums;
@@ -1395,29 +1415,33 @@ static void down_run(const slice_args *a, long j0, long j1, real *sums, real *pr
 
 void team_down(const void *args, long j0, long j1, long part, real *priv, long *beat) {
     const slice_args *a = args;
+    const int ni = (int)a->call->S.ni;
     down_run(a, j0, j1, a->acc ? a->acc + part * (long)NA * NBV * NL : 0, priv, beat, 0);
 }
 
 void team_down_lanes(const void *args, long j0, long j1, long part, real *priv, long *beat) {
     const slice_args *a = args;
+    const int ni = (int)a->call->S.ni;
     down_run(a, j0, j1, a->wacc ? a->wacc + part * (long)NA * NBV * NL : 0, priv, beat, 1);
 }
 
 void team_down_pub(const void *args, long j0, long j1, long part, const real *priv) {
     const slice_args *a = args;
+    const int ni = (int)a->call->S.ni;
     (void)j0, (void)j1;
     memcpy(a->acc + part * (long)NA * NBV * NL, priv, sizeof(real) * NA * NBV * NL);
 }
 
 void team_down_lanes_pub(const void *args, long j0, long j1, long part, const real *priv) {
     const slice_args *a = args;
+    const int ni = (int)a->call->S.ni;
     (void)j0, (void)j1;
     memcpy(a->wacc + part * (long)NA * NBV * NL, priv, sizeof(real) * NA * NBV * NL);
 }
 
 /* The scratch (reals) one thread needs for any unit of a slice of this build: an up unit's products (one block,
  * or the wide build's NL one-lane blocks) and offsets, a middle's, a down unit's sums. */
-long team_scratch(long n, int L, int c) {
+long team_scratch(long n, int L, int c, long ni) {
     if (c > L) c = L;
     long nc = chain_blocks(n, L, c), sums = (long)NA * NBV * NL;
     long up = MAT + VEC, mid = nc * VEC + VEC + tree_work(nc, L - c) + sums;
@@ -1429,26 +1453,26 @@ long team_scratch(long n, int L, int c) {
 typedef struct {
     const real *x, *h, *Wi, *Wh, *bi, *bh;
     real *f;
-    long T, B;
+    long T, B, ni;
 } fill_args;
 
 void team_fill(const void *args, long j0, long j1, long part, real *priv, long *beat) {
     const fill_args *a = args;
     (void)part, (void)priv, (void)beat;
-    gru_factors(a->x, a->h, a->Wi, a->Wh, a->bi, a->bh, a->T, a->B, j0, j1, a->f);
+    gru_factors(a->x, a->h, a->Wi, a->Wh, a->bi, a->bh, a->T, a->B, a->ni, j0, j1, a->f);
 }
 #elif KIND == 3
 /* The LSTM's gate pass over steps j0 .. j1 - 1 (lstm_factors' operands), in place. */
 typedef struct {
     const real *x, *h, *c, *Wi, *Wh, *bi, *bh, *h0, *c0;
     real *f;
-    long T, B;
+    long T, B, ni;
 } fill_args;
 
 void team_fill(const void *args, long j0, long j1, long part, real *priv, long *beat) {
     const fill_args *a = args;
     (void)part, (void)priv, (void)beat;
-    lstm_factors(a->x, a->h, a->c, a->Wi, a->Wh, a->bi, a->bh, a->h0, a->c0, a->T, a->B, j0, j1, a->f);
+    lstm_factors(a->x, a->h, a->c, a->Wi, a->Wh, a->bi, a->bh, a->h0, a->c0, a->T, a->B, a->ni, j0, j1, a->f);
 }
 #endif
 
@@ -1748,6 +1772,7 @@ static int pool_ensure(long n) {
 }
 
 static void reduce(team *t) {
+    const int ni = (int)t->call.S.ni;
     for (long k = 0; k < t->nseg; ++k) {
         const team_seg *sg = t->seg + k;
         real *o = t->dst[sg->out] + sg->off;

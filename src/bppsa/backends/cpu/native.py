@@ -185,14 +185,15 @@ def reset() -> None:
 
 
 @functools.cache
-def library(kind: str, H: int, I: int, lanes: int, dtype: torch.dtype, act: str = "tanh") -> ctypes.CDLL | None:
-    """The kernel for a chain ``kind`` (:data:`KINDS`), state size H (the hidden size; the LSTM's 2H), input size
-    I, ``lanes`` batch lanes and ``dtype`` (``act``: the RNN's nonlinearity, :data:`ACTS`); None where it cannot
-    be built (why: :func:`unavailable_reason`)."""
+def library(kind: str, H: int, lanes: int, dtype: torch.dtype, act: str = "tanh") -> ctypes.CDLL | None:
+    """The kernel for a chain ``kind`` (:data:`KINDS`), state size H (the hidden size; the LSTM's 2H), ``lanes``
+    batch lanes and ``dtype`` (``act``: the RNN's nonlinearity, :data:`ACTS`), for every input size (the call's:
+    ``team_call.S.ni``, the factor builders' ``ni``); None where it cannot be built (why:
+    :func:`unavailable_reason`)."""
     if kind == "lstm" and H % 2:
         raise ValueError(f"the LSTM's state [h; c] has an even size, not {H}")
     try:
-        return _build(KINDS[kind], H, I, lanes, dtype, ACTS[act] if kind in ("rnn", "paper") else 0)
+        return _build(KINDS[kind], H, lanes, dtype, ACTS[act] if kind in ("rnn", "paper") else 0)
     except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, compiler killed, bad .so ...
         _errors["cc"] = f"{type(e).__name__}: {e}"
         return None
@@ -267,23 +268,23 @@ def build(source: str, defs: list[str], stem: str) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(out))
 
 
-def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype, act: int = 0) -> ctypes.CDLL | None:
+def _build(kind: int, H: int, lanes: int, dtype: torch.dtype, act: int = 0) -> ctypes.CDLL | None:
     real = _REAL.get(dtype)
     if real is None:  # e.g. half precision: the numpy path takes it
         return None
-    defs = [f"-DKIND={kind}", f"-DHID={H}", f"-DINP={I}", f"-DLANES={lanes}", f"-DREAL={real}",
+    defs = [f"-DKIND={kind}", f"-DHID={H}", f"-DLANES={lanes}", f"-DREAL={real}",
             f"-DREALBITS={8 * dtype.itemsize}", f"-DACT={act}"]
     tag = f"k{kind}" + (f"a{act}" if act else "")  # act: relu's RNN
-    lib = build("chain_scan.c", defs, f"chain_scan_{tag}_{real}_H{H}_I{I}_L{lanes}")
+    lib = build("chain_scan.c", defs, f"chain_scan_{tag}_{real}_H{H}_L{lanes}")
     if lib is None:
         return None
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-    factors = ({"gru_factors": [p, p, p, p, p, p, l, l, l, l, p]} if kind == KINDS["gru"]
-               else {"lstm_factors": [p] * 9 + [l, l, l, l, p]} if kind == KINDS["lstm"]
-               else {"rnn_factors": [p, p, l, l, l, l, p]})
-    for name, args in {"team_go": [p], "team_drain": [p], "team_scratch": [l, i, i],
+    factors = ({"gru_factors": [p, p, p, p, p, p, l, l, l, l, l, p]} if kind == KINDS["gru"]
+               else {"lstm_factors": [p] * 9 + [l, l, l, l, l, p]} if kind == KINDS["lstm"]
+               else {"rnn_factors": [p, p, l, l, l, l, l, p]})
+    for name, args in {"team_go": [p], "team_drain": [p], "team_scratch": [l, i, i, l],
                        "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i], "fma_chain": [l],
-                       "chain_product": [p, p, p, p, p, l, l, l, l, l, p, p], **factors}.items():
+                       "chain_product": [p, p, p, p, p, l, l, l, l, l, l, p, p], **factors}.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, {"chain_scan_work": l, "chain_blocks": l, "team_go": i,
                                        "team_scratch": l, "team_drain": None, "chain_product": None,
@@ -294,7 +295,7 @@ def _build(kind: int, H: int, I: int, lanes: int, dtype: torch.dtype, act: int =
 @functools.cache
 def unavailable_reason() -> str | None:
     """None when the kernel builds here and agrees with the reference scan on a small case, else why not."""
-    if library("rnn", 3, 0, 2, torch.float64) is None:
+    if library("rnn", 3, 2, torch.float64) is None:
         return _errors.get("cc", "the kernel could not be built")
     from ... import scan as _scan
 
@@ -327,8 +328,8 @@ def rnn_factors(h: torch.Tensor, x: torch.Tensor, out: torch.Tensor, k0: int, k1
     (scan order, lane order; steps k0 .. k1 - 1) from ``h`` [T, B, H] and ``x`` [T, B, I], all contiguous: what
     the kernel reads from ``h`` and ``x`` itself, written for other readers."""
     T, B, H = h.shape
-    library("rnn", H, x.shape[2], 1, h.dtype, act).rnn_factors(h.data_ptr(), x.data_ptr(), T, B, k0, k1,
-                                                               out.data_ptr())
+    library("rnn", H, 1, h.dtype, act).rnn_factors(h.data_ptr(), x.data_ptr(), T, B, x.shape[2], k0, k1,
+                                                   out.data_ptr())
 
 
 _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -336,7 +337,7 @@ _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
 class _Call(ctypes.Structure):
     """chain_scan.c's team_call: one call's operands."""
-    _fields_ = [("Wt", _p), ("f", _p), ("h", _p), ("x", _p), ("c", _p), ("g", _p), ("out", _p)]
+    _fields_ = [("Wt", _p), ("f", _p), ("h", _p), ("x", _p), ("c", _p), ("ni", _l), ("g", _p), ("out", _p)]
 
 
 class _SliceArgs(ctypes.Structure):
@@ -370,12 +371,13 @@ class _Team(ctypes.Structure):
 
 
 class _FillArgs(ctypes.Structure):
-    _fields_ = [("x", _p), ("h", _p), ("Wi", _p), ("Wh", _p), ("bi", _p), ("bh", _p), ("f", _p), ("T", _l), ("B", _l)]
+    _fields_ = [("x", _p), ("h", _p), ("Wi", _p), ("Wh", _p), ("bi", _p), ("bh", _p), ("f", _p), ("T", _l), ("B", _l),
+                ("ni", _l)]
 
 
 class _LstmFillArgs(ctypes.Structure):
     _fields_ = [("x", _p), ("h", _p), ("c", _p), ("Wi", _p), ("Wh", _p), ("bi", _p), ("bh", _p), ("h0", _p),
-                ("c0", _p), ("f", _p), ("T", _l), ("B", _l)]
+                ("c0", _p), ("f", _p), ("T", _l), ("B", _l), ("ni", _l)]
 
 
 
@@ -429,17 +431,17 @@ class GruFill(Fill):
         self.x, self.h, self.out = x, h, out
         self.w = [t.detach().contiguous() for t in (cell.weight_ih_l0, cell.weight_hh_l0, cell.bias_ih_l0,
                                                     cell.bias_hh_l0)]
-        self.lib = library("gru", h.shape[2], x.shape[2], 1, h.dtype)
+        self.lib = library("gru", h.shape[2], 1, h.dtype)
 
     def __call__(self, k0: int, k1: int) -> None:
         T, B, _ = self.h.shape
-        self.lib.gru_factors(self.x.data_ptr(), self.h.data_ptr(), *(t.data_ptr() for t in self.w), T, B, k0, k1,
-                             self.out.data_ptr())
+        self.lib.gru_factors(self.x.data_ptr(), self.h.data_ptr(), *(t.data_ptr() for t in self.w), T, B,
+                             self.x.shape[2], k0, k1, self.out.data_ptr())
 
     def _args(self):
         T, B, _ = self.h.shape
         return _FillArgs(self.x.data_ptr(), self.h.data_ptr(), *(t.data_ptr() for t in self.w), self.out.data_ptr(),
-                         T, B)
+                         T, B, self.x.shape[2])
 
 
 class LstmFill(Fill):
@@ -451,7 +453,7 @@ class LstmFill(Fill):
         self.x, self.h, self.c, self.h0, self.c0, self.out = x, h, c, h0, c0, out
         zero = h.new_zeros(4 * H)
         self.w = [zero if t is None else t.detach().contiguous() for t in weights]
-        self.lib = library("lstm", 2 * H, x.shape[2], 1, h.dtype)
+        self.lib = library("lstm", 2 * H, 1, h.dtype)
 
     def _ptrs(self):
         return ([t.data_ptr() for t in (self.x, self.h, self.c, *self.w)]
@@ -459,11 +461,11 @@ class LstmFill(Fill):
 
     def __call__(self, k0: int, k1: int) -> None:
         T, B, _ = self.h.shape
-        self.lib.lstm_factors(*self._ptrs(), T, B, k0, k1, self.out.data_ptr())
+        self.lib.lstm_factors(*self._ptrs(), T, B, self.x.shape[2], k0, k1, self.out.data_ptr())
 
     def _args(self):
         T, B, _ = self.h.shape
-        return _LstmFillArgs(*self._ptrs(), self.out.data_ptr(), T, B)
+        return _LstmFillArgs(*self._ptrs(), self.out.data_ptr(), T, B, self.x.shape[2])
 
 
 class Team:
@@ -485,6 +487,7 @@ class Team:
                  layout=None, *, fused: int, affine: bool = False, act: str = "tanh"):
         self.t = t = _Team()
         self.call, self.mode, self.dtype, self.affine = t.call, mode, dtype, affine
+        self.call.ni = I
         t.closed = 1
         vl = lane_width(kind, dtype)
         na, nbv = sums_shape(kind, H, I)
@@ -492,9 +495,9 @@ class Team:
         self.sl = (_Slice * len(owned))()
         self.keep, accs, scratch = [], [], 0
         for e, (owner, b0, w) in zip(self.sl, owned):
-            lib = library(kind, H, I, w, dtype, act)
+            lib = library(kind, H, w, dtype, act)
             blocks = int(lib.chain_blocks(n, L, fused))
-            wide = library(kind, H, I, vl, dtype, act) if w == 1 and blocks > 1 and not affine else None
+            wide = library(kind, H, vl, dtype, act) if w == 1 and blocks > 1 and not affine else None
             size = 1 << min(fused, L)  # blocks hold `size` Jacobians; the last one may be clipped at J_{n-1}
             full = blocks - (blocks > 0 and n - (blocks * size - 1) < size) if wide is not None else 0
             p = parts
@@ -514,13 +517,13 @@ class Team:
                               _units(e.down[0], wide, "team_down_lanes", a, 0, full, vl * _ceil(_ceil(full, vl), p),
                                      pub=pub("team_down_lanes")),
                               _units(e.down[1], lib, "team_down", a, full, blocks, blocks, pub=pub("team_down"))]
-                scratch = max(scratch, int(wide.team_scratch(n, L, fused)))
+                scratch = max(scratch, int(wide.team_scratch(n, L, fused, I)))
             else:
                 self.keep += [_units(e.up[0], lib, "team_up", a, 0, blocks - 1, 1, pub="team_up_pub"),
                               _units(e.down[0], lib, "team_down", a, 0, blocks, _ceil(blocks, p),
                                      pub=pub("team_down"))]
             self.keep.append(_units(e.mid, lib, "team_mid", a, 0, 1, 1, pub=pub("team_mid")))
-            scratch = max(scratch, int(lib.team_scratch(n, L, fused)))
+            scratch = max(scratch, int(lib.team_scratch(n, L, fused, I)))
             e.owner = owner
         t.sl, t.ns, t.nthreads = ctypes.addressof(self.sl), len(owned), len(groups) if by_slice else threads
         # each thread's scratch (a unit's results until they are published) and heartbeat (its own cache line)
@@ -530,7 +533,7 @@ class Team:
         t.scratch, t.scratch_size, t.beat = self.scratch.data_ptr(), self.scratch_size, self.beat.data_ptr()
         t.stall_ns = stall_ns(kind, H, vl)
         self.live = None  # the last call's operands: a thread held up in it may still read them
-        self.lib = library(kind, H, I, owned[0][2], dtype, act)
+        self.lib = library(kind, H, owned[0][2], dtype, act)
         self.acc = (_Acc * max(1, len(accs)))(*[(a_.data_ptr(), p, ln) for a_, p, ln in accs])
         t.acc, t.nacc = ctypes.addressof(self.acc), len(accs)
         hc = hidden(kind, H)

@@ -296,7 +296,7 @@ def _team(chain, L: int, plan: Plan, grads: bool, affine: bool = False):
     n, B, H, _ = chain.shape
     groups = plan.groups(B)
     act = getattr(chain, "act", "tanh")
-    if any(native.library(chain.kind, H, chain.I, w, chain.dtype, act) is None for gr in groups for _, w in gr):
+    if any(native.library(chain.kind, H, w, chain.dtype, act) is None for gr in groups for _, w in gr):
         return None
     return native.Team(chain.kind, n, B, H, chain.I, chain.dtype, L, groups, plan.by_slice, plan.threads,
                        plan.parts, int(grads), chain.grad_layout() if grads else None, fused=plan.fused,
