@@ -11,7 +11,7 @@ RULE = StopRule(warmup=1, min_iters=8, max_iters=8, min_seconds=0.0, max_seconds
 
 @pytest.mark.parametrize("layer", ["rnn_relu", "lstm"])
 def test_rows_per_method_phase_and_round_and_their_ratios(layer):
-    df = layers.run(layer, 37, 3, hidden=5, loss="steps", L_ms=("auto", None, 0), rule=RULE)
+    df = layers.run(layer, 37, 3, hidden=6, loss="steps", L_ms=("auto", None, 0), rule=RULE)
     want = {"bppsa", "bppsa-tree", "bppsa-L0", "torch"} | ({"torch-generic"} if layer == "lstm" else set())
     assert set(df.method) == want
     assert (df.groupby(["method", "phase"]).size() == 8).all() and set(df.phase) == set(layers.PHASES)
@@ -25,7 +25,7 @@ def test_rows_per_method_phase_and_round_and_their_ratios(layer):
 
 def test_jax_step_is_checked_then_timed_as_one_phase():
     pytest.importorskip("jax")
-    df = layers.run("rnn", 37, 3, hidden=5, loss="hn", rule=RULE, jax=True)
+    df = layers.run("rnn", 37, 3, hidden=6, loss="hn", rule=RULE, jax=True)
     assert set(df[df.method == "jax"].phase) == {"step"}
     s = layers.summary(df)
     assert "jax" not in set(s[s.what == "backward"].ratio)  # XLA fuses the phases: the step alone compares

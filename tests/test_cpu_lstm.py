@@ -153,7 +153,7 @@ def test_the_twins_gradients_from_the_scan_equal_autograd_of_torch_lstm():
     """The reference every kernel gradient below is held to: from the twin's scan over the dense chain (the loss on
     h_T: the seed [∇h_T; 0]; on every h_t: the affine scan), the parameter gradients equal autograd's through
     torch.nn.LSTM with h_0, c_0 given (fp64, 1e-10)."""
-    T, B, I, H = 37, 3, 4, 5
+    T, B, I, H = 37, 3, 4, 6
     case = Case(T, B, I, H, seed=1)
     w = torch.randn(T, B, H, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     for per_step in (False, True):
