@@ -181,6 +181,24 @@ def test_factored_chain_scan_equals_torch_twin(chunking, chain_path, kind, T, B,
 
 
 @pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+def test_one_scan_build_serves_every_input_size(kind):
+    """The input size is the call's, not the build's: chains of inputs 1, 3 and 12 at one hidden size scan on the
+    same builds, each exact (its scan and its parameter gradients, W_ih's among them)."""
+    native.library.cache_clear()
+    builds = None
+    for I in (1, 3, 12):
+        g, chain, dense, ref_grads, _ = _factored(kind, 41, 3, 6, I, torch.float64, I=I)
+        ref = scan.blelloch_scan(g, dense.clone(), None)
+        assert _rel(cpu.cpu_scan(g, chain, None), ref) <= 1e-12
+        grads, want = cpu.param_grads(g, chain, None, scan.Workspace(), ref_grads), ref_grads(ref)
+        assert grads.keys() == want.keys() and max(_rel(grads[k], want[k]) for k in want) <= 1e-11
+        if builds is None:
+            builds = native.library.cache_info().currsize
+    assert native.library.cache_info().currsize == builds
+
+
+@pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
 @pytest.mark.parametrize("mode", ["slices", "blocks"])
 # H = 20 throughout: these cases already need every lane width at H = 20, and each other hidden size would
 # be another ~20 C builds (other sizes: the hypothesis tests above)
