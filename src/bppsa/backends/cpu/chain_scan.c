@@ -3,8 +3,8 @@
  * Compiled at first use by bppsa.backends.cpu.native (cc -O3 -march=native) once per chain KIND, state size
  * HID (the hidden size; the LSTM's [h; c]: twice it), lane count LANES and REAL type -- the input size is the
  * call's (chain_src.ni, the factor builders' ni), so one build serves every layer of a stack -- and called
- * through ctypes (the GIL released): one call, team_go, runs a whole scan on a team of threads (the caller and a pool of
- * pthreads), which claim its units -- ranges of a slice's blocks in the phases chain_up / chain_tree / chain_down --
+ * through ctypes (the GIL released): one call, team_go, runs a whole scan on a team of threads (the caller and a
+ * pool of pthreads), which claim its units -- ranges of a slice's blocks in the phases chain_up / chain_tree / chain_down --
  * as they come (the end of this file).
  *
  * Layout: the LANES batch elements of a slice are the vector dimension of every operation: a matrix is

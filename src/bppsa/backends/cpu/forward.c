@@ -131,8 +131,8 @@ static AI void lanes_out(const vec *restrict src, int nb, real *restrict dst) {
 
 /* -- a step's pre-activations ---------------------------------------------------------------------- */
 
-/* pre[r0 + k] = st[r0 + k] + Wi[r0 + k] x + Wh[r0 + k] h for k < W (x: ni inputs) (Wi or Wh NULL: that part left out): the W rows'
- * accumulators in registers, the input part first (it does not wait for h). */
+/* pre[r0 + k] = st[r0 + k] + Wi[r0 + k] x + Wh[r0 + k] h for k < W, x of ni inputs (Wi or Wh NULL: that part left
+ * out): the W rows' accumulators in registers, the input part first (it does not wait for h). */
 static AI void tile(const real *restrict st, const real *restrict Wi, const real *restrict Wh,
                     const vec *restrict xs, int ni, const vec *restrict hs, vec *restrict pre, int r0, int W) {
     vec acc[ACC];
