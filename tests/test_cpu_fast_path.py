@@ -344,7 +344,7 @@ def test_kernel_builds_once_into_the_cache(tmp_path):
     for _ in range(2):
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert r.stdout.strip() == "True", r.stderr
-        (so,) = (tmp_path / "native").glob("chain_scan_k0_double_H3_L2_*.so")
+        (so,) = (tmp_path / "native").glob("chain_scan_k0_double_H3_L*.so")  # the self-check's one build
         if _ == 0:
             first = so.stat().st_mtime_ns
     assert so.stat().st_mtime_ns == first  # the second process loaded the first one's build
@@ -543,3 +543,31 @@ def test_the_kernel_scans_the_affine_recurrence_of_per_step_gradients(kind, dtyp
         assert torch.equal(zero, seed) if B % 2 == 0 else _rel(zero.double(), seed.double()) <= tol
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
+@pytest.mark.parametrize("layer", ["RNN", "GRU", "LSTM"])
+def test_a_layers_step_builds_only_its_scans_lane_width(layer, monkeypatch):
+    """One build per scan: the gate pass (GRU, LSTM) runs on its team's build, no build is made to ask whether the
+    kernel is at hand, and a last lane slice narrower than the others runs on their build with spare lanes.  A
+    layer's training step at B = 5 builds the one lane width its scan's slices take (each build is ~1 s of
+    compiling), no one-lane kernel beside it, and its gradients are autograd's."""
+    import bppsa.nn as bnn
+
+    native.reset()
+    built, build = [], native._build
+    monkeypatch.setattr(native, "_build",
+                        lambda kind, H, lanes, *a: built.append((kind, H, lanes)) or build(kind, H, lanes, *a))
+    torch.manual_seed(0)
+    ref = getattr(torch.nn, layer)(3, 6, dtype=torch.float64)
+    ours = getattr(bnn, layer)(3, 6, dtype=torch.float64)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(37, 5, 3, dtype=torch.float64)
+    for m in (ref, ours):
+        out, _ = m(x)
+        (out[-1] ** 2).sum().backward()
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert _rel(q.grad, p.grad) <= 1e-10, name
+    S = 12 if layer == "LSTM" else 6  # the chain's state (the LSTM's [h; c]); H = 3 is the kernel's own self-check
+    widths = {lanes for _, H, lanes in built if H == S}
+    assert len(widths) == 1 and 1 not in widths, built

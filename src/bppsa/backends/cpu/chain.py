@@ -21,11 +21,10 @@ from .dense import dense_tree_scan
 FACTOR_FLOP = 50  # a factor builder's cost per value written (~1 ns, a strided store), in those FLOP
 
 
-def _kernel_has(kind: str, h: torch.Tensor, act: str = "tanh", S: int | None = None) -> bool:
-    """The compiled kernel reads host memory: CUDA tensors (the factored GPU path) take torch's factors.  ``S``: the
-    chain's state size, where it is not the states' (the LSTM's [h; c])."""
-    S = h.shape[2] if S is None else S
-    return h.device.type == "cpu" and native.available() and native.library(kind, S, 1, h.dtype, act) is not None
+def _kernel_has(h: torch.Tensor) -> bool:
+    """Whether the compiled kernel takes chains over ``h``: it reads host memory (CUDA tensors, the factored GPU path,
+    take torch's factors) and is built at first use for the chain's kind and sizes."""
+    return h.device.type == "cpu" and native.builds(h.dtype)
 
 
 def rnn_chain(cls: type[RnnChain] | type[PaperChain], h: torch.Tensor, W_hh: torch.Tensor,
@@ -35,7 +34,7 @@ def rnn_chain(cls: type[RnnChain] | type[PaperChain], h: torch.Tensor, W_hh: tor
     1 - h², relu's 1[h > 0] -- as it scans it, and torch only where something reads
     :attr:`~bppsa.backends.chain.FactoredChain.f`); else ``cls.from_states`` (torch; ``out``: its buffer)."""
     I = 0 if x is None else x.shape[2]
-    if act not in native.ACTS or not _kernel_has("rnn", h, act):
+    if act not in native.ACTS or not _kernel_has(h):
         return cls.from_states(h, W_hh, x, out, act)  # (its error names an unknown nonlinearity)
     xc = x if x is not None else h[:, :, :0]
     return cls(W_hh, None, I, states=(h if h.is_contiguous() else h.contiguous(),
@@ -51,7 +50,7 @@ def lstm_chain(x: torch.Tensor | None, h: torch.Tensor, gates, W_hh: torch.Tenso
     the kernel).  None where the kernel is not at hand (no compiler, tensors off the CPU)."""
     I = 0 if x is None else x.shape[2]
     H = W_hh.shape[1]
-    if not _kernel_has("lstm", h, S=2 * H):
+    if not _kernel_has(h):
         return None
     if states is None or x is None:
         return LstmChain.from_states(x, gates(), W_hh, out)
@@ -85,7 +84,7 @@ def gru_chain(x: torch.Tensor, h: torch.Tensor, cell, out: torch.Tensor | None =
     scan's team writes it, in units of steps); else ``GruChain.from_states`` (torch).  ``out``: a [T, 6H + I, B]
     buffer, used where its shape fits."""
     I = x.shape[2]
-    if not _kernel_has("gru", h):
+    if not _kernel_has(h):
         return GruChain.from_states(x, h, cell, out)
     f = factor_buffer(h, 6 * h.shape[2] + I, out)
     return GruChain(cell.weight_hh_l0, f, I, _GruFill(x.detach().contiguous(), h.detach().contiguous(), cell, f))
@@ -96,22 +95,22 @@ def _ptr(t: torch.Tensor | None):
 
 
 def _product(kind, T, B, S, I, dtype, Wt, f, h, x, c, act="tanh"):
-    """``chain_scan.c``'s ``chain_product`` over the whole chain, a call per slice of batch lanes (powers of two)."""
+    """``chain_scan.c``'s ``chain_product`` over the whole chain, a call per slice of batch lanes (one register's)."""
     P = torch.empty((B, S, S), dtype=dtype)
     q = None if c is None else torch.empty((B, S), dtype=dtype)
-    vl, b0 = native.lane_width(kind, dtype), 0
-    while b0 < B:
-        w = min(vl, 1 << (B - b0).bit_length() - 1)  # a kernel's lanes are a power of two
-        lib = native.library(kind, S, w, dtype, act)
-        if lib is None:
-            return None
-        M = torch.empty((S, S, w), dtype=dtype)
-        qv = None if c is None else torch.empty((S, w), dtype=dtype)
-        lib.chain_product(Wt.data_ptr(), _ptr(f), _ptr(h), _ptr(x), _ptr(c), I, T, B, b0, 0, T, M.data_ptr(), _ptr(qv))
-        P[b0:b0 + w] = M.permute(2, 0, 1)
+    vl = native.lane_width(kind, dtype)
+    lib = native.library(kind, S, vl, dtype, act)  # one build: a last slice narrower than it has spare lanes
+    if lib is None:
+        return None
+    for b0 in range(0, B, vl):
+        w = min(vl, B - b0)
+        M = torch.empty((S, S, vl), dtype=dtype)
+        qv = None if c is None else torch.empty((S, vl), dtype=dtype)
+        lib.chain_product(Wt.data_ptr(), _ptr(f), _ptr(h), _ptr(x), _ptr(c), I, T, B, b0, w, 0, T, M.data_ptr(),
+                          _ptr(qv))
+        P[b0:b0 + w] = M.permute(2, 0, 1)[:w]
         if qv is not None:
-            q[b0:b0 + w] = qv.t()
-        b0 += w
+            q[b0:b0 + w] = qv.t()[:w]
     return P, q
 
 
@@ -125,7 +124,7 @@ def rnn_chain_product(h: torch.Tensor, W_hh: torch.Tensor, x: torch.Tensor, c: t
     the CPU)."""
     T, B, H = h.shape
     I = x.shape[2]
-    if T == 0 or not _kernel_has("rnn", h, act):
+    if T == 0 or not _kernel_has(h):
         return None
     Wt = W_hh.detach().t().contiguous()
     h, x = h.detach().contiguous(), x.detach().contiguous()
@@ -139,7 +138,7 @@ def chain_product(chain: FactoredChain, c: torch.Tensor | None = None
     :func:`rnn_chain_product` does the RNN's states: ``P`` [B, S, S] = J_{n-1} ... J_0 and, with ``c`` [n, B, S],
     the offset ``q`` [B, S].  None where the kernel is not at hand."""
     n, B, S, _ = chain.shape
-    if n == 0 or chain.kind == "paper" or not _kernel_has(chain.kind, chain.f, S=S):
+    if n == 0 or chain.kind == "paper" or not _kernel_has(chain.f):
         return None
     c = None if c is None else c.detach().contiguous()
     return _product(chain.kind, n, B, S, chain.I, chain.dtype, chain.Wt, chain.f, None, None, c)

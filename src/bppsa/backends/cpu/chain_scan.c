@@ -13,7 +13,7 @@
  *
  * The chains (scan order, positions s = 0 .. n-1), never stored as matrices: each is kept as its weights
  * Wt (NW matrices W^T, [NW][HC][HC]) and per-step factors f [steps][NF][HC][B] (lane-major over the whole
- * batch B; this slice reads lanes b0 .. b0 + LANES - 1):
+ * batch B; a slice reads its nw <= LANES lanes b0 .. b0 + nw - 1):
  *   KIND 0, the RNN's fused layout:  J_s = Wt diag(d_s)                     (NF = 1: d = 1 - h^2, or with
  *                                    ACT 1 relu's 1[h > 0], read from the states h themselves; n = T)
  *   KIND 1, the RNN's paper layout:  J_2k = diag(d_k), J_2k+1 = Wt          (NF = 1; n = 2T)
@@ -664,10 +664,21 @@ typedef struct {
     long ni;       /* the input size: x_t's rows among the factors (0: none, a scan without parameter gradients) */
 } chain_src;
 
-/* v += c[s], every lane. */
-static void add_direct(const chain_src *S, long B, long b0, long s, real *v) {
+/* A slice's lanes: batch elements b0 .. b0 + nw - 1 (nw <= NL) in its first nw lanes.  A slice narrower than the
+ * build (nw < NL) reads zeros into its spare lanes -- a zero gradient through zero Jacobians, exact zeros throughout,
+ * adding nothing to the sums -- and never writes them out. */
+
+/* A narrower slice's n values (its nw elements', consecutive in memory), zero-padded to all NL lanes' total */
+static inline const real *padded(real *dst, const real *src, long n, long total) {
+    memcpy(dst, src, sizeof(real) * n);
+    memset(dst + n, 0, sizeof(real) * (total - n));
+    return dst;
+}
+
+/* v += c[s], in the lanes that hold batch elements. */
+static void add_direct(const chain_src *S, long B, long b0, int nw, long s, real *v) {
     const real *c = S->c + (s * B + b0) * H;
-    for (int q = 0; q < NL; ++q)
+    for (int q = 0; q < nw; ++q)
         for (int i = 0; i < H; ++i) v[i * NL + q] += c[q * H + i];
 }
 
@@ -791,12 +802,22 @@ static void lane_rows(const real *src, real *dst) {
 }
 #endif
 
-/* The same for the lanes b0 .. b0 + NL - 1 at one step k; where the tile holds step k - 1's rows (the down
- * phase's order), its h_{t-1} is this step's h_t. */
-static void rnn_lanes(const chain_src *S, long T, long B, long b0, long k, int rows, int next, real *dst) {
+/* The same for the slice's lanes b0 .. b0 + nw - 1 at one step k; where the tile holds step k - 1's rows (the down
+ * phase's order), its h_{t-1} is this step's h_t.  A slice narrower than the build reads its rows zero-padded, and
+ * its spare lanes' d are zeroed after (tanh's deriv(0) is 1): zero Jacobians there. */
+static void rnn_lanes(const chain_src *S, long T, long B, long b0, int nw, long k, int rows, int next, real *dst) {
     const int ni = (int)S->ni;
     long t = T - 1 - k;
     const real *ht = S->h + (t * B + b0) * H;
+    const real *xt = S->x + (t * B + b0) * ni, *hp = t ? S->h + ((t - 1) * B + b0) * H : 0;
+    real hb[NL * H], pb[NL * H], xb[NL * ni + 1];
+    if (nw < NL) {
+        ht = padded(hb, ht, (long)nw * H, NL * H);
+        if (rows > H) {
+            xt = padded(xb, xt, (long)nw * ni, (long)NL * ni);
+            if (hp) hp = padded(pb, hp, (long)nw * H, NL * H);
+        }
+    }
 #ifdef LANE_ROWS
     if (next) {
         for (int i = 0; i < H; ++i) ST(dst + i * NL) = deriv(LD(dst + (XROW + ni + i) * NL));
@@ -808,8 +829,13 @@ static void rnn_lanes(const chain_src *S, long T, long B, long b0, long k, int r
     for (int i = 0; i < H; ++i)
         ST(dst + i * NL) = deriv(next ? LD(dst + (XROW + ni + i) * NL) : lanes_at(ht + i, H));
 #endif
+    if (nw < NL) {
+        real m[NL] __attribute__((aligned(64)));
+        for (int q = 0; q < NL; ++q) m[q] = q < nw;
+        const vec mask = LD(m);
+        for (int i = 0; i < H; ++i) ST(dst + i * NL) = LD(dst + i * NL) * mask;
+    }
     if (rows == H) return;
-    const real *xt = S->x + (t * B + b0) * ni, *hp = t ? S->h + ((t - 1) * B + b0) * H : 0;
     for (int j = 0; j < ni; ++j) ST(dst + (XROW + j) * NL) = lanes_at(xt + j, ni);
 #ifdef LANE_ROWS
     if (hp) {
@@ -821,16 +847,16 @@ static void rnn_lanes(const chain_src *S, long T, long B, long b0, long k, int r
 }
 #endif
 
-/* The rows of position s's step for lanes b0 .. b0 + NL - 1 (row r at the result + r * *ld), at least `rows`
+/* The rows of position s's step for lanes b0 .. b0 + nw - 1 (row r at the result + r * *ld), at least `rows`
  * of them (H or NR): the GRU's in f; the RNN's built into tile (which holds step *k, all rows if *full). */
-static inline const real *step_rows(const chain_src *S, long n, long B, long b0, long s, int rows, real *tile,
-                                    long *k, int *full, long *ld) {
+static inline const real *step_rows(const chain_src *S, long n, long B, long b0, int nw, long s, int rows,
+                                    real *tile, long *k, int *full, long *ld) {
     const int ni = (int)S->ni;
 #if KIND < 2
     if (S->h) {
         long ks = fstep(s);
         if (ks != *k || (rows > H && !*full)) {
-            rnn_lanes(S, KIND == 1 ? n / 2 : n, B, b0, ks, rows, ks == *k + 1 && *full, tile);
+            rnn_lanes(S, KIND == 1 ? n / 2 : n, B, b0, nw, ks, rows, ks == *k + 1 && *full, tile);
             *k = ks;
             *full = rows > H;
         }
@@ -838,9 +864,17 @@ static inline const real *step_rows(const chain_src *S, long n, long B, long b0,
         return tile;
     }
 #endif
-    (void)n, (void)rows, (void)tile, (void)k, (void)full;
+    (void)n, (void)rows, (void)full;
+    const real *f = S->f + fstep(s) * (long)NR * B + b0;
     *ld = B;
-    return S->f + fstep(s) * (long)NR * B + b0;
+    if (nw == NL) return f;
+    /* a slice narrower than the build: the step's rows into the tile, zeros in the spare lanes */
+    if (fstep(s) != *k) {
+        for (int r = 0; r < NR; ++r) padded(tile + r * NL, f + r * B, nw, NL);
+        *k = fstep(s);
+    }
+    *ld = NL;
+    return tile;
 }
 /* In an entry point: the tile, and the rows of position s. */
 #define TILE                                                                                             \
@@ -848,7 +882,7 @@ static inline const real *step_rows(const chain_src *S, long n, long B, long b0,
     real tile[NR * NL] __attribute__((aligned(64)));                                                     \
     long tk = -1, ld;                                                                                    \
     int tfull = 0
-#define ROWS(s, rows) step_rows(S, n, B, b0, (s), (rows), tile, &tk, &tfull, &ld)
+#define ROWS(s, rows) step_rows(S, n, B, b0, nw, (s), (rows), tile, &tk, &tfull, &ld)
 
 /* The blocks of level c (0 where the tree has no levels); block j holds J_lo .. J_hi. */
 long chain_blocks(long n, int L, int c) { return L == 0 ? 0 : n >> (c < L ? c : L); }
@@ -859,7 +893,7 @@ static void block_range(long j, long n, int c, long *lo, long *hi) {
     *hi = *lo + size - 1 < n - 1 ? *lo + size - 1 : n - 1;
 }
 
-/* The scan runs in three phases over one lane slice b0 .. b0 + LANES - 1 of the batch; the first and
+/* The scan runs in three phases over one lane slice b0 .. b0 + nw - 1 of the batch; the first and
  * the last split into independent ranges of blocks [j0, j1) (the team's units), the middle is serial.
  * work (chain_scan_work reals) holds the blocks' products A, their prefixes Q and the tree's scratch. */
 
@@ -867,7 +901,7 @@ static void block_range(long j, long n, int c, long *lo, long *hi) {
  * A[(j - j0) * MAT] (and the affine offsets into Bo[(j - j0) * VEC]).  The last block's product is never read
  * (an exclusive scan needs no total: the tree's prefixes reach only the blocks before it), so it is not
  * computed. */
-void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int L, int c, long j0, long j1,
+void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int nw, int L, int c, long j0, long j1,
               real *A, real *Bo, long *beat) {
     if (c > L) c = L;
     TILE;
@@ -888,11 +922,11 @@ void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int L
         if (S->c) { /* the block's offset: its positions replayed from 0 with the direct gradients injected */
             real vu[2][H * NL] __attribute__((aligned(64))), *v = vu[0], *u = vu[1], *t;
             memset(v, 0, sizeof(real) * VEC);
-            add_direct(S, B, b0, lo, v);
+            add_direct(S, B, b0, nw, lo, v);
             for (long s = lo + 1; s <= hi; ++s) {
                 fs = ROWS(s, H);
                 jac_vec(Wt, wc, s, fs, ld, v, u);
-                add_direct(S, B, b0, s, u);
+                add_direct(S, B, b0, nw, s, u);
                 t = v, v = u, u = t;
                 beat_once(beat);
             }
@@ -901,12 +935,12 @@ void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int L
     }
 }
 
-/* The map of positions s0 .. s1 - 1 (s0 < s1 <= n) for lanes b0 .. b0 + NL - 1, whole: M = J_{s1-1} ... J_{s0}
+/* The map of positions s0 .. s1 - 1 (s0 < s1 <= n) for lanes b0 .. b0 + nw - 1, whole: M = J_{s1-1} ... J_{s0}
  * ([H][H][NL], accumulated in cache from the factors as chain_up's blocks are) and, where c is given, its offset q
  * ([H][NL]: the positions replayed from 0 with the direct gradients injected), so that the (affine) recurrence
  * takes out[s0] to out[s1] = M out[s0] + q.  One thread; the middle ranks' up-sweep of bppsa.nn.split. */
 void chain_product(const real *Wt, const real *f, const real *h, const real *x, const real *c, long nx, long n,
-                   long B, long b0, long s0, long s1, real *M, real *q) {
+                   long B, long b0, int nw, long s0, long s1, real *M, real *q) {
     chain_src src = {f, h, x, c, nx}, *S = &src;
     TILE;
     WCOLS(wc);
@@ -919,11 +953,11 @@ void chain_product(const real *Wt, const real *f, const real *h, const real *x, 
     if (c) {
         real vu[2][H * NL] __attribute__((aligned(64))), *v = vu[0], *u = vu[1], *t;
         memset(v, 0, sizeof(real) * VEC);
-        add_direct(S, B, b0, s0, v);
+        add_direct(S, B, b0, nw, s0, v);
         for (long s = s0 + 1; s < s1; ++s) {
             fs = ROWS(s, H);
             jac_vec(Wt, wc, s, fs, ld, v, u);
-            add_direct(S, B, b0, s, u);
+            add_direct(S, B, b0, nw, s, u);
             t = v, v = u, u = t;
         }
         memcpy(q, v, sizeof(real) * VEC);
@@ -935,7 +969,7 @@ void chain_product(const real *Wt, const real *f, const real *h, const real *x, 
  * the tree's scratch (chain_scan_work's layout puts them after Bo).  Without blocks the spine is the whole
  * (sequential) scan. */
 void chain_tree(const real *Wt, const chain_src *S, const real *g, real *out, int mode, long n, long B, long b0,
-                int L, int c, const real *A, const real *Bo, real *Q, real *twork, real *acc, long *beat) {
+                int nw, int L, int c, const real *A, const real *Bo, real *Q, real *twork, real *acc, long *beat) {
     if (n <= 0) return;
     if (c > L) c = L;
     TILE;
@@ -943,19 +977,19 @@ void chain_tree(const real *Wt, const chain_src *S, const real *g, real *out, in
     WCOLS(wc);
     real vu[2][H * NL] __attribute__((aligned(64))), *v = vu[0], *u = vu[1], *t;
     for (int i = 0; i < H; ++i)
-        for (int b = 0; b < NL; ++b) v[i * NL + b] = g[(b0 + b) * H + i];
+        for (int b = 0; b < NL; ++b) v[i * NL + b] = b < nw ? g[(b0 + b) * H + i] : 0;
     long nc = chain_blocks(n, L, c), spine_end = nc ? (1L << c) - 1 : n - 1;
     for (long s = 0; s < spine_end; ++s) {
         const real *fs = ROWS(s, NR);
-        take(out, mode, &gp, acc, B, b0, s, v, fs, ld, NL, ALL);
+        take(out, mode, &gp, acc, B, b0, s, v, fs, ld, nw, ALL);
         jac_vec(Wt, wc, s, fs, ld, v, u);
-        if (S->c) add_direct(S, B, b0, s, u);
+        if (S->c) add_direct(S, B, b0, nw, s, u);
         t = v, v = u, u = t; /* the next position's prefix: the buffers swap, nothing copied */
         beat_once(beat);
     }
     if (nc == 0) {
         const real *fs = ROWS(n - 1, NR);
-        take(out, mode, &gp, acc, B, b0, n - 1, v, fs, ld, NL, ALL);
+        take(out, mode, &gp, acc, B, b0, n - 1, v, fs, ld, nw, ALL);
     }
     grp_flush(&gp, acc);
     if (nc == 0) return;
@@ -965,8 +999,8 @@ void chain_tree(const real *Wt, const chain_src *S, const real *g, real *out, in
 }
 
 /* Down: each block j0 .. j1 - 1 from its prefix, by the factored mat-vecs out[s+1] = J_s out[s]. */
-void chain_down(const real *Wt, const chain_src *S, real *out, int mode, long n, long B, long b0, int L, int c,
-                long j0, long j1, const real *work, real *acc, long *beat) {
+void chain_down(const real *Wt, const chain_src *S, real *out, int mode, long n, long B, long b0, int nw, int L,
+                int c, long j0, long j1, const real *work, real *acc, long *beat) {
     if (c > L) c = L;
     TILE;
     const real *Q = work + chain_blocks(n, L, c) * MAT;
@@ -980,14 +1014,14 @@ void chain_down(const real *Wt, const chain_src *S, real *out, int mode, long n,
         memcpy(v, Q + j * VEC, sizeof(real) * VEC);
         for (long s = lo; s < hi; ++s) {
             const real *fs = ROWS(s, NR);
-            take(out, mode, &gp, acc, B, b0, s, v, fs, ld, NL, ALL);
+            take(out, mode, &gp, acc, B, b0, s, v, fs, ld, nw, ALL);
             jac_vec(Wt, wc, s, fs, ld, v, u);
-            if (S->c) add_direct(S, B, b0, s, u);
+            if (S->c) add_direct(S, B, b0, nw, s, u);
             t = v, v = u, u = t;
             beat_once(beat);
         }
         const real *fs = ROWS(hi, NR);
-        take(out, mode, &gp, acc, B, b0, hi, v, fs, ld, NL, ALL);
+        take(out, mode, &gp, acc, B, b0, hi, v, fs, ld, nw, ALL);
     }
     grp_flush(&gp, acc);
 }
@@ -1325,7 +1359,7 @@ typedef struct {
 typedef struct {
     const team_call *call;
     real *work, *acc, *wacc;
-    long n, B, b0, acc_size, wacc_size;
+    long n, B, b0, nw, acc_size, wacc_size; /* nw: the slice's lanes (elements b0 .. b0 + nw - 1) */
     int L, c, mode;
 } slice_args;
 
@@ -1338,7 +1372,7 @@ void team_up(const void *args, long j0, long j1, long part, real *priv, long *be
     (void)part;
     long nc = nblocks(a);
     real *A = priv ? priv : a->work + j0 * MAT, *Bo = priv ? priv + (j1 - j0) * MAT : a->work + nc * (MAT + VEC) + j0 * VEC;
-    chain_up(a->call->Wt, &a->call->S, a->n, a->B, a->b0, a->L, a->c, j0, j1, A, Bo, beat);
+    chain_up(a->call->Wt, &a->call->S, a->n, a->B, a->b0, (int)a->nw, a->L, a->c, j0, j1, A, Bo, beat);
 }
 
 void team_up_pub(const void *args, long j0, long j1, long part, const real *priv) {
@@ -1380,8 +1414,8 @@ void team_mid(const void *args, long j0, long j1, long part, real *priv, long *b
         if (a->mode && a->acc_size) memset(a->acc, 0, sizeof(real) * a->acc_size);
         if (a->mode && a->wacc_size) memset(a->wacc, 0, sizeof(real) * a->wacc_size);
     }
-    chain_tree(a->call->Wt, &a->call->S, a->call->g, a->call->out, a->mode, a->n, a->B, a->b0, a->L, a->c, A, Bo, Q,
-               tw, acc, beat);
+    chain_tree(a->call->Wt, &a->call->S, a->call->g, a->call->out, a->mode, a->n, a->B, a->b0, (int)a->nw, a->L, a->c,
+               A, Bo, Q, tw, acc, beat);
 }
 
 void team_mid_pub(const void *args, long j0, long j1, long part, const real *priv) {
@@ -1409,8 +1443,8 @@ static void down_run(const slice_args *a, long j0, long j1, real *sums, real *pr
         chain_down_lanes(a->call->Wt, &a->call->S, a->call->out, a->mode, a->n, a->B, a->b0, a->L, a->c, j0, j1,
                          a->work, acc, beat);
     else
-        chain_down(a->call->Wt, &a->call->S, a->call->out, a->mode, a->n, a->B, a->b0, a->L, a->c, j0, j1, a->work,
-                   acc, beat);
+        chain_down(a->call->Wt, &a->call->S, a->call->out, a->mode, a->n, a->B, a->b0, (int)a->nw, a->L, a->c, j0, j1,
+                   a->work, acc, beat);
 }
 
 void team_down(const void *args, long j0, long j1, long part, real *priv, long *beat) {

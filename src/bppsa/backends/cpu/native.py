@@ -41,9 +41,9 @@ import torch
 
 from ...process import cache_root
 
-__all__ = ["available", "unavailable_reason", "library", "build", "Team", "Fill", "GruFill", "LstmFill", "KINDS",
-           "ACTS", "ISAS", "SOURCES", "target", "lane_width", "rnn_factors", "reset", "isa", "build_key", "hidden",
-           "sums_shape"]
+__all__ = ["available", "builds", "unavailable_reason", "library", "any_library", "build", "build_lanes", "Team",
+           "Fill", "GruFill", "LstmFill", "KINDS", "ACTS", "ISAS", "SOURCES", "target", "lane_width", "rnn_factors",
+           "reset", "isa", "build_key", "hidden", "sums_shape"]
 
 _REAL = {torch.float32: "float", torch.float64: "double"}
 # The chains the kernel runs (chain_scan.c's KIND): the RNN's fused and paper layouts, the GRU, the LSTM (no
@@ -174,6 +174,7 @@ def target() -> dict | None:
 
 
 _errors: dict = {}
+_any: dict = {}  # (kind, H, dtype, act) -> the first build of that key loaded in this process (any_library)
 _loaded: list = []  # other modules' caches of loaded builds (forward.py's), forgotten by reset() too
 
 
@@ -182,6 +183,7 @@ def reset() -> None:
     for f in (_which, _target, library, unavailable_reason, *_loaded):
         f.cache_clear()
     _errors.clear()
+    _any.clear()
 
 
 @functools.cache
@@ -193,10 +195,32 @@ def library(kind: str, H: int, lanes: int, dtype: torch.dtype, act: str = "tanh"
     if kind == "lstm" and H % 2:
         raise ValueError(f"the LSTM's state [h; c] has an even size, not {H}")
     try:
-        return _build(KINDS[kind], H, lanes, dtype, ACTS[act] if kind in ("rnn", "paper") else 0)
+        lib = _build(KINDS[kind], H, lanes, dtype, ACTS[act] if kind in ("rnn", "paper") else 0)
     except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, compiler killed, bad .so ...
         _errors["cc"] = f"{type(e).__name__}: {e}"
         return None
+    if lib is not None:
+        _any.setdefault((kind, H, dtype, act), lib)
+    return lib
+
+
+def any_library(kind: str, H: int, dtype: torch.dtype, act: str = "tanh") -> ctypes.CDLL | None:
+    """A build of ``kind``, H, ``dtype`` and ``act`` for what every lane count's build holds alike (the factor
+    builders, whose vectors are one register wide whatever ``LANES`` is): the first one this process loaded, else
+    the one of :func:`lane_width` lanes -- so a gate pass costs no build of its own beside its scan's."""
+    return _any.get((kind, H, dtype, act)) or library(kind, H, lane_width(kind, dtype), dtype, act)
+
+
+def build_lanes(groups: list[list[tuple[int, int]]]) -> int:
+    """The lanes of the one build that runs every lane slice of ``groups`` (lists of ``(b0, lanes)``): the power of
+    two the widest slice fills or is narrower than; narrower slices run on it with spare lanes."""
+    return 1 << (max(w for gr in groups for _, w in gr) - 1).bit_length()
+
+
+def builds(dtype: torch.dtype) -> bool:
+    """Whether the kernel is at hand here (:func:`available`) and takes ``dtype``; what it is built for is built at
+    first use, not asked for here."""
+    return dtype in _REAL and available()
 
 
 def _digest(path: Path) -> str:
@@ -284,7 +308,7 @@ def _build(kind: int, H: int, lanes: int, dtype: torch.dtype, act: int = 0) -> c
                else {"rnn_factors": [p, p, l, l, l, l, l, p]})
     for name, args in {"team_go": [p], "team_drain": [p], "team_scratch": [l, i, i, l],
                        "chain_scan_work": [l, i, i], "chain_blocks": [l, i, i], "fma_chain": [l],
-                       "chain_product": [p, p, p, p, p, l, l, l, l, l, l, p, p], **factors}.items():
+                       "chain_product": [p, p, p, p, p, l, l, l, l, i, l, l, p, p], **factors}.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, {"chain_scan_work": l, "chain_blocks": l, "team_go": i,
                                        "team_scratch": l, "team_drain": None, "chain_product": None,
@@ -295,12 +319,12 @@ def _build(kind: int, H: int, lanes: int, dtype: torch.dtype, act: int = 0) -> c
 @functools.cache
 def unavailable_reason() -> str | None:
     """None when the kernel builds here and agrees with the reference scan on a small case, else why not."""
-    if library("rnn", 3, 2, torch.float64) is None:
+    n, B, H, L = 11, 2, 3, 4
+    if library("rnn", H, build_lanes([[(0, B)]]), torch.float64) is None:
         return _errors.get("cc", "the kernel could not be built")
     from ... import scan as _scan
 
     gen = torch.Generator().manual_seed(0)
-    n, B, H, L = 11, 2, 3, 4
     W = torch.randn(H, H, generator=gen, dtype=torch.float64)
     h = torch.rand(n, B, H, generator=gen, dtype=torch.float64)  # states, time order: step k reads h[n - 1 - k]
     g = torch.randn(B, H, generator=gen, dtype=torch.float64)
@@ -328,7 +352,7 @@ def rnn_factors(h: torch.Tensor, x: torch.Tensor, out: torch.Tensor, k0: int, k1
     (scan order, lane order; steps k0 .. k1 - 1) from ``h`` [T, B, H] and ``x`` [T, B, I], all contiguous: what
     the kernel reads from ``h`` and ``x`` itself, written for other readers."""
     T, B, H = h.shape
-    library("rnn", H, 1, h.dtype, act).rnn_factors(h.data_ptr(), x.data_ptr(), T, B, x.shape[2], k0, k1,
+    any_library("rnn", H, h.dtype, act).rnn_factors(h.data_ptr(), x.data_ptr(), T, B, x.shape[2], k0, k1,
                                                    out.data_ptr())
 
 
@@ -341,7 +365,7 @@ class _Call(ctypes.Structure):
 
 
 class _SliceArgs(ctypes.Structure):
-    _fields_ = [("call", _p), ("work", _p), ("acc", _p), ("wacc", _p), ("n", _l), ("B", _l), ("b0", _l),
+    _fields_ = [("call", _p), ("work", _p), ("acc", _p), ("wacc", _p), ("n", _l), ("B", _l), ("b0", _l), ("nw", _l),
                 ("acc_size", _l), ("wacc_size", _l), ("L", _i), ("c", _i), ("mode", _i)]
 
 
@@ -418,10 +442,20 @@ class Fill:
     def _args(self) -> ctypes.Structure:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def units(self, u: _Units, threads: int) -> None:
+    @property
+    def lib(self) -> ctypes.CDLL:
+        """A build with the gate pass, where it is called outside a team's scan."""
+        lib = any_library(*self.key)
+        if lib is None:
+            raise RuntimeError(f"the compiled CPU kernel ({self.key[0]}, state {self.key[1]}) could not be built: "
+                               f"{_errors.get('cc', 'no reason recorded')}")
+        return lib
+
+    def units(self, u: _Units, threads: int, lib: ctypes.CDLL) -> None:
+        """The gate pass as units of steps for ``threads``, run by the team of the build ``lib``."""
         T = self.out.shape[0]
         self.args = self._args()
-        self.st = _units(u, self.lib, "team_fill", self.args, 0, T, _ceil(T, 4 * threads))
+        self.st = _units(u, lib, "team_fill", self.args, 0, T, _ceil(T, 4 * threads))
 
 
 class GruFill(Fill):
@@ -431,7 +465,7 @@ class GruFill(Fill):
         self.x, self.h, self.out = x, h, out
         self.w = [t.detach().contiguous() for t in (cell.weight_ih_l0, cell.weight_hh_l0, cell.bias_ih_l0,
                                                     cell.bias_hh_l0)]
-        self.lib = library("gru", h.shape[2], 1, h.dtype)
+        self.key = ("gru", h.shape[2], h.dtype)
 
     def __call__(self, k0: int, k1: int) -> None:
         T, B, _ = self.h.shape
@@ -453,7 +487,7 @@ class LstmFill(Fill):
         self.x, self.h, self.c, self.h0, self.c0, self.out = x, h, c, h0, c0, out
         zero = h.new_zeros(4 * H)
         self.w = [zero if t is None else t.detach().contiguous() for t in weights]
-        self.lib = library("lstm", 2 * H, 1, h.dtype)
+        self.key = ("lstm", 2 * H, h.dtype)
 
     def _ptrs(self):
         return ([t.data_ptr() for t in (self.x, self.h, self.c, *self.w)]
@@ -494,21 +528,22 @@ class Team:
         owned = [(o if by_slice else 0, b0, w) for o, gr in enumerate(groups) for b0, w in gr]
         self.sl = (_Slice * len(owned))()
         self.keep, accs, scratch = [], [], 0
+        nl = build_lanes(groups)  # one build runs every slice, narrower ones with spare lanes
+        self.lib = lib = library(kind, H, nl, dtype, act)
         for e, (owner, b0, w) in zip(self.sl, owned):
-            lib = library(kind, H, w, dtype, act)
             blocks = int(lib.chain_blocks(n, L, fused))
-            wide = library(kind, H, vl, dtype, act) if w == 1 and blocks > 1 and not affine else None
+            wide = library(kind, H, vl, dtype, act) if nl == 1 and blocks > 1 and not affine else None
             size = 1 << min(fused, L)  # blocks hold `size` Jacobians; the last one may be clipped at J_{n-1}
             full = blocks - (blocks > 0 and n - (blocks * size - 1) < size) if wide is not None else 0
             p = parts
             work = torch.empty(int(lib.chain_scan_work(n, L, fused)), dtype=dtype)
-            acc = torch.zeros((p, na, nbv, w), dtype=dtype) if mode else None
+            acc = torch.zeros((p, na, nbv, nl), dtype=dtype) if mode else None
             wacc = torch.zeros((p, na, nbv, vl), dtype=dtype) if mode and wide is not None else None
             a = _SliceArgs(ctypes.addressof(self.call), work.data_ptr(), *(0 if t_ is None else t_.data_ptr()
                                                                             for t_ in (acc, wacc)),
-                           n, B, b0, *(0 if t_ is None else t_.numel() for t_ in (acc, wacc)), L, fused, mode)
+                           n, B, b0, w, *(0 if t_ is None else t_.numel() for t_ in (acc, wacc)), L, fused, mode)
             self.keep += [a, work, acc, wacc]
-            accs += [(t_, p, ln) for t_, ln in ((acc, w), (wacc, vl)) if t_ is not None]
+            accs += [(t_, p, ln) for t_, ln in ((acc, nl), (wacc, vl)) if t_ is not None]
             # up: a block per unit (the wide kernel's: VL blocks); the last block's product is never computed.
             # Every unit but those that write the scan's output (mode 0) runs into a thread's scratch.
             pub = (lambda name: name + "_pub") if mode else (lambda name: None)
@@ -533,7 +568,6 @@ class Team:
         t.scratch, t.scratch_size, t.beat = self.scratch.data_ptr(), self.scratch_size, self.beat.data_ptr()
         t.stall_ns = stall_ns(kind, H, vl)
         self.live = None  # the last call's operands: a thread held up in it may still read them
-        self.lib = library(kind, H, owned[0][2], dtype, act)
         self.acc = (_Acc * max(1, len(accs)))(*[(a_.data_ptr(), p, ln) for a_, p, ln in accs])
         t.acc, t.nacc = ctypes.addressof(self.acc), len(accs)
         hc = hidden(kind, H)
@@ -570,7 +604,7 @@ class Team:
             c.f, c.h, c.x = None, src[0].data_ptr(), src[1].data_ptr()
         c.out = None if out is None else out.data_ptr()
         if fill is not None:
-            fill.units(t.pre, t.nthreads)
+            fill.units(t.pre, t.nthreads, self.lib)
         else:
             t.pre.n = 0
         grads = [torch.empty(shape, dtype=dtype) for shape in self.layout]

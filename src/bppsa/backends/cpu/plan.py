@@ -95,18 +95,14 @@ def fused_levels(n: int) -> int:
 
 
 def lane_slices(B: int, p: int, max_lanes: int) -> list[list[tuple[int, int]]]:
-    """Split the batch into slices ``(b0, lanes)`` of power-of-two widths (at most ``max_lanes``, at
-    most ~B/p so that p threads get work), grouped into at most p lists of about equal lanes."""
+    """Split the batch into slices ``(b0, lanes)`` of one power-of-two width, the last one narrower where the width
+    does not divide B (the kernel built for the width runs it with spare lanes: one build serves every slice),
+    grouped into at most p lists of about equal lanes.  The width is the least that gives each of the p threads
+    one slice (a vector operation costs the same however many of its lanes are used), at most ``max_lanes``."""
     cap = 1
-    while cap * 2 <= min(max_lanes, -(-B // p)):
+    while cap < min(max_lanes, -(-B // p)):
         cap *= 2
-    slices, b0 = [], 0
-    while b0 < B:
-        w = cap
-        while w > B - b0:
-            w //= 2
-        slices.append((b0, w))
-        b0 += w
+    slices = [(b0, min(cap, B - b0)) for b0 in range(0, B, cap)]
     groups: list[list[tuple[int, int]]] = [[] for _ in range(min(p, len(slices)))]
     for s in sorted(slices, key=lambda s: -s[1]):  # largest first, each to the least loaded thread
         min(groups, key=lambda gr: sum(w for _, w in gr)).append(s)
@@ -296,7 +292,7 @@ def _team(chain, L: int, plan: Plan, grads: bool, affine: bool = False):
     n, B, H, _ = chain.shape
     groups = plan.groups(B)
     act = getattr(chain, "act", "tanh")
-    if any(native.library(chain.kind, H, w, chain.dtype, act) is None for gr in groups for _, w in gr):
+    if native.library(chain.kind, H, native.build_lanes(groups), chain.dtype, act) is None:
         return None
     return native.Team(chain.kind, n, B, H, chain.I, chain.dtype, L, groups, plan.by_slice, plan.threads,
                        plan.parts, int(grads), chain.grad_layout() if grads else None, fused=plan.fused,
