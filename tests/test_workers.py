@@ -138,6 +138,9 @@ def test_worker_verdicts():
     assert claims.workers_memory_verdict(0.26, 4)[0] == "holds"
     assert claims.workers_memory_verdict(0.8, 4)[0] == "partly"
     assert claims.workers_memory_verdict(1.1, 2)[0] == "not reproduced"
+    # a shape whose peak did not grow at p = 1 (the .test workflow's): nothing to compare, and said so
+    v, reason = claims.workers_memory_verdict(float("nan"), 2, 0.0)
+    assert v == "not measurable here" and "did not grow" in reason
 
 
 def test_the_figure_draws_from_the_csvs(tmp_path):
