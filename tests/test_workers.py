@@ -135,12 +135,13 @@ def test_worker_verdicts():
     assert claims.workers_step_verdict(1.5, 2.5, 2)[0] == "partly"
     assert claims.workers_step_verdict(0.5, 0.8, 4)[0] == "not reproduced"
     assert claims.workers_step_verdict(math.nan, math.nan, 4)[0] == "not measurable here"
-    assert claims.workers_memory_verdict(0.26, 4)[0] == "holds"
-    assert claims.workers_memory_verdict(0.8, 4)[0] == "partly"
-    assert claims.workers_memory_verdict(1.1, 2)[0] == "not reproduced"
+    assert claims.workers_memory_verdict(0.26, 1.0, 4)[0] == "holds"
+    assert claims.workers_memory_verdict(0.8, 1.0, 4)[0] == "partly"
+    assert claims.workers_memory_verdict(1.1, 1.0, 2)[0] == "not reproduced"
     # a shape whose peak did not grow at p = 1 (the .test workflow's): nothing to compare, and said so
-    v, reason = claims.workers_memory_verdict(float("nan"), 2, 0.0)
+    v, reason = claims.workers_memory_verdict(0.0, 0.0, 2)
     assert v == "not measurable here" and "did not grow" in reason
+    assert "clear_refs" in claims.workers_memory_verdict(math.nan, math.nan, 2)[1]  # not measured at all
 
 
 def test_the_figure_draws_from_the_csvs(tmp_path):

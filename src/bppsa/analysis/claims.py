@@ -738,12 +738,12 @@ def worker_claims(results: Path) -> list[Claim]:
             if (1, "bppsa") in peak.index and (P, "bppsa") in peak.index:
                 b1, bP = peak[(1, "bppsa")], peak[(P, "bppsa")]
                 pl = peak.get((P, "pipeline"), math.nan)
-                share = bP / b1 if b1 > 0 else math.nan  # (a peak that did not grow at p = 1: nothing to divide by)
+                share = bP / b1 if b1 > 0 else math.nan
                 measured = (f"peak per rank, BPPSA p = {P} / p = 1: {share:.2f} ({bP / 2**20:.3g} / {b1 / 2**20:.3g} "
                             f"MiB); the pipeline at p = {P}: {pl / 2**20:.3g} MiB")
                 out.append(Claim(f"BPPSA keeps O(n/p) per worker, the pipeline O(n/p + p) ({where})",
                                  "O(n/p) Jacobians per worker vs O(n/p + p) activations", "analysis (Sec 3.6)",
-                                 measured, label, *workers_memory_verdict(share, P, b1)))
+                                 measured, label, *workers_memory_verdict(bP, b1, P)))
     return out
 
 
@@ -834,12 +834,13 @@ def workers_step_verdict(lo: float, hi: float, P: int) -> tuple[str, str]:
     return "partly", f"the interval contains 1{small}"
 
 
-def workers_memory_verdict(ratio: float, P: int, b1: float = math.nan) -> tuple[str, str]:
-    """BPPSA's peak memory per rank at p = P over p = 1 (``b1``: the bytes at p = 1): O(n/p) means about 1/P."""
-    if b1 == 0:
-        return "not measurable here", "the peak per rank did not grow at p = 1: a shape too small to compare"
-    if not np.isfinite(ratio):
+def workers_memory_verdict(bP: float, b1: float, P: int) -> tuple[str, str]:
+    """BPPSA's peak memory per rank at p = P (``bP`` bytes) over p = 1's (``b1``): O(n/p) means about 1/P."""
+    if not (np.isfinite(bP) and np.isfinite(b1)):
         return "not measurable here", "no peak memory measured (needs Linux's /proc/self/clear_refs)"
+    if b1 <= 0:
+        return "not measurable here", "the peak per rank did not grow at p = 1: a shape too small to compare"
+    ratio = bP / b1
     small = ("; with p ≤ 2, n/p and n/p + p cannot be told apart: this shows the memory per rank falling with p, "
              "not its shape" if P <= 2 else "")
     if ratio <= 1.2 / P:
