@@ -15,6 +15,9 @@ from bppsa.cli import main
 from bppsa.data import irmas
 
 ROOT = Path(__file__).resolve().parents[1]
+# one worker for the file: the corpus fixture is built once, and librosa's numba kernels (compiled at its first
+# use in a fresh venv, ~13 s on two cores) once
+pytestmark = pytest.mark.xdist_group("test_irmas")
 NAME = re.compile(r"^\[(\w{3})\](\[(dru|nod)\])?\[(cou_fol|cla|pop_roc|lat_sou|jaz_blu)\]\d{4}__[123]\.wav$")
 
 
