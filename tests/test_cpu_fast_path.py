@@ -481,6 +481,33 @@ def test_worker_threads_follow_the_subnormal_mode():
         torch.set_flush_denormal(False)
 
 
+@pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
+def test_the_compiled_scan_flushes_its_subnormal_results_and_gives_the_callers_mode_back():
+    """A compiled scan (team_go) and chain product run with subnormal results flushed to zero whatever the caller's
+    mode (chain_scan.c's fp_enter: the long products underflow, and x86 takes subnormal results ~100x slower), and
+    leave the caller's mode as it was: an fp32 chain whose prefixes fall below the normal range gives 0 where the
+    twin, not flushing, keeps subnormals, and the normal prefixes within the fp32 bound."""
+    g, chain, dense, _, _ = _factored("rnn", 60, 3, 6, 5, torch.float32, scale=0.05)
+    ref = scan.linear_scan(g.double(), dense.double())
+    tiny = ref.abs() < 1e-39  # far below fp32's normal range (1.18e-38): fp32 arithmetic gives a subnormal or 0
+    normal = ref.abs() > 1e-30
+    try:
+        torch.set_flush_denormal(False)
+        twin = scan.linear_scan(g, dense)
+        assert tiny.any() and (twin[tiny] != 0).any()  # the case reaches the subnormal range the twin keeps
+        for flag in (False, True, False):
+            torch.set_flush_denormal(flag)
+            for L_m in (None, 0):
+                got = cpu.cpu_scan(g, chain, L_m)
+                assert pool.flushing() is flag, L_m  # the caller's mode, given back
+                assert torch.equal(got[tiny], torch.zeros_like(got[tiny])), L_m
+                assert _rel(got[normal].double(), ref[normal]) <= 1e-4, L_m
+            assert cpu.CpuBackend().chain_product(chain) is not None  # the kernel's product, not a fallback
+            assert pool.flushing() is flag
+    finally:
+        torch.set_flush_denormal(False)
+
+
 def test_numpy_blas_is_made_single_threaded():
     threadpoolctl = pytest.importorskip("threadpoolctl")
     cpu.cpu_scan(*_chain(9, 2, 3, 0))

@@ -21,7 +21,8 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="adhoc", help="configuration profile recorded with the results")
     p.add_argument("--keep-denormals", dest="flush_denormal", action="store_false",
                    help="do not flush subnormal floats to zero on CPU (flushing is the default: long Jacobian "
-                        "products underflow, and x86 handles subnormals up to ~100x slower, for both methods)")
+                        "products underflow, and x86 handles subnormals up to ~100x slower, for both methods; the "
+                        "compiled CPU scan flushes its own results in either mode)")
 
 
 def setup(args) -> torch.device:

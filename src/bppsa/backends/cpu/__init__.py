@@ -17,8 +17,9 @@ stacked numpy products over the threads.  :func:`cpu_scan` takes either kind of 
 factored chain through the same kernel, the batch split over the threads -- back-propagation built with
 the care BPPSA gets, against which its speedups should be read.
 
-Threads: ``torch.get_num_threads()`` (set by ``--threads``), in the calling thread's subnormal mode
-(:mod:`.pool`).
+Threads: ``torch.get_num_threads()`` (set by ``--threads``); the numpy paths in the calling thread's subnormal
+mode (:mod:`.pool`), the compiled scan with its subnormal results flushed whatever that mode (chain_scan.c's
+``fp_enter``: its long products underflow), the caller's mode given back.
 """
 from __future__ import annotations
 

@@ -935,6 +935,54 @@ void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int n
     }
 }
 
+/* -- the floating-point mode of a call ----------------------------------------------------------------
+ * A scan call (team_go, chain_product) runs with subnormal results flushed to zero (x86's MXCSR.FTZ; AArch64's
+ * FPCR.FZ, which reads subnormal inputs as zero too), whatever the caller's mode, and gives the caller's mode back
+ * on return.  Its long products of Jacobians underflow, and x86 takes a subnormal result up to ~100x slower: in
+ * the caller's mode a training step's backward took 2.8x (RNN), 3.3x (GRU) and 4.7x (LSTM) as long at T = 1000,
+ * B = 16, H = 20 (docs/measurements.md).  A result below the normal range becomes 0, an absolute change of at most
+ * 1.2e-38 (fp32) or 2.3e-308 (fp64); every thread of the call runs in the same mode, so a unit gives the same bits
+ * on any thread. */
+#if defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+#define FP_FLUSH_X86 0x8000u      /* MXCSR.FTZ */
+#define FP_FLUSH_ARM (1u << 24)   /* FPCR.FZ */
+
+static inline unsigned fp_get(void) {
+#if defined(__SSE__) || defined(__x86_64__)
+    return _mm_getcsr();
+#elif defined(__aarch64__)
+    return (unsigned)__builtin_aarch64_get_fpcr();
+#else
+    return 0;
+#endif
+}
+
+static inline void fp_set(unsigned m) {
+#if defined(__SSE__) || defined(__x86_64__)
+    _mm_setcsr(m);
+#elif defined(__aarch64__)
+    __builtin_aarch64_set_fpcr(m);
+#else
+    (void)m;
+#endif
+}
+
+/* The call's mode (the caller's, subnormal results flushed), set on this thread; returns the caller's. */
+static inline unsigned fp_enter(unsigned *call) {
+    unsigned caller = fp_get();
+#if defined(__SSE__) || defined(__x86_64__)
+    *call = caller | FP_FLUSH_X86;
+#elif defined(__aarch64__)
+    *call = caller | FP_FLUSH_ARM;
+#else
+    *call = caller;
+#endif
+    fp_set(*call);
+    return caller;
+}
+
 /* The map of positions s0 .. s1 - 1 (s0 < s1 <= n) for lanes b0 .. b0 + nw - 1, whole: M = J_{s1-1} ... J_{s0}
  * ([H][H][NL], accumulated in cache from the factors as chain_up's blocks are) and, where c is given, its offset q
  * ([H][NL]: the positions replayed from 0 with the direct gradients injected), so that the (affine) recurrence
@@ -942,6 +990,7 @@ void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int n
 void chain_product(const real *Wt, const real *f, const real *h, const real *x, const real *c, long nx, long n,
                    long B, long b0, int nw, long s0, long s1, real *M, real *q) {
     chain_src src = {f, h, x, c, nx}, *S = &src;
+    unsigned mode, caller = fp_enter(&mode);
     TILE;
     WCOLS(wc);
     const real *fs = ROWS(s1 - 1, H);
@@ -962,6 +1011,7 @@ void chain_product(const real *Wt, const real *f, const real *h, const real *x, 
         }
         memcpy(q, v, sizeof(real) * VEC);
     }
+    fp_set(caller);
 }
 
 /* Middle: positions 0 .. 2^c - 1 (g, then the spine's mat-vecs) and the tree above level c over the blocks'
@@ -1325,8 +1375,8 @@ void lstm_factors(const real *x, const real *h, const real *c, const real *Wi, c
  * down phase and middle, mode 0; the GRU's gate pass) are not run twice: their waiters spin, then park.
  * Which thread runs a unit, and how often, changes no result: each runs in the same order on any thread, and a
  * published result is a run's whole result.  The calling thread leads (team_go): it wakes the pool's threads,
- * takes its share, waits for every slice and adds the sums into the parameter gradients.  The pool's threads are plain pthreads parked on a condition variable, in the caller's
- * floating-point mode (subnormals flushed or not) for each scan. */
+ * takes its share, waits for every slice and adds the sums into the parameter gradients.  The pool's threads are plain pthreads parked on a condition variable, each
+ * scan in the call's floating-point mode (fp_enter: the caller's, subnormal results flushed). */
 #include <limits.h>
 #include <pthread.h>
 #include <time.h>
@@ -1757,11 +1807,7 @@ static team *pool_job;
 static void team_join(team *t, int me, long gen) {
     if (!__atomic_load_n(&t->closed, __ATOMIC_SEQ_CST) && __atomic_load_n(&t->gen, __ATOMIC_SEQ_CST) == gen &&
         me < t->nthreads) {
-#if defined(__SSE__) || defined(__x86_64__)
-        _mm_setcsr(t->csr);
-#elif defined(__aarch64__)
-        __builtin_aarch64_set_fpcr(t->csr);
-#endif
+        fp_set(t->csr);
         team_work(t, me);
     }
     __atomic_sub_fetch(&t->inside, 1, __ATOMIC_SEQ_CST);
@@ -1856,11 +1902,7 @@ int team_go(team *t) {
     long nt = t->nthreads < 64 ? t->nthreads : 64;
     t->stop = 0;
     t->inside = t->parked = 0;
-#if defined(__SSE__) || defined(__x86_64__)
-    t->csr = _mm_getcsr();
-#elif defined(__aarch64__)
-    t->csr = (unsigned)__builtin_aarch64_get_fpcr();
-#endif
+    unsigned caller = fp_enter(&t->csr);
     if (nt > 1) {
         pthread_mutex_lock(&pool_mx);
         int ok = pool_ensure(nt);
@@ -1871,7 +1913,10 @@ int team_go(team *t) {
             pthread_cond_broadcast(&pool_cv);
         }
         pthread_mutex_unlock(&pool_mx);
-        if (!ok) return 2;
+        if (!ok) {
+            fp_set(caller);
+            return 2;
+        }
     } else {
         t->closed = 0;
     }
@@ -1883,5 +1928,6 @@ int team_go(team *t) {
     if (pool_job == t) pool_job = 0;
     pthread_mutex_unlock(&pool_mx);
     if (t->dst) reduce(t);
+    fp_set(caller);
     return 0;
 }

@@ -1,6 +1,6 @@
 """Threads for the CPU backend's numpy paths (the dense tree, the factor writers read outside a scan): one pool
 of workers beside the calling thread, in its subnormal mode.  The compiled scan has its own threads
-(chain_scan.c's team).
+(chain_scan.c's team), which flush subnormal results whatever the caller's mode.
 
 Threads: ``torch.get_num_threads()`` (set by ``--threads``).  Worker threads are started in the
 calling thread's subnormal mode (``torch.set_flush_denormal``, on by default in the commands: the long
