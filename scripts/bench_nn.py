@@ -42,10 +42,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-seconds", type=float, default=60.0)
+    ap.add_argument("--keep-denormals", dest="flush_denormal", action="store_false",
+                    help="keep subnormal floats (a user's default mode; flushing is the default, as in the commands)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    torch.set_flush_denormal(True)  # as the bppsa commands do: the long products underflow
+    torch.set_flush_denormal(a.flush_denormal)  # flushed by default, as the commands: the long products underflow
     process.keep_large_blocks()  # as the bppsa commands: the [T, B, H] outputs made every round are not faulted anew
     forwards = tuple({"none": None, "true": True, "false": False}[f] for f in a.forwards)
     df = layers.run(a.layer, a.seq_len, a.batch, a.hidden, a.input_size, a.num_layers, a.loss, tuple(a.L_m),
