@@ -943,31 +943,8 @@ void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int n
  * B = 16, H = 20 (docs/measurements.md).  A result below the normal range becomes 0, an absolute change of at most
  * 1.2e-38 (fp32) or 2.3e-308 (fp64); every thread of the call runs in the same mode, so a unit gives the same bits
  * on any thread. */
-#if defined(__SSE__) || defined(__x86_64__)
-#include <xmmintrin.h>
-#endif
 #define FP_FLUSH_X86 0x8000u      /* MXCSR.FTZ */
 #define FP_FLUSH_ARM (1u << 24)   /* FPCR.FZ */
-
-static inline unsigned fp_get(void) {
-#if defined(__SSE__) || defined(__x86_64__)
-    return _mm_getcsr();
-#elif defined(__aarch64__)
-    return (unsigned)__builtin_aarch64_get_fpcr();
-#else
-    return 0;
-#endif
-}
-
-static inline void fp_set(unsigned m) {
-#if defined(__SSE__) || defined(__x86_64__)
-    _mm_setcsr(m);
-#elif defined(__aarch64__)
-    __builtin_aarch64_set_fpcr(m);
-#else
-    (void)m;
-#endif
-}
 
 /* The call's mode (the caller's, subnormal results flushed), set on this thread; returns the caller's. */
 static inline unsigned fp_enter(unsigned *call) {
@@ -1381,9 +1358,6 @@ void lstm_factors(const real *x, const real *h, const real *c, const real *Wi, c
 #include <pthread.h>
 #include <time.h>
 #include <unistd.h>
-#if defined(__SSE__) || defined(__x86_64__)
-#include <xmmintrin.h>
-#endif
 #ifdef __linux__
 #include <linux/futex.h>
 #include <sys/syscall.h>

@@ -37,9 +37,6 @@
 #include <pthread.h>
 #include <time.h>
 #include <unistd.h>
-#if defined(__SSE__) || defined(__x86_64__)
-#include <xmmintrin.h>
-#endif
 
 #define H HID
 typedef REAL real;
@@ -371,26 +368,6 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static unsigned fp_mode(void) {
-#if defined(__SSE__) || defined(__x86_64__)
-    return _mm_getcsr();
-#elif defined(__aarch64__)
-    return (unsigned)__builtin_aarch64_get_fpcr();
-#else
-    return 0;
-#endif
-}
-
-static void set_fp_mode(unsigned m) {
-#if defined(__SSE__) || defined(__x86_64__)
-    _mm_setcsr(m);
-#elif defined(__aarch64__)
-    __builtin_aarch64_set_fpcr(m);
-#else
-    (void)m;
-#endif
-}
-
 static void take_jobs(fw_batch *b) {
     for (long i; (i = __atomic_fetch_add(&b->next, 1, __ATOMIC_RELAXED)) < b->n;) run_job(b->C, b->jobs + i);
 }
@@ -410,7 +387,7 @@ static void *pool_main(void *arg) {
         if (b) __atomic_add_fetch(&pool_inside, 1, __ATOMIC_RELAXED);
         pthread_mutex_unlock(&pool_mx);
         if (!b) continue;
-        set_fp_mode(b->csr);
+        fp_set(b->csr);
         take_jobs(b);
         pthread_mutex_lock(&pool_mx);
         if (__atomic_sub_fetch(&pool_inside, 1, __ATOMIC_RELEASE) == 0) pthread_cond_broadcast(&pool_idle);
@@ -441,7 +418,7 @@ static pthread_mutex_t pool_owner = PTHREAD_MUTEX_INITIALIZER;
 /* Run the n jobs on up to `threads` threads (this one among them).  Returns 0; 2 where a pool thread could not
  * be started (the jobs then ran on the threads there were). */
 int fw_run(const fw_call *C, fw_job *jobs, long n, long threads) {
-    fw_batch b = {C, jobs, n, 0, fp_mode()};
+    fw_batch b = {C, jobs, n, 0, fp_get()};
     long p = threads < n ? threads : n, rc = 0;
     if (p > MAX_THREADS) p = MAX_THREADS;
     if (p > 1 && pthread_mutex_trylock(&pool_owner)) p = 1;

@@ -25,6 +25,31 @@
 #define NREG 16
 #endif
 
+/* The calling thread's floating-point mode (x86's MXCSR, AArch64's FPCR: rounding, subnormals flushed or not), read
+ * and set: a kernel's threads run a call in one mode, so a unit gives the same bits on any of them. */
+#if defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+static inline unsigned fp_get(void) {
+#if defined(__SSE__) || defined(__x86_64__)
+    return _mm_getcsr();
+#elif defined(__aarch64__)
+    return (unsigned)__builtin_aarch64_get_fpcr();
+#else
+    return 0;
+#endif
+}
+
+static inline void fp_set(unsigned m) {
+#if defined(__SSE__) || defined(__x86_64__)
+    _mm_setcsr(m);
+#elif defined(__aarch64__)
+    __builtin_aarch64_set_fpcr(m);
+#else
+    (void)m;
+#endif
+}
+
 /* The vectors of the functions below: one register (SIMD_BYTES, unless the kernel asks for a narrower power of two
  * before including this: the forward's narrower lane slices). */
 #ifndef SIMD_BYTES
