@@ -287,8 +287,8 @@ def _compiler_id() -> str:
 def _std_header() -> list[str]:
     """``-include`` of the shim's standard headers, precompiled once per flags and compiler into the cache (their
     parse is ~0.35 s of every build: 0.87 s -> 0.52 s for a factored_up library).  Every build still includes them
-    itself, so a precompiled header g++ cannot use (-Winvalid-pch says why) leaves the same translation unit, only
-    slower; and where the header does not compile, no ``-include``."""
+    itself, so a precompiled header g++ cannot use (``g++ -Winvalid-pch`` would say why) leaves the same translation
+    unit, only slower; and where the header does not compile, no ``-include``."""
     text = "".join(sorted({ln + "\n" for ln in (SHIM + DRIVER).splitlines() if ln.startswith("#include <")}))
     key = hashlib.sha256("\0".join([text, *_FLAGS, _compiler_id()]).encode()).hexdigest()[:20]
     folder = cache_root() / "emulator" / f"std_{key}"
