@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from bppsa import backends, scan
 from bppsa.backends import cpu
-from bppsa.backends.chain import FactoredChain
+from bppsa.backends.chain import FactoredChain, LstmStates
 from bppsa.backends.cpu import native, plan, pool
 from bppsa.backends.cpu.chain import native_chain_scan
 from bppsa.backends.cpu.plan import lane_slices
@@ -504,6 +504,48 @@ def test_the_compiled_scan_flushes_its_subnormal_results_and_gives_the_callers_m
                 assert _rel(got[normal].double(), ref[normal]) <= 1e-4, L_m
             assert cpu.CpuBackend().chain_product(chain) is not None  # the kernel's product, not a fallback
             assert pool.flushing() is flag
+    finally:
+        torch.set_flush_denormal(False)
+
+
+@pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_the_gate_pass_flushes_its_subnormal_results_on_every_path(kind):
+    """The compiled gate pass writes the same factors whether a scan's team runs it (in units of steps) or a reader
+    of ``chain.f`` calls it directly on the caller's threads: subnormal results flushed to zero either way
+    (chain_scan.c's fp_enter), whatever the caller's mode, which it gets back.  fp32 gates whose sigmoid is below
+    the normal range (1.2e-38) reach it."""
+    T, B, H, I = 40, 3, 6, 2
+    gen = torch.Generator().manual_seed(5)
+    cell = (torch.nn.GRU if kind == "gru" else torch.nn.LSTM)(I, H)
+    with torch.no_grad():
+        for p in cell.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        for p in (cell.weight_ih_l0, cell.weight_hh_l0, cell.bias_ih_l0, cell.bias_hh_l0):
+            p[: H // 2] = 0  # r's (GRU) or i's (LSTM) first units: pre-activation -88, a sigmoid of 6e-39
+        cell.bias_ih_l0[: H // 2] = -88.0
+        x = torch.randn(T, B, I, generator=gen)
+        h = cell(x)[0]
+    be = cpu.CpuBackend()
+    try:
+        torch.set_flush_denormal(False)
+        if kind == "gru":
+            make = lambda: be.gru_jacobians_t(x, h, cell)  # noqa: E731
+        else:
+            c = torch.stack([cell(x[: t + 1])[1][1][0] for t in range(T)]).detach()  # c_1 .. c_T
+            states = LstmStates(c, cell.weight_ih_l0.detach(), cell.bias_ih_l0.detach(), cell.bias_hh_l0.detach())
+            make = lambda: be.lstm_jacobians_t(x, h, None, cell.weight_hh_l0.detach(), states=states)  # noqa: E731
+        gate = torch.sigmoid(torch.tensor(-88.0))
+        assert 0 < gate < 1.2e-38  # subnormal in this mode, which keeps them
+        direct = make().f.clone()  # read first: the pass runs on the caller's threads
+        assert not pool.flushing()
+        scanned = make()
+        g = torch.randn(B, scanned.shape[-1], generator=gen)
+        cpu.cpu_scan(g, scanned, None)  # scanned first: the team runs the pass
+        assert not pool.flushing()
+        tiny = (direct != 0) & (direct.abs() < 1.2e-38)
+        assert not tiny.any()  # no subnormal left by the direct pass
+        assert torch.equal(direct, scanned.f)
     finally:
         torch.set_flush_denormal(False)
 

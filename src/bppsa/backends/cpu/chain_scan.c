@@ -936,9 +936,9 @@ void chain_up(const real *Wt, const chain_src *S, long n, long B, long b0, int n
 }
 
 /* -- the floating-point mode of a call ----------------------------------------------------------------
- * A scan call (team_go, chain_product) runs with subnormal results flushed to zero (x86's MXCSR.FTZ; AArch64's
- * FPCR.FZ, which reads subnormal inputs as zero too), whatever the caller's mode, and gives the caller's mode back
- * on return.  Its long products of Jacobians underflow, and x86 takes a subnormal result up to ~100x slower: in
+ * A scan call (team_go, chain_product) and a gate pass called on its own (gru_factors, lstm_factors) run with
+ * subnormal results flushed to zero (x86's MXCSR.FTZ; AArch64's FPCR.FZ, which reads subnormal inputs as zero too),
+ * whatever the caller's mode, and give the caller's mode back on return.  Its long products of Jacobians underflow, and x86 takes a subnormal result up to ~100x slower: in
  * the caller's mode a training step's backward took 2.8x (RNN), 3.3x (GRU) and 4.7x (LSTM) as long at T = 1000,
  * B = 16, H = 20 (docs/measurements.md).  A result below the normal range becomes 0, an absolute change of at most
  * 1.2e-38 (fp32) or 2.3e-308 (fp64); every thread of the call runs in the same mode, so a unit gives the same bits
@@ -1209,8 +1209,8 @@ static inline void store_lanes(real *dst, const real *src, int nb) {
 }
 
 #if KIND == 2
-void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, const real *bi, const real *bh,
-                 long T, long B, long ni, long k0, long k1, real *f) {
+static void gru_pass(const real *x, const real *h, const real *Wi, const real *Wh, const real *bi, const real *bh,
+                     long T, long B, long ni, long k0, long k1, real *f) {
     for (long k = k0; k < k1; ++k) {
         long t = T - 1 - k;
         real *fk = f + k * NR * B;
@@ -1261,6 +1261,16 @@ void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, c
 #endif
 }
 
+/* The GRU's gate pass called from outside a team (a reader of the factors, on the caller's threads): in the mode
+ * the team's threads run it in (fp_enter: subnormal results flushed), so the factors are the same bits on either
+ * path, and the caller's mode is given back. */
+void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, const real *bi, const real *bh,
+                 long T, long B, long ni, long k0, long k1, real *f) {
+    unsigned mode, caller = fp_enter(&mode);
+    gru_pass(x, h, Wi, Wh, bi, bh, T, B, ni, k0, k1, f);
+    fp_set(caller);
+}
+
 #else
 /* Lanes q < nb of rows [n][FV] from src's batch elements b0 + q (rows `stride` apart, row r at + r), or 0 where src is
  * NULL (h_0, c_0 not given). */
@@ -1283,9 +1293,9 @@ static inline void lanes_of(const real *src, long stride, int n, int nb, real (*
  * in registers, i, f, o = sigmoid, g = tanh (with 1 - p and 1 - g^2 each to a few ulp, not from the rounded
  * gate), tanh(c_t) and 1 - tanh^2(c_t) from the state, then the rows a, ci, cf, cg, co, f, x_t and h' written: one
  * pass over memory where torch's gate recomputation and factors take some twenty. */
-void lstm_factors(const real *x, const real *h, const real *c, const real *Wi, const real *Wh, const real *bi,
-                  const real *bh, const real *h0, const real *c0, long T, long B, long ni, long k0, long k1,
-                  real *f) {
+static void lstm_pass(const real *x, const real *h, const real *c, const real *Wi, const real *Wh, const real *bi,
+                      const real *bh, const real *h0, const real *c0, long T, long B, long ni, long k0, long k1,
+                      real *f) {
     for (long k = k0; k < k1; ++k) {
         long t = T - 1 - k;
         real *fk = f + k * NR * B;
@@ -1328,6 +1338,15 @@ void lstm_factors(const real *x, const real *h, const real *c, const real *Wi, c
 #if defined(__AVX512F__) || defined(__AVX__)
     _mm_sfence(); /* the streaming stores are weakly ordered: visible before the threads that read f are told */
 #endif
+}
+
+/* The LSTM's gate pass from outside a team, in the team's mode (as gru_factors). */
+void lstm_factors(const real *x, const real *h, const real *c, const real *Wi, const real *Wh, const real *bi,
+                  const real *bh, const real *h0, const real *c0, long T, long B, long ni, long k0, long k1,
+                  real *f) {
+    unsigned mode, caller = fp_enter(&mode);
+    lstm_pass(x, h, c, Wi, Wh, bi, bh, h0, c0, T, B, ni, k0, k1, f);
+    fp_set(caller);
 }
 #endif
 #endif
@@ -1517,7 +1536,7 @@ typedef struct {
 void team_fill(const void *args, long j0, long j1, long part, real *priv, long *beat) {
     const fill_args *a = args;
     (void)part, (void)priv, (void)beat;
-    gru_factors(a->x, a->h, a->Wi, a->Wh, a->bi, a->bh, a->T, a->B, a->ni, j0, j1, a->f);
+    gru_pass(a->x, a->h, a->Wi, a->Wh, a->bi, a->bh, a->T, a->B, a->ni, j0, j1, a->f);
 }
 #elif KIND == 3
 /* The LSTM's gate pass over steps j0 .. j1 - 1 (lstm_factors' operands), in place. */
@@ -1530,7 +1549,7 @@ typedef struct {
 void team_fill(const void *args, long j0, long j1, long part, real *priv, long *beat) {
     const fill_args *a = args;
     (void)part, (void)priv, (void)beat;
-    lstm_factors(a->x, a->h, a->c, a->Wi, a->Wh, a->bi, a->bh, a->h0, a->c0, a->T, a->B, a->ni, j0, j1, a->f);
+    lstm_pass(a->x, a->h, a->c, a->Wi, a->Wh, a->bi, a->bh, a->h0, a->c0, a->T, a->B, a->ni, j0, j1, a->f);
 }
 #endif
 
