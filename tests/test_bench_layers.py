@@ -1,5 +1,10 @@
 """bppsa.bench.layers (scripts/bench_nn.py): every method's rows on one batch, the summary's paired ratios, and
 JAX's step held to autograd's gradient before it is timed."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
 import pytest
 import torch
 
@@ -37,3 +42,25 @@ def test_jax_step_is_checked_then_timed_as_one_phase():
     layers.jax_step(mod, x, w, "steps", 1e-6)  # the check passes on the same layer
     with pytest.raises(RuntimeError, match="from autograd's"):
         layers.jax_step(mod, x, w, "steps", 1e-6, tol=-1.0)  # and can fail
+
+
+def test_the_rows_record_the_subnormal_mode():
+    try:
+        for flag, mode in ((True, "flushed"), (False, "kept")):
+            torch.set_flush_denormal(flag)
+            assert layers.subnormal_mode() == mode
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def test_the_script_keeps_subnormals_on_request(tmp_path):
+    """scripts/bench_nn.py flushes subnormals by default, as the commands do; --keep-denormals times in torch's own
+    mode, and its rows say so."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_nn.py"
+    out = tmp_path / "nn.csv"
+    r = subprocess.run([sys.executable, str(script), "--layer", "rnn", "--seq-len", "9", "--batch", "3", "--hidden",
+                        "6", "--threads", "1", "--max-seconds", "0.5", "--keep-denormals", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    df = pd.read_csv(out)
+    assert set(df.subnormals) == {"kept"} and {"bppsa", "torch"} <= set(df.method)

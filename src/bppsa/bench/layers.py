@@ -15,7 +15,8 @@ Methods, per layer (``rnn``, ``rnn_relu``, ``gru``, ``lstm``; ``num_layers`` of 
   three), so only the step is compared with it.
 
 The loss is on h_n alone (``hn``, the paper's single seed) or on every step (``steps``).  One row per method, round
-and phase (``forward``, ``backward``, ``sgd``); :func:`summary` gives each phase's and the whole step's medians and
+and phase (``forward``, ``backward``, ``sgd``), with the shape, the threads and the subnormal mode
+(:func:`subnormal_mode`); :func:`summary` gives each phase's and the whole step's medians and
 the paired ratios ``torch* / bppsa*`` with 95 % intervals.
 """
 from __future__ import annotations
@@ -155,7 +156,15 @@ def run(layer: str, seq_len: int, batch: int, hidden: int = 20, input_size: int 
                    metric="backward")
     return pd.DataFrame(m.rows).assign(layer=layer, device=str(device), seq_len=seq_len, batch=batch, hidden=hidden,
                                        input_size=input_size, num_layers=num_layers, loss=loss,
-                                       threads=torch.get_num_threads(), noisy=lambda d: d.method.map(m.noisy))
+                                       threads=torch.get_num_threads(), noisy=lambda d: d.method.map(m.noisy),
+                                       subnormals=subnormal_mode())
+
+
+def subnormal_mode() -> str:
+    """``flushed`` where this thread flushes subnormal floats to zero (``torch.set_flush_denormal(True)``, the
+    commands' default), else ``kept`` (a user's default): the rows record the mode they were timed in, since
+    torch.nn's backward (not bppsa's scan, which flushes its own) slows down by up to ~100x on a subnormal."""
+    return "flushed" if float(np.float32(1e-39) * np.float32(1.0)) == 0.0 else "kept"
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:
