@@ -96,7 +96,7 @@ def test_the_compiled_forward_curve_trains_like_the_others_and_only_it_leaves_to
 
     data = tmp_path / "bits.npz"
     assert main(["make-bitstream", "--seq-len", "11", "--samples", "24", "--seed", "0", "--out", str(data)]) == 0
-    common = ["train", "--model", "rnn", "--data", str(data), "--batch", "8", "--hidden", "5", "--epochs", "2",
+    common = ["train", "--model", "rnn", "--data", str(data), "--batch", "8", "--hidden", "6", "--epochs", "2",
               "--lr", "1e-2", "--device", "cpu", "--dtype", "float64", "--backend", "cpu"]
     for name, extra in (("torch", []), ("auto", ["--forward", "auto"])):
         assert main([*common, "--method", "bppsa", *extra, "--out", str(tmp_path / f"{name}.csv")]) == 0

@@ -146,6 +146,7 @@ def _lstm_equals_autograd(dtype):
             assert err <= (1e-10 if dtype == torch.float64 else 1e-4), (k, L_m, err)
 
 
+@pytest.mark.matrix
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_the_forward_equals_torch_under_each_x86_build(isa, dtype):

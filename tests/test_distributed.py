@@ -399,8 +399,8 @@ def held_layers_worker(rank: int, p: int) -> dict:
     world = weakref.ref(dist.group.WORLD)
     held = []
     for cls in (bnn.RNN, bnn.GRU):
-        layer = cls(2, 3, dtype=torch.float64, process_group=dist.group.WORLD, group_timeout=GROUP_TIMEOUT)
-        out, h_n = layer(torch.randn(2, 2, 2, dtype=torch.float64))
+        layer = cls(2, 6, dtype=torch.float64, process_group=dist.group.WORLD, group_timeout=GROUP_TIMEOUT)
+        out, h_n = layer(torch.randn(2, 3, 2, dtype=torch.float64))
         (out.sum() + h_n.sum()).backward()
         held.append((layer, out, h_n))
     dist.barrier()

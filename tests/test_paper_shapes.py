@@ -88,7 +88,7 @@ def _cupy_scan_allocations(monkeypatch, g, J):
 @pytest.mark.parametrize("model,layout", [("rnn", "paper"), ("rnn", "fused"), ("gru", "fused")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_recurrent_formula_matches_real_allocations(model, layout, dtype, monkeypatch):
-    T, B, H, I, C = 11, 3, 5, (1 if model == "rnn" else 4), 7
+    T, B, H, I, C = 11, 3, 6, (1 if model == "rnn" else 4), 7
     s = dtype.itemsize
     m = memory_model.recurrent_gpu_bytes(model, T, B, H, I, C, layout, s)
     net = build(model, I, H, C).to(dtype)
@@ -223,7 +223,7 @@ def test_command_end_to_end_tiny(tmp_path, capsys):
 
 
 def test_each_job_in_its_own_process():
-    job = dict(kind="recurrent", model="rnn", layout="fused", seq_len=6, batch=2, hidden=4, input_size=1, classes=3,
+    job = dict(kind="recurrent", model="rnn", layout="fused", seq_len=6, batch=3, hidden=6, input_size=1, classes=3,
                dtype="float32", seed=0, L_m=None)
     res = preflight.run_job_subprocess(job, rounds=1, fp64=True, timeout=120)
     assert "error" not in res, res

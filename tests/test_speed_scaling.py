@@ -131,9 +131,9 @@ def test_crossovers_prefer_measurement_and_label_extrapolation():
 
 
 def test_speed_run_tiny_end_to_end():
-    rows = speed.run(9, [2], hidden=4, rule=TINY, backends=("cpu", "torch"))
+    rows = speed.run(9, [4], hidden=6, rule=TINY, backends=("cpu", "torch"))
     df = pd.DataFrame(rows)
-    compiled = speed.compiled_forward_here(*speed.setup("rnn", 2, 0, torch.float32, 9, 4)[:2])
+    compiled = speed.compiled_forward_here(*speed.setup("rnn", 4, 0, torch.float32, 9, 6)[:2])
     steps = {"step-autograd", "step-bppsa-cpu-fused", "step-bppsa-torch-fused"}
     steps |= {"step-bppsa-cpu-fused-compiled", "step-bppsa-torch-fused-compiled"} if compiled else set()
     assert set(df["method"]) == {"autograd", "sequential", "bppsa-cpu-fused", "bppsa-torch-fused", "scan-cpu",
@@ -155,9 +155,9 @@ def test_speed_run_tiny_end_to_end():
     assert want <= set(s.ratio)
     assert (s["median"] > 0).all() and (s["ci_low"] <= s["median"]).all() and (s["median"] <= s["ci_high"]).all()
     # step_batches: the step group on its own batch sizes, the others on theirs
-    df = pd.DataFrame(speed.run(9, [2], hidden=4, rule=TINY, backends=("cpu",), groups=("backward", "step"),
+    df = pd.DataFrame(speed.run(9, [4], hidden=6, rule=TINY, backends=("cpu",), groups=("backward", "step"),
                                 step_batches=[3]))
-    assert df.groupby("group")["batch"].unique().map(list).to_dict() == {"backward": [2], "step": [3]}
+    assert df.groupby("group")["batch"].unique().map(list).to_dict() == {"backward": [4], "step": [3]}
 
 
 def test_the_step_summary_pairs_each_variant_with_autograd_and_the_compiled_with_its_twin():
@@ -189,7 +189,7 @@ def test_a_step_whose_gradients_are_wrong_is_not_timed(monkeypatch):
         return loss
 
     monkeypatch.setattr(RecurrentClassifier, "bppsa_step", wrong)
-    net, x, y = speed.setup("rnn", 2, 0, torch.float32, 9, 4)
+    net, x, y = speed.setup("rnn", 4, 0, torch.float32, 9, 6)
     with pytest.raises(RuntimeError, match="step-bppsa-cpu-fused: its gradients differ from autograd's"):
         speed.step_methods(net, x, y, ("cpu",))
 
@@ -205,7 +205,7 @@ def test_speed_runs_the_gru_on_a_dataset(tmp_path):
     """The GRU's speed benchmark reads its batches from an MFCC file; its sequential rival and BPPSA run the
     GRU's factored chain; the GRU has no paper layout and needs --data."""
     data = _mfcc_file(tmp_path / "mfcc.npz")
-    rows = speed.run(None, [3], hidden=4, rule=TINY, backends=("cpu",), model="gru", data=str(data))
+    rows = speed.run(None, [3], hidden=6, rule=TINY, backends=("cpu",), model="gru", data=str(data))
     df = pd.DataFrame(rows)
     net, x, _ = speed.setup("gru", 3, 0, torch.float32, data=str(data))
     compiled = {"step-bppsa-cpu-fused-compiled"} if speed.compiled_forward_here(net, x) else set()
@@ -227,22 +227,22 @@ def test_scan_methods_refuse_a_wrong_scan(monkeypatch):
     torch.manual_seed(0)
     from bppsa.models.rnn import RNNClassifier
 
-    x, y = speed.bitstream_batch(9, 2, 0, torch.float32)
+    x, y = speed.bitstream_batch(9, 4, 0, torch.float32)
     with pytest.raises(RuntimeError, match="scan-cpu disagrees"):
-        speed.scan_methods(RNNClassifier(hidden=4), x, y, ("cpu",))
+        speed.scan_methods(RNNClassifier(hidden=6), x, y, ("cpu",))
 
 
 def test_commands_write_csvs_and_figure(tmp_path):
     rule = ["--warmup", "0", "--min-iters", "2", "--max-iters", "2", "--min-seconds", "0"]
     sp, rf, sc = tmp_path / "speed.csv", tmp_path / "roofline.csv", tmp_path / "scaling.csv"
-    argv = ["speed", "--device", "cpu", "--seq-len", "9", "--batches", "2", "--hidden", "4", *rule, "--out", str(sp)]
+    argv = ["speed", "--device", "cpu", "--seq-len", "9", "--batches", "4", "--hidden", "6", *rule, "--out", str(sp)]
     assert main(argv) == 0
-    assert main(["roofline", "--device", "cpu", "--seq-len", "9", "--batches", "2", "--hidden", "4", "--gemm-n", "64",
+    assert main(["roofline", "--device", "cpu", "--seq-len", "9", "--batches", "4", "--hidden", "6", "--gemm-n", "64",
                  "--copy-mib", "1", *rule, "--out", str(rf)]) == 0
     roof = pd.read_csv(rf)
     assert set(roof["method"]) == {"scan-cpu", "scan-cpu-chain", "scan-torch", "scan-sequential"}
     assert (roof["peak_gflops"] > 0).all() and (roof["copy_gbs"] > 0).all() and (roof["x_bound"] > 0).all()
-    assert main(["scaling", "--device", "cpu", "--seq-lens", "9", "--batches", "2", "--hidden", "4",
+    assert main(["scaling", "--device", "cpu", "--seq-lens", "9", "--batches", "4", "--hidden", "6",
                  "--max-threads", "2", *rule, "--out", str(sc)]) == 0
     df = pd.read_csv(sc)
     assert set(df["threads"]) == {1, 2}

@@ -247,7 +247,7 @@ def test_time_rows_record_the_forward_and_the_hand_off_beside_the_default():
     forward ran; the hand-off method never sweeps, and runs at p > 1 only."""
     from bppsa.bench import workers
 
-    t = pd.DataFrame(workers.time_rows([1, 2], T=12, B=2, H=3, rounds=2, threads=1, timeout=300))
+    t = pd.DataFrame(workers.time_rows([1, 2], T=12, B=4, H=6, rounds=2, threads=1, timeout=300))
     assert set(zip(t["p"], t["method"])) >= {(1, "bppsa"), (2, "bppsa"), (2, "bppsa-handoff"), (1, "pipeline"),
                                              (2, "pipeline"), (1, "sequential")}
     assert (1, "bppsa-handoff") not in set(zip(t["p"], t["method"]))
