@@ -184,9 +184,10 @@ def _remembering(layer) -> None:
 def forward_suite(rank: int, p: int, group) -> list[tuple]:
     """The forward across the ranks (bppsa.nn.split.ranks_forward) against the single-process layer's forward, for
     each cell, layers that forget (torch's init) and that remember, lengths ending inside a slice, parallel_forward
-    True (the sweeps; twice: zeros, then the last call's starts as the guesses, on other inputs), None (where it
-    pays) and False (the serial hand-off): (case, whether every call's states and h_n equal the single process's (bit
-    for bit where the cell meets bitwise), the sweeps of each call)."""
+    True (the sweeps; twice: zeros, then the last call's starts as the guesses, on other inputs; then a step more,
+    which changes some ranks' slices and not others), None (where it pays) and False (the serial hand-off): (case,
+    whether every call's states and h_n equal the single process's (bit for bit where the cell meets bitwise), the
+    sweeps of each call)."""
     import bppsa.nn as bnn
 
     out = []
@@ -201,12 +202,11 @@ def forward_suite(rank: int, p: int, group) -> list[tuple]:
                 split = getattr(bnn, cell)(2, 6, backend="cpu", dtype=torch.float64, process_group=pg,
                                            parallel_forward=mode, group_timeout=GROUP_TIMEOUT, **kw)
                 split.load_state_dict(single.state_dict())
-                T = 403
                 gen = torch.Generator().manual_seed(4)
-                lengths = torch.tensor([T, 250, 7])
-                sl = torch.tensor_split(torch.arange(T), p)[rank]
                 exact, sweeps = True, []
-                for _ in range(2):
+                for T in (403, 403, 404):
+                    lengths = torch.tensor([T, 250, 7])
+                    sl = torch.tensor_split(torch.arange(T), p)[rank]
                     x = (torch.rand(T, 3, 2, generator=gen, dtype=torch.float64) < 0.4).double()
                     with torch.no_grad():
                         want, want_n = single(x, lengths=lengths)
@@ -315,20 +315,24 @@ def test_the_forward_across_ranks_is_the_serial_forward(four_ranks, p):
     """Every rank's states (and the last rank's h_n) equal the single process's bit for bit, by the sweeps and by
     the serial hand-off, in every call (the tanh RNN, which meets within two ulps, within 1e-12); at most one sweep per
     rank; parallel_forward=True always sweeps, False never; None sweeps in its first call of a shape, and after a
-    call that did not pay (a layer that remembers) runs the serial hand-off; a layer that forgets ends its first call
-    in two sweeps at two ranks (sweep 0 and one correction, its rerun meeting)."""
+    call that did not pay (a layer that remembers) runs the serial hand-off; every call runs the same sweeps on
+    every rank, also where it changes some ranks' slices only (a rank that decided alone would sweep while the others
+    hand off, and the exchanges would not pair); a layer that forgets ends its first call in two sweeps at two ranks
+    (sweep 0 and one correction, its rerun meeting)."""
     members = [res[p]["forward"] for res in four_ranks if p in res]
     assert len(members) == p
+    for case_on_ranks in zip(*members):
+        assert len({str(sweeps) for _, _, sweeps in case_on_ranks}) == 1, (p, case_on_ranks)
     for rank, cases in enumerate(members):
         for (cell, remembers, mode), exact, sweeps in cases:
             case = (p, rank, cell, remembers, mode, sweeps)
             assert exact, case
             if mode is False or p == 1:
-                assert sweeps == [None, None], case
+                assert sweeps == [None, None, None], case
                 continue
             assert sweeps[0] is not None and 1 <= sweeps[0] <= p, case
             if mode is True:
-                assert sweeps[1] is not None and 1 <= sweeps[1] <= p, case
+                assert all(n is not None and 1 <= n <= p for n in sweeps[1:]), case
             if remembers:  # never met: the first call did not pay
                 assert mode is True or sweeps[1] is None, case
             elif p == 2:  # (whether it paid: fp64 meets after ~100-200 steps, about half a slice here)

@@ -229,7 +229,7 @@ class _Recurrent(nn.Module):
                     i = k * self.directions + d
                     state0 = tuple(s[i] if s is not None else None for s in states)
                     xd = x if d == 0 else _reverse(x, rev)
-                    h, h_n, c_n = self._layer(xd, state0, self.layer_weights(k, d == 1), lengths, options)
+                    h, h_n, c_n = self._layer(xd, state0, self.layer_weights(k, d == 1), lengths, options, i)
                     outs.append(h if d == 0 else _reverse(h, rev))
                     finals[0].append(h_n)
                     finals[1].append(c_n)
@@ -244,10 +244,11 @@ class _Recurrent(nn.Module):
                         if f[0] is not None)  # one layer: a view back to the op's output, no copy
         return x, stacked
 
-    def _layer(self, x, state0, w: Weights, lengths, options: Options):
-        if self.process_group is not None:
+    def _layer(self, x, state0, w: Weights, lengths, options: Options, i: int):
+        if self.process_group is not None:  # i: the layer and direction, whose split forward keeps its own memory
+            memory = self.__dict__.setdefault("_split_memory", {}).setdefault(i, {})
             return split.layer(self.cell, x, state0, w, lengths, options, split.Ranks(self._group, self.group_timeout),
-                               key=(id(self), id(w.w_ih)))
+                               memory)
         return ops.layer(self.cell, x, state0, w, lengths, options)
 
     # -- conversions --------------------------------------------------------------------------------

@@ -7,14 +7,18 @@ the whole batch; ``lengths`` are the global sequence lengths, the same on every 
 **Forward** (:func:`ranks_forward`): a block Jacobi iteration over the ranks, one slice each, whose result is
 the sequential forward's.  Sweep 0 runs every rank's slice at once from a guess (zero, or where the slice started in
 the last call of the same layer and shapes; rank 0 from ``h0``/``c0``, exact).  Then each sweep: every rank sends
-its slice's end state (h, and c for the LSTM) to the next (point-to-point), a rank whose predecessor's end is not
-the start it ran from reruns from it, each sequence until its new trajectory meets the stored one bitwise (the
-compiled CPU kernel stops there; elsewhere the slice is rerun whole), and one small all-reduce says whether any
-rank's end changed; none did: done.  After sweep k the first k + 1 slices are exact, so at most p sweeps run: the
-worst case (a layer that remembers, or a tanh RNN whose trajectories stay an ulp apart) costs about (p + 1) / p of
-the serial hand-off, plus an exchange and an all-reduce per sweep, and a shape whose sweeps did not pay runs the
-serial hand-off (rank r waits for rank r - 1's end) from its next call on; ``parallel_forward=False`` always
-does.  The common case, a layer that forgets, ends after two sweeps at about T/p plus the meeting length.
+its slice's end state (h, and c for the LSTM) to the next (point-to-point), and a rank whose predecessor's end is
+not the start it ran from reruns from it, each sequence until its new trajectory meets the stored one (the cell's
+criterion: bitwise, or within ``Cell.meet_ulps``; the compiled CPU kernel stops there, elsewhere the slice is rerun
+whole).  After sweep k the first k + 1 slices are exact, so at most p sweeps run and the last needs no vote;
+before each other one a small all-reduce says whether any rank but the last changed its end (none did: done).  At
+two ranks the forward is then sweep 0 and one correction with one exchange, the serial hand-off's collectives.  The
+worst case (a layer that remembers, or a tanh RNN whose trajectories stay an ulp apart: each correction reruns
+whole slices) costs about the serial hand-off's time, plus an exchange and an all-reduce per sweep.  Whether a
+call did not pay (a rerun of half a slice or more, on any rank) is shared in the next call's gather of the slices'
+sizes, and the layer then runs the serial hand-off (rank r waits for rank r - 1's end) for that shape;
+``parallel_forward=False`` always does.  The common case, a layer that forgets, ends after two sweeps at about T/p
+plus the meeting length.
 
 **Backward** (BPPSA over the ranks): the adjoint ``λ_t = ∂l/∂s_t + J_{t+1}ᵀ λ_{t+1}`` is an affine recurrence
 running from the last rank down.  Rank r's slice maps the gradient that enters it from the right, v (its
@@ -39,7 +43,7 @@ exchanges wait at most ``timeout`` seconds for a peer and raise
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -69,14 +73,15 @@ class Ranks:
 
 @dataclass(frozen=True)
 class Spec:
-    """What a split layer's call is besides its tensors; ``key`` names the layer and direction (its slices'
-    guesses are its own)."""
+    """What a split layer's call is besides its tensors; ``memory`` is the layer's and direction's own (held by its
+    module): per rank and shape, where its slice started in the last call (the next call's guess) and whether that
+    call paid."""
 
     cell: Cell
     lengths: torch.Tensor | None
     options: _bw.Options
     ranks: Ranks
-    key: object = None
+    memory: dict = field(default_factory=dict, compare=False)
 
 
 def _summary_backend() -> TorchBackend:
@@ -142,8 +147,6 @@ class _Slice:
         return met
 
 
-_starts: dict = {}  # the slices' guesses: where each started in the last call, per layer, rank and shape
-_paid: dict = {}  # whether the last sliced forward of a layer and shape paid (the same on every rank)
 
 
 def _differs(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
@@ -154,26 +157,38 @@ def _differs(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return bool(((a - b).abs().amax(-1) > tol * b.abs().amax(-1)).any())
 
 
-def ranks_forward(cell: Cell, x, state0: torch.Tensor | None, w: Weights, valid, spec: Spec):
+def _key(x: torch.Tensor, r: int, p: int) -> tuple:
+    """The rank and shape a slice's guess and its record of paying belong to (in the layer's ``Spec.memory``)."""
+    return (r, p, *x.shape[:2], x.dtype, str(x.device))
+
+
+def _unpaid(spec: Spec, x: torch.Tensor, r: int, p: int) -> bool:
+    """Whether this rank's last sliced forward of this layer and shape reran half a slice or more."""
+    return spec.memory.get(_key(x, r, p), (None, False))[1]
+
+
+def ranks_forward(cell: Cell, x, state0: torch.Tensor | None, w: Weights, valid, spec: Spec, unpaid: bool = False):
     """``(state_in, h, c, stats)``: this rank's slice of the layer's forward (the module's docstring), ``state_in``
-    the exact state before it; ``stats`` the sweeps (None for the serial hand-off)."""
+    the exact state before it; ``stats`` the sweeps (None for the serial hand-off).  ``unpaid``: some rank's last
+    sliced forward of this shape did not pay (the same on every rank: :class:`SplitLayer` gathers it)."""
     group, timeout = spec.ranks.group, spec.ranks.timeout
     p, r = dist.get_world_size(group), dist.get_rank(group)
     T_r, B = x.shape[:2]
     sl = _Slice(cell, x, w, valid, _bw.backend_for(spec.options.backend, x.device))
     tol = cell.meet_tol(x.dtype)
-    key = (spec.key, cell.name, r, p, T_r, B, x.dtype, str(x.device))
+    key = _key(x, r, p)
     slices = spec.options.slices  # None: where it pays (the last call of the shape says); 1: never; else always
-    if p == 1 or slices == 1 or (slices is None and not _paid.get(key, True)):  # the serial hand-off
+    if p == 1 or slices == 1 or (slices is None and unpaid):  # the serial hand-off
         start = state0 if r == 0 else _dist.recv_from(x.new_empty(B, cell.state_size(w)), r - 1, group, timeout)
         h, c = sl.run(start)
         if r < p - 1:
             _dist.send_to(_end(cell, h, c), r + 1, group, timeout)
         return start, h, c, None
-    start = state0 if r == 0 else _starts.get(key, x.new_zeros(B, cell.state_size(w)))
+    guess = spec.memory.get(key, (None, False))[0]
+    start = state0 if r == 0 else (guess if guess is not None else x.new_zeros(B, cell.state_size(w)))
     h, c = sl.run(start)
     sweeps, meet_steps, long_reruns = 1, [], 0
-    while True:
+    while True:  # sweep `sweeps`: the exchange of the ends, and the reruns from them
         end = _end(cell, h, c)
         if r < p - 1:
             _dist.send_to(end, r + 1, group, timeout)
@@ -184,13 +199,13 @@ def ranks_forward(cell: Cell, x, state0: torch.Tensor | None, w: Weights, valid,
                 start = new
                 meet_steps.append(sl.rerun(start, h, c))
                 long_reruns += meet_steps[-1] >= T_r // 2
-                changed = _differs(_end(cell, h, c), end, tol)
-        flags = _dist.all_reduce_sum(torch.tensor([float(changed), float(long_reruns)]), group, timeout)
-        if not flags[0] or sweeps >= p:  # (after p sweeps every slice is exact: its start was)
-            break
+                changed = r < p - 1 and _differs(_end(cell, h, c), end, tol)  # (the last rank's end feeds none)
         sweeps += 1
-    _starts[key] = start.clone()
-    _paid[key] = not flags[1] and sweeps < p  # the same on every rank: from the reduced flags
+        if sweeps >= p:  # after sweep k the first k + 1 slices are exact: all p of them, with no vote
+            break
+        if not _dist.all_reduce_sum(torch.tensor([float(changed)]), group, timeout)[0]:
+            break
+    spec.memory[key] = (start.clone() if r > 0 else None, long_reruns > 0)
     return start, h, c, {"sweeps": sweeps, "meet_steps": meet_steps}
 
 
@@ -210,10 +225,11 @@ class SplitLayer(torch.autograd.Function):
         p, r = dist.get_world_size(group), dist.get_rank(group)
         T_r, B, _ = x.shape
         S = cell.state_size(w)
-        sizes = _dist.all_gather_ints([T_r, B, S], group, timeout)
-        if any(s[1:] != [B, S] for s in sizes) or any(s[0] < 1 for s in sizes):
+        # with each rank's record of whether its last sliced forward of this shape paid (the module's docstring)
+        sizes = _dist.all_gather_ints([T_r, B, S, int(_unpaid(spec, x, r, p))], group, timeout)
+        if any(s[1:3] != [B, S] for s in sizes) or any(s[0] < 1 for s in sizes):
             raise ValueError(f"bppsa.nn (process group): every rank needs at least one step and the same batch and "
-                             f"state size; the ranks hold [T_r, B, S] = {sizes}")
+                             f"state size; the ranks hold [T_r, B, S] = {[s[:3] for s in sizes]}")
         t0 = sum(s[0] for s in sizes[:r])
         T = sum(s[0] for s in sizes)
         lengths = spec.lengths
@@ -227,7 +243,7 @@ class SplitLayer(torch.autograd.Function):
                 zero_c = x.new_zeros(B, cell.hidden(w)) if cell.cell_state else None
                 state0 = cell.state(h0 if h0 is not None else x.new_zeros(B, w.out_size),
                                     c0 if c0 is not None else zero_c)
-            state_in, h, c, stats = ranks_forward(cell, x, state0, w, valid, spec)
+            state_in, h, c, stats = ranks_forward(cell, x, state0, w, valid, spec, any(s[3] for s in sizes))
             _fw.record(stats)
         ctx.save_for_backward(x, state_in, h, c, *w.tensors())
         ctx.spec, ctx.valid, ctx.where = spec, valid, (r, p, h0 is not None or c0 is not None)
@@ -397,12 +413,15 @@ def _returned(cell: Cell, w: Weights, dx, ds0, grads: dict, need) -> tuple:
     return (None, dx if need[1] else None, dh0 if need[2] else None, dc0 if need[3] else None, *weights)
 
 
-def layer(cell: Cell, x, state0: tuple, w: Weights, lengths, options: _bw.Options, ranks: Ranks, key=None):
+def layer(cell: Cell, x, state0: tuple, w: Weights, lengths, options: _bw.Options, ranks: Ranks,
+          memory: dict | None = None):
     """``(h, h_end, c_end or None)`` of one layer over this rank's slice (time-major ``x`` [T_r, B, I]);
-    ``state0 = (h0, c0)`` is read on rank 0."""
+    ``state0 = (h0, c0)`` is read on rank 0; ``memory``: the layer's and direction's own dict, kept between calls
+    (:class:`Spec`; None: the call remembers nothing)."""
     _bw.check_layer(cell, x, *state0, w, None)
     if lengths is not None and (lengths.dtype != torch.int64 or tuple(lengths.shape) != (x.shape[1],)):
         raise ValueError(f"bppsa.nn: lengths must be int64 [B] = [{x.shape[1]}], got {lengths.dtype} "
                          f"{tuple(lengths.shape)}")
-    h, h_end, c_end = SplitLayer.apply(Spec(cell, lengths, options, ranks, key), x, *state0, *w.tensors())
+    spec = Spec(cell, lengths, options, ranks, {} if memory is None else memory)
+    h, h_end, c_end = SplitLayer.apply(spec, x, *state0, *w.tensors())
     return h, h_end, (c_end if cell.cell_state else None)
