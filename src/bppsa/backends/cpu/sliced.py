@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from . import forward
@@ -84,14 +85,15 @@ def worst_case(K: int, L: int, p: int, max_sweeps: int) -> float:
     return units / (K * math.ceil(L / p))
 
 
-def _differs(new: torch.Tensor, old: torch.Tensor, tol: float) -> torch.Tensor:
-    """[B] bool: whether a batch element's state [B, H] changed: bitwise, or by more than tol · max|old|."""
+def _differs(new: np.ndarray, old: np.ndarray, tol: float) -> np.ndarray:
+    """[..., B] bool: whether a batch element's state [..., B, H] changed: bitwise, or by more than tol · max|old|
+    (numpy: on these few hundred numbers torch's per-operation cost would be most of the check's)."""
     if tol == 0:
         return (new.view(_int[new.dtype]) != old.view(_int[old.dtype])).any(-1)
-    return (new - old).abs().amax(-1) > tol * old.abs().amax(-1)
+    return np.abs(new - old).max(-1) > tol * np.abs(old).max(-1)
 
 
-_int = {torch.float32: torch.int32, torch.float64: torch.int64}
+_int = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64}
 
 
 @torch.no_grad()
@@ -140,6 +142,8 @@ def sliced_forward(cell: str, x, h0, c0, weights, lengths=None, slices: int = 2,
         Sc[0] = 0 if pb.c0 is None else pb.c0
     met = torch.empty(K, B, dtype=torch.int64)
     h, c = pb.h, pb.c
+    ends = [b - 1 for b in bounds[1:K]]  # the steps whose states are slices 1 .. K - 1's true starts
+    h_np, c_np, S_np, Sc_np, met_np = (None if t is None else t.numpy() for t in (h, c, S, Sc, met))
 
     def job_list(ks, stale, meet):
         return [(b0, nb, bounds[k], bounds[k + 1], S[k], Sc[k] if lstm else None, meet, met[k])
@@ -147,11 +151,10 @@ def sliced_forward(cell: str, x, h0, c0, weights, lengths=None, slices: int = 2,
 
     def stale_now():
         """[K, B]: the elements whose slice start is no longer their predecessor's end (slice 0: never)."""
-        st = torch.zeros(K, B, dtype=torch.bool)
-        for k in range(1, K):
-            st[k] = _differs(h[bounds[k] - 1], S[k], tol)
-            if lstm:
-                st[k] |= _differs(c[bounds[k] - 1], Sc[k], tol)
+        st = np.zeros((K, B), dtype=bool)
+        st[1:] = _differs(h_np[ends], S_np[1:], tol)
+        if lstm:
+            st[1:] |= _differs(c_np[ends], Sc_np[1:], tol)
         return st
 
     def rerun(ks, stale):
@@ -164,7 +167,7 @@ def sliced_forward(cell: str, x, h0, c0, weights, lengths=None, slices: int = 2,
             if lstm:
                 Sc[bounds.index(t0), b0:b0 + nb] = c[t0 - 1, b0:b0 + nb]
         forward.run(pb, jobs, pb.threads(len(jobs), T // K, p))
-        return {k: int((met[k][stale[k]] - bounds[k]).max()) for k in ks}
+        return {k: int((met_np[k][stale[k]] - bounds[k]).max()) for k in ks}
 
     jobs = job_list(range(K), None, False)
     forward.run(pb, jobs, pb.threads(len(jobs), T // K, p))
@@ -175,13 +178,13 @@ def sliced_forward(cell: str, x, h0, c0, weights, lengths=None, slices: int = 2,
         meet_steps.append(rerun(ks, stale))
         sweeps += 1
         stale = stale_now()
-    for k in range(1, K):  # the serial hand-off, in order: each slice from its exact predecessor
-        st = _differs(h[bounds[k] - 1], S[k], tol)
+    for k in range(1, K) if stale.any() else ():  # the serial hand-off, in order: each from its exact predecessor
+        st = _differs(h_np[bounds[k] - 1], S_np[k], tol)
         if lstm:
-            st |= _differs(c[bounds[k] - 1], Sc[k], tol)
+            st |= _differs(c_np[bounds[k] - 1], Sc_np[k], tol)
         if not st.any():
             continue
-        mask = torch.zeros(K, B, dtype=torch.bool)
+        mask = np.zeros((K, B), dtype=bool)
         mask[k] = st
         meet_steps.append(rerun([k], mask))
         handoff.append(k)
