@@ -220,23 +220,29 @@ static void step(const fw_call *C, const real *st, const vec *xs, const vec *hs,
 
 /* -- meeting a stored trajectory -------------------------------------------------------------------- */
 
-static AI real fabs_(real v) { return v < 0 ? -v : v; }
-
-/* Whether lane q of the new state v meets the stored state s ([.][H], at lane 0): bitwise where tol is 0, else
- * max_i |v_i - s_i| <= tol * max_i |s_i|. */
-static int lane_meets(const vec *v, const real *s, int q, double tol) {
+/* Whether lane q of the new state v equals the stored state s ([.][H], at lane 0) bit for bit (tol = 0: the first
+ * unit that differs ends the test, so a lane that does not meet costs one comparison). */
+static int lane_equal(const vec *v, const real *s, int q) {
     const real *n = (const real *)v;
-    if (tol == 0) {
-        for (int i = 0; i < H; ++i)
-            if (memcmp(n + i * NL + q, s + q * H + i, sizeof(real))) return 0;
-        return 1;
-    }
-    real d = 0, a = 0;
+    for (int i = 0; i < H; ++i)
+        if (memcmp(n + i * NL + q, s + q * H + i, sizeof(real))) return 0;
+    return 1;
+}
+
+/* Whether lanes 0 .. nb - 1 of the new state v meet the stored rows s ([nb][H]) within tol > 0, into out[q]:
+ * max_i |v_i - s_i| <= tol * max_i |s_i| (the maxima in real, NaN units passed over; the comparison in double).
+ * Every unit counts here, so the lanes are tested together: the stored rows brought into lanes, H vector steps. */
+static void lanes_meet_tol(const vec *v, const real *s, int nb, double tol, char *out) {
+    vec sv[H] ALIGN, d = SPLAT(0), a = SPLAT(0);
+    lanes_in(s, H, H, nb, sv);
     for (int i = 0; i < H; ++i) {
-        real e = fabs_(n[i * NL + q] - s[q * H + i]), m = fabs_(s[q * H + i]);
-        d = e > d ? e : d, a = m > a ? m : a;
+        vec e = v[i] - sv[i], m = sv[i];
+        e = blend(e < SPLAT(0), -e, e);
+        m = blend(m < SPLAT(0), -m, m);
+        d = blend(e > d, e, d);
+        a = blend(m > a, m, a);
     }
-    return d <= tol * a;
+    for (int q = 0; q < nb; ++q) out[q] = d[q] <= tol * a[q];
 }
 
 /* Lane q of the state v into steps t .. t1 - 1 of dst ([T][B][H], at lane 0): a sequence that has ended carries it
@@ -290,13 +296,22 @@ static void run_job(const fw_call *C, fw_job *J) {
         real *ct = C->c + (t * B + b0) * H;
 #endif
         int all = left == nb; /* every lane still written: the fast stores */
+        char meets[NL];
+        if (J->meet && C->tol != 0) {
+            lanes_meet_tol(hn, ht, nb, C->tol, meets);
+#if CELL == 3
+            char meets_c[NL];
+            lanes_meet_tol(cn, ct, nb, C->tol, meets_c);
+            for (int q = 0; q < nb; ++q) meets[q] = meets[q] && meets_c[q];
+#endif
+        }
         if (J->meet)
             for (int q = 0; q < nb; ++q) {
                 if (done[q]) continue;
 #if CELL == 3
-                int m = lane_meets(hn, ht, q, C->tol) && lane_meets(cn, ct, q, C->tol);
+                int m = C->tol != 0 ? meets[q] : lane_equal(hn, ht, q) && lane_equal(cn, ct, q);
 #else
-                int m = lane_meets(hn, ht, q, C->tol);
+                int m = C->tol != 0 ? meets[q] : lane_equal(hn, ht, q);
 #endif
                 if (!m && t < len[q]) continue;
                 if (!m) { /* ended, and its carry differs from the stored one: it never meets */
