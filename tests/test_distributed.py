@@ -222,7 +222,38 @@ def forward_suite(rank: int, p: int, group) -> list[tuple]:
     return out
 
 
-SUITES = {"scan": scan_suite, "layers": layer_suite, "forward": forward_suite}
+def collectives_suite(rank: int, p: int, group) -> dict:
+    """The collectives one call of a 2-layer split LSTM with lengths (torch's init: it forgets) makes on this rank,
+    counted by kind: {name: calls}."""
+    import bppsa.nn as bnn
+    from bppsa.nn import split
+
+    counts: dict = {}
+    real = {n: getattr(split._dist, n) for n in ("all_gather_ints", "all_reduce_sum", "send_to", "recv_from")}
+
+    def counting(name):
+        def call(*args, **kw):
+            counts[name] = counts.get(name, 0) + 1
+            return real[name](*args, **kw)
+        return call
+
+    torch.manual_seed(5)
+    layer = bnn.LSTM(2, 6, num_layers=2, backend="cpu", dtype=torch.float64, group_timeout=GROUP_TIMEOUT,
+                     process_group=group if group is not None else torch.distributed.group.WORLD)
+    T = 403
+    x, lengths = torch.rand(T, 3, 2, dtype=torch.float64), torch.tensor([T, 250, 7])
+    for name in real:
+        setattr(split._dist, name, counting(name))
+    try:
+        with torch.no_grad():
+            layer(x[torch.tensor_split(torch.arange(T), p)[rank]], lengths=lengths)
+    finally:
+        for name, fn in real.items():
+            setattr(split._dist, name, fn)
+    return counts
+
+
+SUITES = {"scan": scan_suite, "layers": layer_suite, "forward": forward_suite, "collectives": collectives_suite}
 
 # The groups of 4 spawned ranks the suites run in: p -> global ranks (None: the default group of all 4).  Groups
 # that skip ranks make the group's ranks differ from the global ones, which the exchanges must translate.
@@ -337,6 +368,18 @@ def test_the_forward_across_ranks_is_the_serial_forward(four_ranks, p):
                 assert mode is True or sweeps[1] is None, case
             elif p == 2:  # (whether it paid: fp64 meets after ~100-200 steps, about half a slice here)
                 assert sweeps[0] == 2, case
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_a_call_of_a_split_stack_gathers_once(four_ranks, p):
+    """One all-gather a call for the whole stack (the slices' sizes, each layer's record, the steps before this
+    rank's), with lengths and two layers; at two ranks no vote, and one exchange per layer."""
+    members = [res[p]["collectives"] for res in four_ranks if p in res]
+    assert len(members) == p
+    for rank, counts in enumerate(members):
+        assert counts.get("all_gather_ints") == 1, (p, rank, counts)
+        if p == 2:
+            assert "all_reduce_sum" not in counts and counts["send_to" if rank == 0 else "recv_from"] == 2, counts
 
 
 def _check_layer_results(members: list, p: int) -> None:

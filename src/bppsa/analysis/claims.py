@@ -788,9 +788,8 @@ def worker_step_claims(results: Path) -> list[Claim]:
             if fell_back == 1:
                 reason += (f"; the layer's default forward ran the serial hand-off in every timed step at p = {P} "
                            "(forward_sweeps = 0): it does so from the call after one whose sweeps did not pay "
-                           "(bppsa.nn.split); the tanh RNN's trajectories from two starts typically stay an ulp "
-                           "apart instead of meeting bitwise (docs/cpu-fast-path.md), so a rerun runs its whole "
-                           "slice"
+                           "(bppsa.nn.split), where a rerun ran half a slice or more: the trajectories from two "
+                           "starts did not meet within the cell's criterion (Cell.meet_ulps, docs/cpu-fast-path.md)"
                            + ("; so both methods ran the same forward" if key == "handoff" else
                               ", so the forward is not split and the step gains from the backward alone"))
             out.append(Claim(text, f"≥ {aim:g}× ({aim_text})", "—", measured + sweeps, label, verdict, reason))

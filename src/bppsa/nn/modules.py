@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from ..backends import BACKENDS
-from ..distributed import GroupRef, all_gather_ints
+from ..distributed import GroupRef
 from . import ops, split
 from .backward import AUTO, Options, no_autocast, valid_steps
 from .cells import CELLS, Cell, Weights
@@ -209,10 +209,12 @@ class _Recurrent(nn.Module):
                             "is not supported: float32 and float64 are; under autocast the layer runs in float32")
 
     def _layers(self, x: torch.Tensor, states: tuple, lengths: torch.Tensor | None):
-        T, t0 = x.shape[0], 0
-        if self.process_group is not None and lengths is not None:  # this rank's steps start at t0
-            t0 = sum(s[0] for s in all_gather_ints([T], self.process_group, self.group_timeout)
-                     [:dist.get_rank(self.process_group)])
+        T, t0, ranks = x.shape[0], 0, None
+        if self.process_group is not None:  # one gather for the call: every rank's slice, each layer's record
+            ranks = split.Ranks(self._group, self.group_timeout)
+            memories = [self._split_memory(k) for k in range(self.num_layers)]
+            sizes, unpaid = split.gather(x, self.cell.state_size(self.layer_weights(0, False)), memories, ranks)
+            t0 = sum(s[0] for s in sizes[:dist.get_rank(self.process_group)])  # this rank's steps start at t0
         valid = valid_steps(lengths, T, x.device, t0)
         rev = None if not self.bidirectional else _reversal(T, lengths, x.device)
         slices = {None: None, True: 0, False: 1}[self.parallel_forward]
@@ -229,7 +231,12 @@ class _Recurrent(nn.Module):
                     i = k * self.directions + d
                     state0 = tuple(s[i] if s is not None else None for s in states)
                     xd = x if d == 0 else _reverse(x, rev)
-                    h, h_n, c_n = self._layer(xd, state0, self.layer_weights(k, d == 1), lengths, options, i)
+                    w = self.layer_weights(k, d == 1)
+                    if ranks is not None:  # (one direction: the module refuses bidirectional=True with ranks)
+                        h, h_n, c_n = split.layer(self.cell, xd, state0, w, lengths, options, ranks, sizes, unpaid[k],
+                                                  memories[k])
+                    else:
+                        h, h_n, c_n = ops.layer(self.cell, xd, state0, w, lengths, options)
                     outs.append(h if d == 0 else _reverse(h, rev))
                     finals[0].append(h_n)
                     finals[1].append(c_n)
@@ -244,12 +251,9 @@ class _Recurrent(nn.Module):
                         if f[0] is not None)  # one layer: a view back to the op's output, no copy
         return x, stacked
 
-    def _layer(self, x, state0, w: Weights, lengths, options: Options, i: int):
-        if self.process_group is not None:  # i: the layer and direction, whose split forward keeps its own memory
-            memory = self.__dict__.setdefault("_split_memory", {}).setdefault(i, {})
-            return split.layer(self.cell, x, state0, w, lengths, options, split.Ranks(self._group, self.group_timeout),
-                               memory)
-        return ops.layer(self.cell, x, state0, w, lengths, options)
+    def _split_memory(self, k: int) -> dict:
+        """Layer k's split forward's own memory: its slices' guesses and records, kept between calls."""
+        return self.__dict__.setdefault("_split_memories", {}).setdefault(k, {})
 
     # -- conversions --------------------------------------------------------------------------------
     def _torch_kwargs(self) -> dict:

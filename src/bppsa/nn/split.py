@@ -16,9 +16,9 @@ two ranks the forward is then sweep 0 and one correction with one exchange, the 
 worst case (a layer that remembers, or a tanh RNN whose trajectories stay an ulp apart: each correction reruns
 whole slices) costs about the serial hand-off's time, plus an exchange and an all-reduce per sweep.  Whether a
 call did not pay (a rerun of half a slice or more, on any rank) is shared in the next call's gather of the slices'
-sizes, and the layer then runs the serial hand-off (rank r waits for rank r - 1's end) for that shape;
-``parallel_forward=False`` always does.  The common case, a layer that forgets, ends after two sweeps at about T/p
-plus the meeting length.
+sizes (:func:`gather`: one per call of the module, for all its layers), and the layer then runs the serial
+hand-off (rank r waits for rank r - 1's end) for that shape; ``parallel_forward=False`` always does.  The common
+case, a layer that forgets, ends after two sweeps at about T/p plus the meeting length.
 
 **Backward** (BPPSA over the ranks): the adjoint ``λ_t = ∂l/∂s_t + J_{t+1}ᵀ λ_{t+1}`` is an affine recurrence
 running from the last rank down.  Rank r's slice maps the gradient that enters it from the right, v (its
@@ -73,14 +73,17 @@ class Ranks:
 
 @dataclass(frozen=True)
 class Spec:
-    """What a split layer's call is besides its tensors; ``memory`` is the layer's and direction's own (held by its
-    module): per rank and shape, where its slice started in the last call (the next call's guess) and whether that
-    call paid."""
+    """What a split layer's call is besides its tensors; ``memory`` is the layer's own (held by its module): per
+    rank and shape, where its slice started in the last call (the next call's guess) and whether that call paid.
+    ``sizes``: every rank's ``(T_r, B, S)``, ``unpaid``: whether some rank's last sliced forward of this layer and
+    shape did not pay (both from :func:`gather`)."""
 
     cell: Cell
     lengths: torch.Tensor | None
     options: _bw.Options
     ranks: Ranks
+    sizes: tuple
+    unpaid: bool = False
     memory: dict = field(default_factory=dict, compare=False)
 
 
@@ -162,15 +165,27 @@ def _key(x: torch.Tensor, r: int, p: int) -> tuple:
     return (r, p, *x.shape[:2], x.dtype, str(x.device))
 
 
-def _unpaid(spec: Spec, x: torch.Tensor, r: int, p: int) -> bool:
-    """Whether this rank's last sliced forward of this layer and shape reran half a slice or more."""
-    return spec.memory.get(_key(x, r, p), (None, False))[1]
+def gather(x: torch.Tensor, S: int, memories: list[dict], ranks: Ranks) -> tuple[tuple, list[bool]]:
+    """``(sizes, unpaid)`` for a module's call over the ranks, by one all-gather: every rank's ``(T_r, B, S)`` (the
+    slices checked: a step at least on each, the same batch and state size), and per layer (``memories``, the
+    layers' :attr:`Spec.memory` in order) whether some rank's last sliced forward of this shape reran half a slice
+    or more -- the same on every rank, so every rank picks the same forward."""
+    group, timeout = ranks.group, ranks.timeout
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    T_r, B = x.shape[:2]
+    key = _key(x, r, p)
+    rows = _dist.all_gather_ints([T_r, B, S, *(int(m.get(key, (None, False))[1]) for m in memories)], group,
+                                 timeout)
+    sizes = tuple(tuple(s[:3]) for s in rows)
+    if any(s[1:] != (B, S) for s in sizes) or any(s[0] < 1 for s in sizes):
+        raise ValueError(f"bppsa.nn (process group): every rank needs at least one step and the same batch and "
+                         f"state size; the ranks hold [T_r, B, S] = {[list(s) for s in sizes]}")
+    return sizes, [any(s[3 + i] for s in rows) for i in range(len(memories))]
 
 
-def ranks_forward(cell: Cell, x, state0: torch.Tensor | None, w: Weights, valid, spec: Spec, unpaid: bool = False):
+def ranks_forward(cell: Cell, x, state0: torch.Tensor | None, w: Weights, valid, spec: Spec):
     """``(state_in, h, c, stats)``: this rank's slice of the layer's forward (the module's docstring), ``state_in``
-    the exact state before it; ``stats`` the sweeps (None for the serial hand-off).  ``unpaid``: some rank's last
-    sliced forward of this shape did not pay (the same on every rank: :class:`SplitLayer` gathers it)."""
+    the exact state before it; ``stats`` the sweeps (None for the serial hand-off)."""
     group, timeout = spec.ranks.group, spec.ranks.timeout
     p, r = dist.get_world_size(group), dist.get_rank(group)
     T_r, B = x.shape[:2]
@@ -178,7 +193,7 @@ def ranks_forward(cell: Cell, x, state0: torch.Tensor | None, w: Weights, valid,
     tol = cell.meet_tol(x.dtype)
     key = _key(x, r, p)
     slices = spec.options.slices  # None: where it pays (the last call of the shape says); 1: never; else always
-    if p == 1 or slices == 1 or (slices is None and unpaid):  # the serial hand-off
+    if p == 1 or slices == 1 or (slices is None and spec.unpaid):  # the serial hand-off
         start = state0 if r == 0 else _dist.recv_from(x.new_empty(B, cell.state_size(w)), r - 1, group, timeout)
         h, c = sl.run(start)
         if r < p - 1:
@@ -220,16 +235,14 @@ class SplitLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec: Spec, *tensors):
-        cell, group, timeout = spec.cell, spec.ranks.group, spec.ranks.timeout
+        cell, group = spec.cell, spec.ranks.group
         x, h0, c0, w = tensors[0], tensors[1], tensors[2], Weights(*tensors[3:])
         p, r = dist.get_world_size(group), dist.get_rank(group)
         T_r, B, _ = x.shape
-        S = cell.state_size(w)
-        # with each rank's record of whether its last sliced forward of this shape paid (the module's docstring)
-        sizes = _dist.all_gather_ints([T_r, B, S, int(_unpaid(spec, x, r, p))], group, timeout)
-        if any(s[1:3] != [B, S] for s in sizes) or any(s[0] < 1 for s in sizes):
-            raise ValueError(f"bppsa.nn (process group): every rank needs at least one step and the same batch and "
-                             f"state size; the ranks hold [T_r, B, S] = {[s[:3] for s in sizes]}")
+        sizes = spec.sizes
+        if len(sizes) != p or sizes[r][:2] != (T_r, B) or sizes[r][2] != cell.state_size(w):
+            raise ValueError(f"bppsa.nn (process group): the gathered sizes {sizes} are not this layer's: rank {r} "
+                             f"of {p} holds [T_r, B, S] = {[T_r, B, cell.state_size(w)]}")
         t0 = sum(s[0] for s in sizes[:r])
         T = sum(s[0] for s in sizes)
         lengths = spec.lengths
@@ -243,7 +256,7 @@ class SplitLayer(torch.autograd.Function):
                 zero_c = x.new_zeros(B, cell.hidden(w)) if cell.cell_state else None
                 state0 = cell.state(h0 if h0 is not None else x.new_zeros(B, w.out_size),
                                     c0 if c0 is not None else zero_c)
-            state_in, h, c, stats = ranks_forward(cell, x, state0, w, valid, spec, any(s[3] for s in sizes))
+            state_in, h, c, stats = ranks_forward(cell, x, state0, w, valid, spec)
             _fw.record(stats)
         ctx.save_for_backward(x, state_in, h, c, *w.tensors())
         ctx.spec, ctx.valid, ctx.where = spec, valid, (r, p, h0 is not None or c0 is not None)
@@ -413,15 +426,15 @@ def _returned(cell: Cell, w: Weights, dx, ds0, grads: dict, need) -> tuple:
     return (None, dx if need[1] else None, dh0 if need[2] else None, dc0 if need[3] else None, *weights)
 
 
-def layer(cell: Cell, x, state0: tuple, w: Weights, lengths, options: _bw.Options, ranks: Ranks,
-          memory: dict | None = None):
+def layer(cell: Cell, x, state0: tuple, w: Weights, lengths, options: _bw.Options, ranks: Ranks, sizes: tuple,
+          unpaid: bool = False, memory: dict | None = None):
     """``(h, h_end, c_end or None)`` of one layer over this rank's slice (time-major ``x`` [T_r, B, I]);
-    ``state0 = (h0, c0)`` is read on rank 0; ``memory``: the layer's and direction's own dict, kept between calls
-    (:class:`Spec`; None: the call remembers nothing)."""
+    ``state0 = (h0, c0)`` is read on rank 0; ``sizes`` and ``unpaid``: this call's :func:`gather`; ``memory``: the
+    layer's own dict, kept between calls (:class:`Spec`; None: the call remembers nothing)."""
     _bw.check_layer(cell, x, *state0, w, None)
     if lengths is not None and (lengths.dtype != torch.int64 or tuple(lengths.shape) != (x.shape[1],)):
         raise ValueError(f"bppsa.nn: lengths must be int64 [B] = [{x.shape[1]}], got {lengths.dtype} "
                          f"{tuple(lengths.shape)}")
-    spec = Spec(cell, lengths, options, ranks, {} if memory is None else memory)
+    spec = Spec(cell, lengths, options, ranks, tuple(sizes), unpaid, {} if memory is None else memory)
     h, h_end, c_end = SplitLayer.apply(spec, x, *state0, *w.tensors())
     return h, h_end, (c_end if cell.cell_state else None)
