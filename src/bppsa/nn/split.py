@@ -11,10 +11,10 @@ its slice's end state (h, and c for the LSTM) to the next (point-to-point), and 
 not the start it ran from reruns from it, each sequence until its new trajectory meets the stored one (the cell's
 criterion: bitwise, or within ``Cell.meet_ulps``; the compiled CPU kernel stops there, elsewhere the slice is rerun
 whole).  After sweep k the first k + 1 slices are exact, so at most p sweeps run and the last needs no vote;
-before each other one a small all-reduce says whether any rank but the last changed its end (none did: done).  At
-two ranks the forward is then sweep 0 and one correction with one exchange, the serial hand-off's collectives.  The
-worst case (a layer that remembers, or a tanh RNN whose trajectories stay an ulp apart: each correction reruns
-whole slices) costs about the serial hand-off's time, plus an exchange and an all-reduce per sweep.  Whether a
+after each of the others a small all-reduce says whether any rank but the last changed its end (none did: done).
+At two ranks the forward is then sweep 0 and one correction with one exchange, the serial hand-off's collectives.
+The worst case (a layer that remembers, or trajectories that never come within the criterion: each correction
+reruns whole slices) costs about the serial hand-off's time, plus an exchange and an all-reduce per sweep.  Whether a
 call did not pay (a rerun of half a slice or more, on any rank) is shared in the next call's gather of the slices'
 sizes (:func:`gather`: one per call of the module, for all its layers), and the layer then runs the serial
 hand-off (rank r waits for rank r - 1's end) for that shape; ``parallel_forward=False`` always does.  The common
