@@ -83,8 +83,8 @@ class Spec:
     options: _bw.Options
     ranks: Ranks
     sizes: tuple
-    unpaid: bool = False
-    memory: dict = field(default_factory=dict, compare=False)
+    unpaid: bool
+    memory: dict = field(compare=False)
 
 
 def _summary_backend() -> TorchBackend:
@@ -148,8 +148,6 @@ class _Slice:
                 c.copy_(c_new)
             met = h.shape[0]
         return met
-
-
 
 
 def _differs(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
@@ -427,14 +425,14 @@ def _returned(cell: Cell, w: Weights, dx, ds0, grads: dict, need) -> tuple:
 
 
 def layer(cell: Cell, x, state0: tuple, w: Weights, lengths, options: _bw.Options, ranks: Ranks, sizes: tuple,
-          unpaid: bool = False, memory: dict | None = None):
+          unpaid: bool, memory: dict):
     """``(h, h_end, c_end or None)`` of one layer over this rank's slice (time-major ``x`` [T_r, B, I]);
     ``state0 = (h0, c0)`` is read on rank 0; ``sizes`` and ``unpaid``: this call's :func:`gather`; ``memory``: the
-    layer's own dict, kept between calls (:class:`Spec`; None: the call remembers nothing)."""
+    layer's own dict, kept between calls (:class:`Spec`)."""
     _bw.check_layer(cell, x, *state0, w, None)
     if lengths is not None and (lengths.dtype != torch.int64 or tuple(lengths.shape) != (x.shape[1],)):
         raise ValueError(f"bppsa.nn: lengths must be int64 [B] = [{x.shape[1]}], got {lengths.dtype} "
                          f"{tuple(lengths.shape)}")
-    spec = Spec(cell, lengths, options, ranks, tuple(sizes), unpaid, {} if memory is None else memory)
+    spec = Spec(cell, lengths, options, ranks, tuple(sizes), unpaid, memory)
     h, h_end, c_end = SplitLayer.apply(spec, x, *state0, *w.tensors())
     return h, h_end, (c_end if cell.cell_state else None)
