@@ -15,8 +15,8 @@
  *    mat-vec (one chain at a time made a plain loop latency-bound: 2.1 ms for the RNN at T = 1000, B = 16);
  *  - the input projection W_ih x_t of each step is accumulated in the same registers, before the recurrent part it
  *    does not depend on (no [T][B][G*H] intermediate written and read back);
- *  - sigmoid and tanh are simd.h's vector functions (a few ulp), one division each, four units side by side (one
- *    unit's ~30 dependent operations alone leave the out-of-order window short of work);
+ *  - sigmoid and tanh are simd.h's vector functions (a few ulp; tanh in float a rational function), one division
+ *    each, four units side by side (one unit's dependent chain alone leaves the out-of-order window short of work);
  *  - the lane slices (jobs) are spread over a pool of threads (the end of this file).
  *
  * Layout: x [T][B][ni], the states h (and the LSTM's cells c) [T][B][H] (time-major, as torch.nn's own), the start
