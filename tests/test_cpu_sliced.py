@@ -132,3 +132,19 @@ def test_a_tolerance_keeps_the_error_within_its_bound():
         worst = max(worst, P.abs().sum(-1).amax().item())
     bound = (K - 1) * tol * sh.abs().max().item() * max(1.0, worst)
     assert 0 < err <= bound, (err, bound)
+
+
+@pytest.mark.parametrize("cell", ["rnn_tanh", "lstm"])
+def test_a_rerun_of_one_slice_spreads_its_lanes_over_the_threads(cell, monkeypatch):
+    """A batch of one register makes one job per slice: a correction of one slice then takes the lanes the serial
+    forward takes on these threads (narrower on AVX-512), so it runs on them all; the bits stay the serial ones."""
+    dtype, p, B = torch.float32, 2, 16
+    m, x, h0, c0 = case(cell, dtype, 600, B, remember=True)
+    calls, run = [], forward.run
+    monkeypatch.setattr(forward, "run", lambda pb, jobs, threads: calls.append(len(jobs)) or run(pb, jobs, threads))
+    h, c, stats = sliced.sliced_forward(cell, x, h0, c0, weights(m), None, 2, threads=p)
+    monkeypatch.undo()
+    assert stats["meet_steps"] and len(calls) == 2, (stats, calls)  # sweep 0, then slice 1's rerun
+    assert calls[1] >= min(p, -(-B // forward.plan_lanes(B, dtype, p))), calls
+    sh, sc = serial(cell, m, x, h0, c0)
+    assert torch.equal(h, sh) and (c is None or torch.equal(c, sc))

@@ -31,7 +31,9 @@ them lie along any step's history, so the error at a step is at most (K - 1) · 
 
 **Time.**  In units of one slice of one lane slice (T / K steps), with L lane slices and p threads: sweep 0 takes
 ⌈K L / p⌉, sweep j ⌈(K - j) L / p⌉ at most, the hand-off ⌈L / p⌉ per slice; against K ⌈L / p⌉ for the serial
-compiled forward on the same threads.  ``stats['bound']`` is that worst case (a layer that never meets) as a
+compiled forward on the same threads.  A rerun whose jobs would leave threads idle (one slice of a batch of one
+register: each job a whole register) narrows its lanes as the serial forward does for these threads, so a correction
+or a hand-off of one slice still uses them all.  ``stats['bound']`` is the worst case (a layer that never meets) as a
 multiple of the serial forward: 1.0 at K = p = 2 with one lane slice, 1.5 at K = 4 there (max_sweeps = 3).  With a
 layer that forgets, sweep 0 dominates: ~⌈K L / p⌉ / (K ⌈L / p⌉) of the serial time, 1 / p with one lane slice.
 """
@@ -145,9 +147,24 @@ def sliced_forward(cell: str, x, h0, c0, weights, lengths=None, slices: int = 2,
     ends = [b - 1 for b in bounds[1:K]]  # the steps whose states are slices 1 .. K - 1's true starts
     h_np, c_np, S_np, Sc_np, met_np = (None if t is None else t.numpy() for t in (h, c, S, Sc, met))
 
-    def job_list(ks, stale, meet):
+    def job_list(ks, stale, meet, lanes=lanes):
         return [(b0, nb, bounds[k], bounds[k + 1], S[k], Sc[k] if lstm else None, meet, met[k])
                 for k in ks for b0, nb in lanes if stale is None or bool(stale[k, b0:b0 + nb].any())]
+
+    narrow = []  # the reruns' problem with narrower lanes, made at the first rerun that wants it
+
+    def rerun_jobs(ks, stale):
+        """A rerun's problem and jobs: fewer slices than sweep 0's, so where whole registers leave threads idle
+        (one slice of a batch of one register) its lanes narrow as the serial forward's do for these threads
+        (:func:`.forward.plan_lanes`).  A batch element's bits do not depend on its lanes: the same result."""
+        jobs = job_list(ks, stale, True)
+        if len(jobs) < p:
+            if not narrow:
+                narrow.append(forward.problem(cell, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, tol=tol,
+                                              threads=p))
+            if narrow[0] is not None and narrow[0].lanes < pb.lanes:
+                return narrow[0], job_list(ks, stale, True, narrow[0].slices())
+        return pb, jobs
 
     def stale_now():
         """[K, B]: the elements whose slice start is no longer their predecessor's end (slice 0: never)."""
@@ -161,12 +178,12 @@ def sliced_forward(cell: str, x, h0, c0, weights, lengths=None, slices: int = 2,
         """Slices ks' lane slices with a stale element, from their predecessors' ends, until they meet.  The new
         starts are copied before any job runs (a predecessor's rerun may rewrite its end), and only for the lanes
         that rerun: S holds the start each element's stored trajectory was computed from."""
-        jobs = job_list(ks, stale, True)
+        run_pb, jobs = rerun_jobs(ks, stale)
         for b0, nb, t0, *_ in jobs:
             S[bounds.index(t0), b0:b0 + nb] = h[t0 - 1, b0:b0 + nb]
             if lstm:
                 Sc[bounds.index(t0), b0:b0 + nb] = c[t0 - 1, b0:b0 + nb]
-        forward.run(pb, jobs, pb.threads(len(jobs), T // K, p))
+        forward.run(run_pb, jobs, run_pb.threads(len(jobs), T // K, p))
         return {k: int((met_np[k][stale[k]] - bounds[k]).max()) for k in ks}
 
     jobs = job_list(range(K), None, False)
