@@ -341,7 +341,8 @@ def test_relus_rnn_takes_the_kernels_states_path_as_tanhs_does(layout, dtype, B)
 def test_the_kernels_gate_pass_writes_torchs_factors_in_the_scans_threads(B, h0, bias, dtype):
     """With the forward's states (LstmStates), the chain's factors are left to the kernel's gate pass, which the
     scan's team writes in units of steps: gates() is never called, the factors are torch's to a few ulp (its exp,
-    1 - p and 1 - tanh² computed, not from rounded gates; fp64: 1e-14 of each row block's largest; fp32: within 2e-6
+    1 - p computed, not from a rounded gate; fp32's tanh the forward's, 1 - tanh² from it; fp64: 1e-14 of each row
+    block's largest; fp32: within 2e-6
     of the exact factors of the same states, where torch's own cf = c' f (1 - f) from a rounded f ≈ 0.98 is ~2e-6
     off) and x and h' (h_0, or 0, first) bit for bit, and the scan and gradients are those of the same kernel over the
     factors written before it, bit for bit."""

@@ -1290,9 +1290,10 @@ static inline void lanes_of(const real *src, long stride, int n, int nb, real (*
  * writes them from lstm_factors(lstm_gates(...)), straight from x ([T][B][ni]), the states h and c ([T][B][HC]:
  * h_1 .. h_T, c_1 .. c_T), h_0 and c_0 ([B][HC], NULL: zero) and the cell's weights (W_ih [4HC][ni], W_hh
  * [4HC][HC], biases [4HC]; gate order i, f, g, o): per step and block of FV lanes, the gates' pre-activations
- * in registers, i, f, o = sigmoid, g = tanh (with 1 - p and 1 - g^2 each to a few ulp, not from the rounded
- * gate), tanh(c_t) and 1 - tanh^2(c_t) from the state, then the rows a, ci, cf, cg, co, f, x_t and h' written: one
- * pass over memory where torch's gate recomputation and factors take some twenty. */
+ * in registers, i, f, o = sigmoid (with 1 - p to a few ulp, not from the rounded gate), g = tanh and tanh(c_t) from
+ * the state as the forward computes them (float: simd.h's rational function, 1 - tanh^2 from it; double: vtanh),
+ * then the rows a, ci, cf, cg, co, f, x_t and h' written: one pass over memory where torch's gate recomputation
+ * and factors take some twenty. */
 static void lstm_pass(const real *x, const real *h, const real *c, const real *Wi, const real *Wh, const real *bi,
                       const real *bh, const real *h0, const real *c0, long T, long B, long ni, long k0, long k1,
                       real *f) {
@@ -1319,9 +1320,16 @@ static void lstm_pass(const real *x, const real *h, const real *c, const real *W
                 fvec ip, iq, fp, fq, gn, gs, op, oq, tc, ts;
                 vsigmoid(pre[i], &ip, &iq);
                 vsigmoid(pre[HC + i], &fp, &fq);
-                vtanh(pre[2 * HC + i], &gn, &gs);
                 vsigmoid(pre[3 * HC + i], &op, &oq);
+#if REALBITS == 32 /* the forward's tanh (simd.h's rational function): 1 - n^2 from it, as torch's autograd */
+                gn = pre[2 * HC + i], tc = *(fvec *)ct[i];
+                vtanh1_n(&gn, 1);
+                vtanh1_n(&tc, 1);
+                gs = SPLAT(1) - gn * gn, ts = SPLAT(1) - tc * tc;
+#else
+                vtanh(pre[2 * HC + i], &gn, &gs);
                 vtanh(*(fvec *)ct[i], &tc, &ts);
+#endif
                 *(fvec *)out[0][i] = op * ts;                    /* a = o (1 - tanh^2 c) */
                 *(fvec *)out[1][i] = gn * ip * iq;               /* ci = g i (1 - i) */
                 *(fvec *)out[2][i] = *(fvec *)cp[i] * fp * fq;   /* cf = c' f (1 - f) */

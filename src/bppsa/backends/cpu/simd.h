@@ -164,11 +164,12 @@ static inline fvec vexp(fvec x) {
     return x;
 }
 
-/* p = sigmoid(x) and q = 1 - p = sigmoid(-x), each to a few ulp (1 - p would cancel as p nears 1). */
+/* p = sigmoid(x) and q = 1 - p = sigmoid(-x) = e^-x p, each to a few ulp (1 - p would cancel as p nears 1); one
+ * division. */
 static inline void vsigmoid(fvec x, fvec *p, fvec *q) {
-    fvec e = vexp(-x), d = SPLAT(1) + e;
-    *p = SPLAT(1) / d;
-    *q = e / d;
+    fvec e = vexp(-x), d = SPLAT(1) + e, r = SPLAT(1) / d;
+    *p = r;
+    *q = e * r;
 }
 /* n = tanh(x) and s = 1 - n^2, both to a few ulp.  Near 0 (|x| < 0.625) n is Cephes' odd expansion
  * (float: tanhf's polynomial; double: tanh's rational), where 1 - 2 / (e^2x + 1) would cancel, and
