@@ -245,6 +245,22 @@ static void lanes_meet_tol(const vec *v, const real *s, int nb, double tol, char
     for (int q = 0; q < nb; ++q) out[q] = d[q] <= tol * a[q];
 }
 
+#if CELL == 0
+/* Whether any of lanes 0 .. nb - 1 of v may meet the stored rows s within tol > 0 (lanes_meet_tol's test): a tanh
+ * RNN's states lie in [-1, 1], so tol * max|s| <= tol, and a lane whose first unit alone differs by more than tol
+ * cannot meet.  Its |v_0 - s_0| is computed in real, as lanes_meet_tol computes it, so a lane this passes over is one
+ * it would refuse: one unit of each lane instead of every unit, where no lane is near (a layer that remembers). */
+static int lanes_may_meet_tol(const vec *v, const real *s, int nb, double tol) {
+    const real *n = (const real *)v;
+    for (int q = 0; q < nb; ++q) {
+        real e = n[q] - s[q * H];
+        e = e < 0 ? -e : e;
+        if (!((double)e > tol)) return 1;
+    }
+    return 0;
+}
+#endif
+
 /* Lane q of the state v into steps t .. t1 - 1 of dst ([T][B][H], at lane 0): a sequence that has ended carries it
  * to the end. */
 static void fill_lane(const vec *v, int q, real *dst, long B, long t, long t1) {
@@ -298,7 +314,12 @@ static void run_job(const fw_call *C, fw_job *J) {
         int all = left == nb; /* every lane still written: the fast stores */
         char meets[NL];
         if (J->meet && C->tol != 0) {
-            lanes_meet_tol(hn, ht, nb, C->tol, meets);
+#if CELL == 0 /* (with lengths a carried h_0 may lie outside [-1, 1]) */
+            if (!C->len && !lanes_may_meet_tol(hn, ht, nb, C->tol))
+                memset(meets, 0, sizeof meets);
+            else
+#endif
+                lanes_meet_tol(hn, ht, nb, C->tol, meets);
 #if CELL == 3
             char meets_c[NL];
             lanes_meet_tol(cn, ct, nb, C->tol, meets_c);
