@@ -115,6 +115,9 @@ static inline fvec blend(ivec mask, fvec yes, fvec no) { return (fvec)(((ivec)ye
 #endif
 static inline fvec vmin(fvec c, fvec a) { return (fvec)VMIN_((VREG_)c, (VREG_)a); }
 static inline fvec vmax(fvec c, fvec a) { return (fvec)VMAX_((VREG_)c, (VREG_)a); }
+#undef VMIN_
+#undef VMAX_
+#undef VREG_
 #else
 static inline fvec vmin(fvec c, fvec a) { return blend(a > c, c, a); }
 static inline fvec vmax(fvec c, fvec a) { return blend(a < c, c, a); }

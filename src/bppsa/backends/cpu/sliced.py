@@ -39,6 +39,7 @@ layer that forgets, sweep 0 dominates: ~⌈K L / p⌉ / (K ⌈L / p⌉) of the s
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -151,19 +152,18 @@ def sliced_forward(cell: str, x, h0, c0, weights, lengths=None, slices: int = 2,
         return [(b0, nb, bounds[k], bounds[k + 1], S[k], Sc[k] if lstm else None, meet, met[k])
                 for k in ks for b0, nb in lanes if stale is None or bool(stale[k, b0:b0 + nb].any())]
 
-    narrow = []  # the reruns' problem with narrower lanes, made at the first rerun that wants it
+    # the serial forward's lanes for these threads, and a rerun's problem with them (made at the first that wants it)
+    rerun_lanes = forward.plan_lanes(B, x.dtype, p)
+    narrow = functools.cache(lambda: forward.problem(cell, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c,
+                                                     tol=tol, lanes=rerun_lanes))
 
     def rerun_jobs(ks, stale):
         """A rerun's problem and jobs: fewer slices than sweep 0's, so where whole registers leave threads idle
-        (one slice of a batch of one register) its lanes narrow as the serial forward's do for these threads
-        (:func:`.forward.plan_lanes`).  A batch element's bits do not depend on its lanes: the same result."""
+        (one slice of a batch of one register) its lanes narrow to the serial forward's for these threads.  A
+        batch element's bits do not depend on its lanes: the same result."""
         jobs = job_list(ks, stale, True)
-        if len(jobs) < p:
-            if not narrow:
-                narrow.append(forward.problem(cell, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, h, c, tol=tol,
-                                              threads=p))
-            if narrow[0] is not None and narrow[0].lanes < pb.lanes:
-                return narrow[0], job_list(ks, stale, True, narrow[0].slices())
+        if len(jobs) < p and rerun_lanes < pb.lanes and narrow() is not None:
+            return narrow(), job_list(ks, stale, True, narrow().slices())
         return pb, jobs
 
     def stale_now():
