@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -369,6 +370,30 @@ def test_processes_wanting_the_same_kernel_build_it_once(tmp_path):
     assert all(out.strip() == "True" for out, _ in outs), [err for _, err in outs]
     builds = log.read_text().splitlines()
     assert len(builds) == 1 and "-DHID=3" in builds[0], builds
+
+
+@pytest.mark.skipif(not native.available(), reason=f"no compiled kernel: {native.unavailable_reason()}")
+def test_the_precompiled_system_headers_are_read_and_change_no_byte(tmp_path, monkeypatch):
+    """GCC reads the system headers precompiled once (``-H`` lists the .gch it takes, ``-Winvalid-pch`` warns of one
+    it cannot), and a kernel built with them is byte for byte the one built without."""
+    tg = native.target()
+    cc, flags = tg["compiler"], native._FLAGS + tg["flags"]
+    if "Free Software Foundation" not in native._compiler_id(cc):
+        pytest.skip(f"{cc} is not GCC: its kernels are built without a precompiled header")
+    monkeypatch.setenv("BPPSA_CACHE_DIR", str(tmp_path / "cache"))
+    include = native._precompiled(cc, flags, tg["isa"])
+    assert include[0] == "-include" and native._intact(Path(include[1] + ".gch"))
+    for name, text in native._files("forward.c").items():
+        (tmp_path / name).write_bytes(text)
+    defs = ["-DCELL=0", "-DHID=6", "-DLANES=1", "-DREAL=float", "-DREALBITS=32"]
+    runs = {}
+    for how, extra in (("with", [*include, "-H", "-Winvalid-pch"]), ("without", [])):
+        so = tmp_path / f"{how}.so"
+        runs[how] = subprocess.run([cc, *flags, *extra, *defs, "-o", str(so), str(tmp_path / "forward.c"), "-lm"],
+                                   capture_output=True, text=True, timeout=300)
+        assert runs[how].returncode == 0, runs[how].stderr
+    assert f"! {include[1]}.gch" in runs["with"].stderr and "invalid" not in runs["with"].stderr.lower()
+    assert (tmp_path / "with.so").read_bytes() == (tmp_path / "without.so").read_bytes()
 
 
 def test_importing_bppsa_shortens_the_openmp_spin_unless_set():
