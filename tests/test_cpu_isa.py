@@ -35,14 +35,15 @@ def test_every_kernel_variant_compiles_without_a_piecewise_vector(target, kind, 
     if shutil.which(cc) is None:
         pytest.skip(f"no {cc} (Debian: apt-get install gcc-aarch64-linux-gnu)")
     state = 2 if kind == 3 else 1
+    base = [*march, "-O3", "-fPIC", "-std=gnu11", "-pthread"]
+    pch = native._precompiled(cc, base, target)  # the system headers precompiled, as native.build compiles
     for real, bits in (("float", 32), ("double", 64)):
         full = vbytes * 8 // bits
         for lanes, H in ((1, 20), (full, 20), (full, 33)):
                 defs = [f"-DKIND={kind}", f"-DHID={state * H}", f"-DLANES={lanes}", f"-DREAL={real}",
                         f"-DREALBITS={bits}", f"-DACT={act}"]
-                r = subprocess.run([cc, *march, "-O3", "-fPIC", "-std=gnu11", "-pthread", *CHECKS, *defs, "-c",
-                                    "-o", str(tmp_path / "k.o"), str(SRC)], capture_output=True, text=True,
-                                   timeout=300)
+                r = subprocess.run([cc, *base, *pch, *CHECKS, *defs, "-c", "-o", str(tmp_path / "k.o"), str(SRC)],
+                                   capture_output=True, text=True, timeout=300)
                 assert r.returncode == 0 and not r.stderr.strip(), (target, defs, r.stderr[-2000:])
 
 
@@ -56,14 +57,16 @@ def test_every_forward_variant_compiles_without_a_piecewise_vector(target, cell,
     cc, march, vbytes = TARGETS[target]
     if shutil.which(cc) is None:
         pytest.skip(f"no {cc} (Debian: apt-get install gcc-aarch64-linux-gnu)")
+    base = [*march, "-O3", "-fPIC", "-std=gnu11", "-pthread"]
+    pch = native._precompiled(cc, base, target)
     for (real, bits), H in ((("float", 32), 20), (("double", 64), 33)):
         # a register's lanes, and the half of one that forward.plan_lanes may take (not below 32 bytes)
         for nbytes in [vbytes] + ([vbytes // 2] if vbytes // 2 >= 32 else []):
             lanes = nbytes * 8 // bits
             defs = [f"-DCELL={cell}", f"-DHID={H}", f"-DLANES={lanes}", f"-DREAL={real}",
                     f"-DREALBITS={bits}"]
-            r = subprocess.run([cc, *march, "-O3", "-fPIC", "-std=gnu11", "-pthread", *CHECKS, *defs, "-c", "-o",
-                                str(tmp_path / "f.o"), str(FORWARD)], capture_output=True, text=True, timeout=300)
+            r = subprocess.run([cc, *base, *pch, *CHECKS, *defs, "-c", "-o", str(tmp_path / "f.o"), str(FORWARD)],
+                               capture_output=True, text=True, timeout=300)
             assert r.returncode == 0 and not r.stderr.strip(), (target, defs, r.stderr[-2000:])
 
 
