@@ -7,6 +7,7 @@ short scan against the sequential scan and a `verify` (BPPSA against autograd, f
 """
 from __future__ import annotations
 
+import concurrent.futures
 import platform
 import subprocess
 import warnings
@@ -87,9 +88,12 @@ def nvrtc_compile(archs: tuple[int, ...]) -> dict:
     out = {"version": f"{ver[0]}.{ver[1]}", "library": nvrtc.library_path(), "archs": list(archs)}
     try:
         worst = {"registers": 0, "stack": 0, "spill_stores": 0, "spill_loads": 0}
-        for arch in archs:
-            for src in SOURCES:
-                res = nvrtc.compile_kernel(src, arch, "-Xptxas=-v")
+        jobs = [(src, arch) for arch in archs for src in SOURCES]
+        # a program per thread on the cores this process may use (NVRTC compiles separate programs concurrently,
+        # and ctypes lets go of the GIL): a first doctor on a many-core GPU node takes seconds, not 15 compiles
+        # of ~2 s one after another
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), _device.default_threads()))) as pool:
+            for res in pool.map(lambda job: nvrtc.compile_kernel(*job, "-Xptxas=-v"), jobs):
                 for stats in nvrtc.ptxas_report(res.log).values():
                     worst = {k: max(worst[k], stats[k]) for k in worst}
     except Exception as exc:  # noqa: BLE001
