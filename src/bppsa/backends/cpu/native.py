@@ -181,7 +181,7 @@ _loaded: list = []  # other modules' caches of loaded builds (forward.py's), for
 
 def reset() -> None:
     """Forget this process's target, builds and their errors (after ``BPPSA_CPU_ISA`` or ``CC`` changed)."""
-    for f in (_which, _target, library, unavailable_reason, *_loaded):
+    for f in (_which, _target, library, unavailable_reason, _precompiled_in, *_loaded):
         f.cache_clear()
     _errors.clear()
     _any.clear()
@@ -271,12 +271,13 @@ _SYSTEM_HEADERS = b"""/* bppsa: the system headers of the CPU kernels, precompil
 """
 
 
-def _built(out: Path, compile_to) -> bool:
-    """``out`` in the cache whole: there already, or made by ``compile_to(tmp_path)`` (True on success) under a lock
-    beside it -- processes that want the same file (test workers, cluster jobs starting together on a shared cache)
-    wait for the first instead of compiling it again -- then renamed into place with its SHA-256 beside it."""
+def _built(out: Path, compile_to) -> str | None:
+    """``out`` in the cache whole: there already, or made by ``compile_to(tmp_path)`` (None on success, else why it
+    failed) under a lock beside it -- processes that want the same file (test workers, cluster jobs starting together
+    on a shared cache) wait for the first instead of compiling it again -- then renamed into place with its SHA-256
+    beside it.  None where it is there whole, else why not."""
     if _intact(out):
-        return True
+        return None
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -286,34 +287,45 @@ def _built(out: Path, compile_to) -> bool:
                               stacklevel=6)
             with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
                 made = Path(tmp) / out.name
-                if not compile_to(made):
-                    return False
+                why = compile_to(made)
+                if why is not None:
+                    return why
                 sum_file = Path(tmp) / "sum"
                 sum_file.write_text(_digest(made) + "\n")
                 os.replace(made, out)
                 os.replace(sum_file, out.with_suffix(".sha256"))
         if not _intact(out):  # the rebuild itself did not land whole (the disk is still full, say)
-            _errors["cc"] = f"the kernel {out} is damaged in the cache and its rebuild failed the checksum"
-            return False
-    return True
+            return f"the kernel {out} is damaged in the cache and its rebuild failed the checksum"
+    return None
 
 
 def _precompiled(cc: str, flags: list[str], isa_name: str) -> list[str]:
     """``-include`` of :data:`_SYSTEM_HEADERS` precompiled for ``cc`` and ``flags`` (built into the cache at first
-    use), or nothing where ``cc`` is not GCC or the header does not build (the sources then parse them as text)."""
+    use), or nothing where ``cc`` is not GCC or the header does not build (the sources then parse them as text).
+    Once per process and cache: a later build of the process takes the answer without hashing the 25 MB again."""
+    args = (cc, tuple(flags), isa_name, str(cache_dir()))
+    got = _precompiled_in(*args)
+    if got and not Path(got[1] + ".gch").exists():  # the cache emptied under this process: build it again
+        _precompiled_in.cache_clear()
+        got = _precompiled_in(*args)
+    return got
+
+
+@functools.cache
+def _precompiled_in(cc: str, flags: tuple[str, ...], isa_name: str, cache: str) -> list[str]:
     cc_id = _compiler_id(cc)
     if "Free Software Foundation" not in cc_id or "clang" in cc_id.lower():
         return []
     key = hashlib.sha256(b"\0".join([_SYSTEM_HEADERS, " ".join(flags).encode(), cc_id.encode(),
                                      (_cpu_id() if isa_name == "native" else "").encode()])).hexdigest()[:20]
-    header = cache_dir() / f"system_{isa_name}_{key}.h"
+    header = Path(cache) / f"system_{isa_name}_{key}.h"
 
-    def compile_to(gch: Path) -> bool:
+    def compile_to(gch: Path) -> str | None:
         text = gch.with_name(header.name)
         text.write_bytes(_SYSTEM_HEADERS)
         r = subprocess.run([cc, *[f for f in flags if f != "-shared"], "-x", "c-header", str(text), "-o", str(gch)],
                            capture_output=True, text=True, timeout=300)
-        return r.returncode == 0
+        return None if r.returncode == 0 else r.stderr
 
     if not header.exists() or header.read_bytes() != _SYSTEM_HEADERS:
         header.parent.mkdir(parents=True, exist_ok=True)
@@ -321,13 +333,8 @@ def _precompiled(cc: str, flags: list[str], isa_name: str) -> list[str]:
             f.write(_SYSTEM_HEADERS)
         os.chmod(f.name, 0o644)
         os.replace(f.name, header)
-    saved = _errors.get("cc")
-    ok = _built(header.with_name(header.name + ".gch"), compile_to)
-    if saved is None:  # a header that did not build is no reason to call the kernels unavailable
-        _errors.pop("cc", None)
-    else:
-        _errors["cc"] = saved
-    return ["-include", str(header)] if ok else []
+    # a header that did not build is no reason to call the kernels unavailable: they build without it
+    return ["-include", str(header)] if _built(header.with_name(header.name + ".gch"), compile_to) is None else []
 
 
 def build(source: str, defs: list[str], stem: str) -> ctypes.CDLL | None:
@@ -346,17 +353,17 @@ def build(source: str, defs: list[str], stem: str) -> ctypes.CDLL | None:
     key = build_key(" ".join(defs), source)
     out = cache_dir() / f"{stem}_{tg['isa']}_{key}.so"
 
-    def compile_to(so_file: Path) -> bool:
+    def compile_to(so_file: Path) -> str | None:
         tmp = so_file.parent
         for name, text in _files(source).items():
             (tmp / name).write_bytes(text)
         r = subprocess.run([cc, *flags, *_precompiled(cc, flags, tg["isa"]), *defs, "-o", str(so_file),
                             str(tmp / source), *_LIBS], capture_output=True, text=True, timeout=300)
-        if r.returncode != 0:
-            _errors["cc"] = f"{cc} failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-500:]}"
-        return r.returncode == 0
+        return None if r.returncode == 0 else f"{cc} failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-500:]}"
 
-    if not _built(out, compile_to):
+    why = _built(out, compile_to)
+    if why is not None:
+        _errors["cc"] = why
         return None
     return ctypes.CDLL(str(out))
 
