@@ -1180,18 +1180,30 @@ void rnn_factors(const real *h, const real *x, long T, long B, long ni, long k0,
 #else
 /* -- the GRU's and the LSTM's gates, recomputed (the forward keeps none), with simd.h's vector exp ------------ */
 #define FV RVL /* lanes of the builder's vectors: one register */
-/* The GRU's factors [T][NR][B] in scan order for steps k0 .. k1 - 1, straight from x ([T][B][ni]) and h
- * ([T][B][H], h_0 = 0) and the cell's weights (W_ih [3H][ni], W_hh [3H][H], biases [3H]; gate order r, z, n):
- * per step and block of FV lanes, x_t and h' go to lane order, the gates' two affine maps, r = sigmoid(R),
- * z = sigmoid(Z), n = tanh(N) (Eq. 10) are computed in registers, and the rows c_r, c_z, c_n, z, e, x_t and
- * h' written: one pass over memory, where torch's gate recomputation made several. */
+/* A gate pass writes a chain's factors [T][NR][B] in scan order for steps k0 .. k1 - 1 straight from the layer's
+ * inputs x ([T][B][ni]), its states and the cell's weights: per step and block of FV lanes, x_t and h' go to lane
+ * order, the gates' pre-activations and activations are computed in registers, and the step's rows (the factors,
+ * then x_t and h') written: one pass over memory, where torch's gate recomputation and factors make some twenty. */
+typedef struct {
+    const real *x, *h;
+#if KIND == 3
+    const real *c;
+#endif
+    const real *Wi, *Wh, *bi, *bh;
+#if KIND == 3
+    const real *h0, *c0;
+#endif
+    real *f;
+    long T, B, ni;
+} fill_args; /* the pass's operands (native.py's _FillArgs, _LstmFillArgs) */
+
 /* dst[0 .. nb) = src[0 .. nb): one vector store when the block is whole (a constant-size copy the compiler
- * inlines; a library call per row took about a sixth of the pass).  A whole aligned 64-byte row is streamed
- * past the caches: the factors (8.7 MB at set L, B = 16) outgrow L2, and an ordinary store would first read
- * every line it overwrites (measured: docs/measurements.md, "Measurements the code cites"). */
-static inline void store_lanes(real *dst, const real *src, int nb) {
+ * inlines; a library call per row took about a sixth of the pass); with `stream` (whole_lines) past the caches:
+ * the factors (8.7 MB at set L, B = 16) outgrow L2, and an ordinary store would first read every line it
+ * overwrites (measured: docs/measurements.md, "Measurements the code cites"). */
+static inline void store_lanes(real *dst, const real *src, int nb, int stream) {
 #if defined(__AVX512F__) || defined(__AVX__)
-    if (nb == FV && !((uintptr_t)dst % VREG_BYTES)) {
+    if (stream && nb == FV) {
 #if VREG_BYTES == 64 && REALBITS == 32
         _mm512_stream_ps(dst, *(const __m512 *)src);
 #elif VREG_BYTES == 64
@@ -1203,77 +1215,15 @@ static inline void store_lanes(real *dst, const real *src, int nb) {
 #endif
         return;
     }
+#else
+    (void)stream;
 #endif
     if (nb == FV) memcpy(dst, src, sizeof(fvec));
     else memcpy(dst, src, nb * sizeof(real));
 }
 
-#if KIND == 2
-static void gru_pass(const real *x, const real *h, const real *Wi, const real *Wh, const real *bi, const real *bh,
-                     long T, long B, long ni, long k0, long k1, real *f) {
-    for (long k = k0; k < k1; ++k) {
-        long t = T - 1 - k;
-        real *fk = f + k * NR * B;
-        for (long b0 = 0; b0 < B; b0 += FV) {
-            int nb = B - b0 < FV ? (int)(B - b0) : FV;
-            real xs[ni > 0 ? ni : 1][FV] __attribute__((aligned(64))), hs[H][FV] __attribute__((aligned(64)));
-            real out[5][H][FV] __attribute__((aligned(64)));
-            if (nb == FV && t) { /* a whole block: the transposes without a test per element */
-                const real *xb = x + (t * B + b0) * ni, *hb = h + ((t - 1) * B + b0) * H;
-                for (int j = 0; j < ni; ++j)
-                    UNROLL for (int q = 0; q < FV; ++q) xs[j][q] = xb[q * ni + j];
-                for (int i = 0; i < H; ++i)
-                    UNROLL for (int q = 0; q < FV; ++q) hs[i][q] = hb[q * H + i];
-            } else {
-                for (int j = 0; j < ni; ++j)
-                    for (int q = 0; q < FV; ++q) xs[j][q] = q < nb ? x[(t * B + b0 + q) * ni + j] : 0;
-                for (int i = 0; i < H; ++i)
-                    for (int q = 0; q < FV; ++q) hs[i][q] = q < nb && t ? h[((t - 1) * B + b0 + q) * H + i] : 0;
-            }
-            fvec gi[3 * H], gh[3 * H];
-            for (int g = 0; g < 3 * H; ++g) {
-                fvec a = SPLAT(bi[g]), c = SPLAT(bh[g]);
-                for (int j = 0; j < ni; ++j) a += Wi[g * ni + j] * *(fvec *)xs[j];
-                UNROLL for (int i = 0; i < H; ++i) c += Wh[g * H + i] * *(fvec *)hs[i];
-                gi[g] = a;
-                gh[g] = c;
-            }
-            for (int i = 0; i < H; ++i) {
-                fvec r, r1, z, z1, n, ns, M = gh[2 * H + i];
-                vsigmoid(gi[i] + gh[i], &r, &r1);
-                vsigmoid(gi[H + i] + gh[H + i], &z, &z1);
-                vtanh(gi[2 * H + i] + r * M, &n, &ns);
-                fvec e = z1 * ns;
-                *(fvec *)out[0][i] = e * M * r * r1;
-                *(fvec *)out[1][i] = (*(fvec *)hs[i] - n) * z * z1;
-                *(fvec *)out[2][i] = e * r;
-                *(fvec *)out[3][i] = z;
-                *(fvec *)out[4][i] = e;
-            }
-            for (int q = 0; q < 5; ++q)
-                for (int i = 0; i < H; ++i) store_lanes(fk + (q * H + i) * B + b0, out[q][i], nb);
-            for (int j = 0; j < ni; ++j) store_lanes(fk + (XROW + j) * B + b0, xs[j], nb);
-            for (int i = 0; i < H; ++i) store_lanes(fk + (XROW + ni + i) * B + b0, hs[i], nb);
-        }
-    }
-#if defined(__AVX512F__) || defined(__AVX__)
-    _mm_sfence(); /* the streaming stores are weakly ordered: visible before the threads that read f are told */
-#endif
-}
-
-/* The GRU's gate pass called from outside a team (a reader of the factors, on the caller's threads): in the mode
- * the team's threads run it in (fp_enter: subnormal results flushed), so the factors are the same bits on either
- * path, and the caller's mode is given back. */
-void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, const real *bi, const real *bh,
-                 long T, long B, long ni, long k0, long k1, real *f) {
-    unsigned mode, caller = fp_enter(&mode);
-    gru_pass(x, h, Wi, Wh, bi, bh, T, B, ni, k0, k1, f);
-    fp_set(caller);
-}
-
-#else
 /* Lanes q < nb of rows [n][FV] from src's batch elements b0 + q (rows `stride` apart, row r at + r), or 0 where src is
- * NULL (h_0, c_0 not given). */
+ * NULL (h_0, c_0 not given; the GRU's h_0). */
 static inline void lanes_of(const real *src, long stride, int n, int nb, real (*dst)[FV]) {
     if (!src) {
         memset(dst, 0, sizeof(real) * n * FV);
@@ -1286,61 +1236,77 @@ static inline void lanes_of(const real *src, long stride, int n, int nb, real (*
     }
 }
 
-/* The LSTM's factors [T][NR][B] in scan order for steps k0 .. k1 - 1, as bppsa.backends.chain.LstmChain.from_states
- * writes them from lstm_factors(lstm_gates(...)), straight from x ([T][B][ni]), the states h and c ([T][B][HC]:
- * h_1 .. h_T, c_1 .. c_T), h_0 and c_0 ([B][HC], NULL: zero) and the cell's weights (W_ih [4HC][ni], W_hh
- * [4HC][HC], biases [4HC]; gate order i, f, g, o): per step and block of FV lanes, the gates' pre-activations
- * in registers, i, f, o = sigmoid (with 1 - p to a few ulp, not from the rounded gate), g = tanh and tanh(c_t) from
- * the state as the forward computes them (float: simd.h's rational function, 1 - tanh^2 from it; double: vtanh),
- * then the rows a, ci, cf, cg, co, f, x_t and h' written: one pass over memory where torch's gate recomputation
- * and factors take some twenty. */
-static void lstm_pass(const real *x, const real *h, const real *c, const real *Wi, const real *Wh, const real *bi,
-                      const real *bh, const real *h0, const real *c0, long T, long B, long ni, long k0, long k1,
-                      real *f) {
+#define DT (NREG / 2) /* rows of a dot_tile: DT accumulators, beside the operand and a weight */
+
+/* out[k] = bias[k] (+ bias2[k]) + sum_j W1[k][j] v1[j] + sum_i W2[k][i] v2[i] for k < m (W1 [m][n1], W2 [m][n2]):
+ * each sum one chain in that order, m chains side by side. */
+static AI void dot_tile(int m, const real *bias, const real *bias2, const real *W1, long n1, const real (*v1)[FV],
+                        const real *W2, int n2, const real (*v2)[FV], fvec *out) {
+    fvec a[m];
+    EACH(k, m) a[k] = SPLAT(bias2 ? bias[k] + bias2[k] : bias[k]);
+    for (long j = 0; j < n1; ++j) {
+        fvec v = *(const fvec *)v1[j];
+        EACH(k, m) a[k] += W1[k * n1 + j] * v;
+    }
+    UNROLL for (int i = 0; i < n2; ++i) {
+        fvec v = *(const fvec *)v2[i];
+        EACH(k, m) a[k] += W2[k * n2 + i] * v;
+    }
+    EACH(k, m) out[k] = a[k];
+}
+
+/* dot_tile over n rows, DT at a time.  One row at a time, each sum is a chain of n1 + n2 dependent multiply-adds,
+ * and too few of them fit the out-of-order window to keep the FMA units busy (the LSTM's pass on AVX2: 1.4x
+ * slower so). */
+static AI void dots(int n, const real *bias, const real *bias2, const real *W1, long n1, const real (*v1)[FV],
+                    const real *W2, int n2, const real (*v2)[FV], fvec *out) {
+    int g = 0;
+    for (; g + DT <= n; g += DT)
+        dot_tile(DT, bias + g, bias2 ? bias2 + g : 0, W1 + g * n1, n1, v1, W2 + g * n2, n2, v2, out + g);
+    if (g < n)
+        dot_tile(n - g, bias + g, bias2 ? bias2 + g : 0, W1 + g * n1, n1, v1, W2 + g * n2, n2, v2, out + g);
+}
+
+/* Blocks of FV lanes whose rows fill a 64-byte line together: a pass computes that many blocks of a step before it
+ * stores their rows, so each line of the factors is written whole, by consecutive stores. */
+#define LB (64 / (int)sizeof(fvec) > 1 ? 64 / (int)sizeof(fvec) : 1)
+
+/* Whether the factors may be streamed: every row starts a line, and a step's LB blocks fill its lines (B reals a
+ * whole number of lines).  A streamed store into part of a line leaves the write-combining buffer to write that
+ * part alone: on AVX2, 32-byte streams, one block's half of each line, made the LSTM's pass 1.2x slower than
+ * ordinary stores. */
+static inline int whole_lines(const real *f, long B) {
+    return !((uintptr_t)f % 64) && !((B * (long)sizeof(real)) % 64);
+}
+
+/* One block of a pass: step t's rows for the nb lanes from batch element b0, the factors into fr [NF * HC][FV],
+ * x_t into xs [ni][FV] and h' into hs [HC][FV]. */
+typedef void (*block_fn)(const fill_args *a, long t, long b0, int nb, real (*fr)[FV], real (*xs)[FV],
+                         real (*hs)[FV]);
+
+/* The pass over steps k0 .. k1 - 1 with `block` (a constant where this is inlined): per step, LB blocks into
+ * registers and the stack, then their rows stored, the blocks of a row one after the other. */
+static AI void pass(block_fn block, const fill_args *a, long k0, long k1) {
+    const long B = a->B, ni = a->ni;
+    const int stream = whole_lines(a->f, B);
     for (long k = k0; k < k1; ++k) {
-        long t = T - 1 - k;
-        real *fk = f + k * NR * B;
-        for (long b0 = 0; b0 < B; b0 += FV) {
-            int nb = B - b0 < FV ? (int)(B - b0) : FV;
-            real xs[ni > 0 ? ni : 1][FV] __attribute__((aligned(64))), hs[HC][FV] __attribute__((aligned(64)));
-            real cp[HC][FV] __attribute__((aligned(64))), ct[HC][FV] __attribute__((aligned(64)));
-            real out[6][HC][FV] __attribute__((aligned(64)));
-            lanes_of(x + (t * B + b0) * ni, ni, ni, nb, xs);
-            lanes_of(t ? h + ((t - 1) * B + b0) * HC : h0 ? h0 + b0 * HC : 0, HC, HC, nb, hs);
-            lanes_of(t ? c + ((t - 1) * B + b0) * HC : c0 ? c0 + b0 * HC : 0, HC, HC, nb, cp);
-            lanes_of(c + (t * B + b0) * HC, HC, HC, nb, ct);
-            fvec pre[4 * HC];
-            for (int g = 0; g < 4 * HC; ++g) {
-                fvec a = SPLAT(bi[g] + bh[g]);
-                for (int j = 0; j < ni; ++j) a += Wi[g * ni + j] * *(fvec *)xs[j];
-                UNROLL for (int i = 0; i < HC; ++i) a += Wh[g * HC + i] * *(fvec *)hs[i];
-                pre[g] = a;
+        long t = a->T - 1 - k;
+        real *fk = a->f + k * NR * B;
+        for (long g0 = 0; g0 < B; g0 += LB * FV) {
+            int ns = (int)((B - g0 + FV - 1) / FV) < LB ? (int)((B - g0 + FV - 1) / FV) : LB, nb[LB];
+            real fr[LB][NF * HC][FV] __attribute__((aligned(64))), hs[LB][HC][FV] __attribute__((aligned(64)));
+            real xs[LB][ni > 0 ? ni : 1][FV] __attribute__((aligned(64)));
+            for (int s = 0; s < ns; ++s) {
+                nb[s] = B - g0 - s * FV < FV ? (int)(B - g0 - s * FV) : FV;
+                block(a, t, g0 + s * FV, nb[s], fr[s], xs[s], hs[s]);
             }
-            for (int i = 0; i < HC; ++i) {
-                fvec ip, iq, fp, fq, gn, gs, op, oq, tc, ts;
-                vsigmoid(pre[i], &ip, &iq);
-                vsigmoid(pre[HC + i], &fp, &fq);
-                vsigmoid(pre[3 * HC + i], &op, &oq);
-#if REALBITS == 32 /* the forward's tanh (simd.h's rational function): 1 - n^2 from it, as torch's autograd */
-                gn = pre[2 * HC + i], tc = *(fvec *)ct[i];
-                vtanh1_n(&gn, 1);
-                vtanh1_n(&tc, 1);
-                gs = SPLAT(1) - gn * gn, ts = SPLAT(1) - tc * tc;
-#else
-                vtanh(pre[2 * HC + i], &gn, &gs);
-                vtanh(*(fvec *)ct[i], &tc, &ts);
-#endif
-                *(fvec *)out[0][i] = op * ts;                    /* a = o (1 - tanh^2 c) */
-                *(fvec *)out[1][i] = gn * ip * iq;               /* ci = g i (1 - i) */
-                *(fvec *)out[2][i] = *(fvec *)cp[i] * fp * fq;   /* cf = c' f (1 - f) */
-                *(fvec *)out[3][i] = ip * gs;                    /* cg = i (1 - g^2) */
-                *(fvec *)out[4][i] = tc * op * oq;               /* co = tanh(c) o (1 - o) */
-                *(fvec *)out[5][i] = fp;                         /* f */
-            }
-            for (int q = 0; q < 6; ++q)
-                for (int i = 0; i < HC; ++i) store_lanes(fk + (q * HC + i) * B + b0, out[q][i], nb);
-            for (int j = 0; j < ni; ++j) store_lanes(fk + (XROW + j) * B + b0, xs[j], nb);
-            for (int i = 0; i < HC; ++i) store_lanes(fk + (XROW + ni + i) * B + b0, hs[i], nb);
+            for (int r = 0; r < NF * HC; ++r)
+                for (int s = 0; s < ns; ++s) store_lanes(fk + r * B + g0 + s * FV, fr[s][r], nb[s], stream);
+            for (long j = 0; j < ni; ++j)
+                for (int s = 0; s < ns; ++s) store_lanes(fk + (XROW + j) * B + g0 + s * FV, xs[s][j], nb[s], stream);
+            for (int i = 0; i < HC; ++i)
+                for (int s = 0; s < ns; ++s)
+                    store_lanes(fk + (XROW + ni + i) * B + g0 + s * FV, hs[s][i], nb[s], stream);
         }
     }
 #if defined(__AVX512F__) || defined(__AVX__)
@@ -1348,12 +1314,93 @@ static void lstm_pass(const real *x, const real *h, const real *c, const real *W
 #endif
 }
 
+#if KIND == 2
+/* The GRU (Appendix E; h_0 = 0; W_ih [3H][ni], W_hh [3H][H], biases [3H]; gate order r, z, n): the gates' two affine
+ * maps, r = sigmoid(R), z = sigmoid(Z), n = tanh(N) (Eq. 10), the rows c_r, c_z, c_n, z, e. */
+static AI void gru_block(const fill_args *a, long t, long b0, int nb, real (*rows)[FV], real (*xs)[FV],
+                         real (*hs)[FV]) {
+    const long B = a->B, ni = a->ni;
+    lanes_of(a->x + (t * B + b0) * ni, ni, ni, nb, xs);
+    lanes_of(t ? a->h + ((t - 1) * B + b0) * H : 0, H, H, nb, hs);
+    fvec gi[3 * H], gh[3 * H];
+    dots(3 * H, a->bi, 0, a->Wi, ni, (const real (*)[FV])xs, a->Wh, 0, (const real (*)[FV])hs, gi);
+    dots(3 * H, a->bh, 0, a->Wi, 0, (const real (*)[FV])xs, a->Wh, H, (const real (*)[FV])hs, gh);
+    for (int i = 0; i < H; ++i) {
+        fvec r, r1, z, z1, n, ns, M = gh[2 * H + i];
+        vsigmoid(gi[i] + gh[i], &r, &r1);
+        vsigmoid(gi[H + i] + gh[H + i], &z, &z1);
+        vtanh(gi[2 * H + i] + r * M, &n, &ns);
+        fvec e = z1 * ns;
+        *(fvec *)rows[i] = e * M * r * r1;
+        *(fvec *)rows[H + i] = (*(fvec *)hs[i] - n) * z * z1;
+        *(fvec *)rows[2 * H + i] = e * r;
+        *(fvec *)rows[3 * H + i] = z;
+        *(fvec *)rows[4 * H + i] = e;
+    }
+}
+
+static void gru_pass(const fill_args *a, long k0, long k1) { pass(gru_block, a, k0, k1); }
+
+/* The GRU's gate pass called from outside a team (a reader of the factors, on the caller's threads): in the mode
+ * the team's threads run it in (fp_enter: subnormal results flushed), so the factors are the same bits on either
+ * path, and the caller's mode is given back. */
+void gru_factors(const real *x, const real *h, const real *Wi, const real *Wh, const real *bi, const real *bh,
+                 long T, long B, long ni, long k0, long k1, real *f) {
+    fill_args a = {x, h, Wi, Wh, bi, bh, f, T, B, ni};
+    unsigned mode, caller = fp_enter(&mode);
+    gru_pass(&a, k0, k1);
+    fp_set(caller);
+}
+
+#else
+/* The LSTM (as bppsa.backends.chain.LstmChain.from_states writes its factors from lstm_factors(lstm_gates(...))):
+ * from the states h and c ([T][B][HC]: h_1 .. h_T, c_1 .. c_T), h_0 and c_0 ([B][HC], NULL: zero) and the cell's
+ * weights (W_ih [4HC][ni], W_hh [4HC][HC], biases [4HC]; gate order i, f, g, o): i, f, o = sigmoid (with 1 - p to
+ * a few ulp, not from the rounded gate), g = tanh and tanh(c_t) from the state as the forward computes them
+ * (float: simd.h's rational function, 1 - tanh^2 from it; double: vtanh), the rows a, ci, cf, cg, co, f. */
+static AI void lstm_block(const fill_args *a, long t, long b0, int nb, real (*rows)[FV], real (*xs)[FV],
+                          real (*hs)[FV]) {
+    const long B = a->B, ni = a->ni;
+    const real *x = a->x, *h = a->h, *c = a->c, *h0 = a->h0, *c0 = a->c0;
+    real cp[HC][FV] __attribute__((aligned(64))), ct[HC][FV] __attribute__((aligned(64)));
+    lanes_of(x + (t * B + b0) * ni, ni, ni, nb, xs);
+    lanes_of(t ? h + ((t - 1) * B + b0) * HC : h0 ? h0 + b0 * HC : 0, HC, HC, nb, hs);
+    lanes_of(t ? c + ((t - 1) * B + b0) * HC : c0 ? c0 + b0 * HC : 0, HC, HC, nb, cp);
+    lanes_of(c + (t * B + b0) * HC, HC, HC, nb, ct);
+    fvec pre[4 * HC];
+    dots(4 * HC, a->bi, a->bh, a->Wi, ni, (const real (*)[FV])xs, a->Wh, HC, (const real (*)[FV])hs, pre);
+    for (int i = 0; i < HC; ++i) {
+        fvec ip, iq, fp, fq, gn, gs, op, oq, tc, ts;
+        vsigmoid(pre[i], &ip, &iq);
+        vsigmoid(pre[HC + i], &fp, &fq);
+        vsigmoid(pre[3 * HC + i], &op, &oq);
+#if REALBITS == 32 /* the forward's tanh (simd.h's rational function): 1 - n^2 from it, as torch's autograd */
+        gn = pre[2 * HC + i], tc = *(fvec *)ct[i];
+        vtanh1_n(&gn, 1);
+        vtanh1_n(&tc, 1);
+        gs = SPLAT(1) - gn * gn, ts = SPLAT(1) - tc * tc;
+#else
+        vtanh(pre[2 * HC + i], &gn, &gs);
+        vtanh(*(fvec *)ct[i], &tc, &ts);
+#endif
+        *(fvec *)rows[i] = op * ts;                          /* a = o (1 - tanh^2 c) */
+        *(fvec *)rows[HC + i] = gn * ip * iq;                /* ci = g i (1 - i) */
+        *(fvec *)rows[2 * HC + i] = *(fvec *)cp[i] * fp * fq; /* cf = c' f (1 - f) */
+        *(fvec *)rows[3 * HC + i] = ip * gs;                 /* cg = i (1 - g^2) */
+        *(fvec *)rows[4 * HC + i] = tc * op * oq;            /* co = tanh(c) o (1 - o) */
+        *(fvec *)rows[5 * HC + i] = fp;                      /* f */
+    }
+}
+
+static void lstm_pass(const fill_args *a, long k0, long k1) { pass(lstm_block, a, k0, k1); }
+
 /* The LSTM's gate pass from outside a team, in the team's mode (as gru_factors). */
 void lstm_factors(const real *x, const real *h, const real *c, const real *Wi, const real *Wh, const real *bi,
                   const real *bh, const real *h0, const real *c0, long T, long B, long ni, long k0, long k1,
                   real *f) {
+    fill_args a = {x, h, c, Wi, Wh, bi, bh, h0, c0, f, T, B, ni};
     unsigned mode, caller = fp_enter(&mode);
-    lstm_pass(x, h, c, Wi, Wh, bi, bh, h0, c0, T, B, ni, k0, k1, f);
+    lstm_pass(&a, k0, k1);
     fp_set(caller);
 }
 #endif
@@ -1533,31 +1580,15 @@ long team_scratch(long n, int L, int c, long ni) {
     return up > mid ? (up > sums ? up : sums) : (mid > sums ? mid : sums);
 }
 
+#if KIND >= 2
+/* The gate pass over steps j0 .. j1 - 1 (gru_factors', lstm_factors' operands), in place. */
+void team_fill(const void *args, long j0, long j1, long part, real *priv, long *beat) {
+    (void)part, (void)priv, (void)beat;
 #if KIND == 2
-/* The GRU's gate pass over steps j0 .. j1 - 1 (gru_factors' operands), in place. */
-typedef struct {
-    const real *x, *h, *Wi, *Wh, *bi, *bh;
-    real *f;
-    long T, B, ni;
-} fill_args;
-
-void team_fill(const void *args, long j0, long j1, long part, real *priv, long *beat) {
-    const fill_args *a = args;
-    (void)part, (void)priv, (void)beat;
-    gru_pass(a->x, a->h, a->Wi, a->Wh, a->bi, a->bh, a->T, a->B, a->ni, j0, j1, a->f);
-}
-#elif KIND == 3
-/* The LSTM's gate pass over steps j0 .. j1 - 1 (lstm_factors' operands), in place. */
-typedef struct {
-    const real *x, *h, *c, *Wi, *Wh, *bi, *bh, *h0, *c0;
-    real *f;
-    long T, B, ni;
-} fill_args;
-
-void team_fill(const void *args, long j0, long j1, long part, real *priv, long *beat) {
-    const fill_args *a = args;
-    (void)part, (void)priv, (void)beat;
-    lstm_pass(a->x, a->h, a->c, a->Wi, a->Wh, a->bi, a->bh, a->h0, a->c0, a->T, a->B, a->ni, j0, j1, a->f);
+    gru_pass(args, j0, j1);
+#else
+    lstm_pass(args, j0, j1);
+#endif
 }
 #endif
 

@@ -130,12 +130,13 @@ static inline fvec vmax(fvec c, fvec a) { return blend(a < c, c, a); }
  * same order, for any n. */
 #define EACH(k, n) _Pragma("GCC unroll 16") for (int k = 0; k < (n); ++k)
 #define SIMD_AI inline __attribute__((always_inline))
+#define NMAX 16 /* the most vectors an _n form takes (EACH unrolls that many) */
 
 /* x = exp(x) for every lane: x = k ln2 + r (Cody-Waite), |r| <= ln2/2, exp(r) by a polynomial (float: Cephes'
  * expf, ~1 ulp; double: Taylor to r^13, ~1e-16), times 2^k built in the exponent bits. */
 static SIMD_AI void vexp_n(fvec *x, int n) {
-    fvec k[n], p[n], r[n];
-    kvec ki[n];
+    fvec k[NMAX], p[NMAX], r[NMAX];
+    kvec ki[NMAX];
     EACH(j, n) x[j] = vmax(SPLAT(EXP_LO), vmin(SPLAT(EXP_HI), x[j]));
     EACH(j, n) {
         fvec t = x[j] * SPLAT(1.44269504088896340736);
@@ -205,7 +206,7 @@ static inline void vtanh(fvec x, fvec *n, fvec *s) {
 
 /* x = sigmoid(x) alone (the forward's gates: no 1 - p needed, one division). */
 static SIMD_AI void vsigm_n(fvec *x, int n) {
-    fvec e[n];
+    fvec e[NMAX];
     EACH(j, n) e[j] = -x[j];
     vexp_n(e, n);
     EACH(j, n) x[j] = SPLAT(1) / (SPLAT(1) + e[j]);
@@ -229,7 +230,7 @@ static SIMD_AI void vtanh1_n(fvec *x, int n) {
         x[j] = vmax(SPLAT(-1), vmin(SPLAT(1), a * p / q));
     }
 #else
-    fvec z[n], near[n], u[n];
+    fvec z[NMAX], near[NMAX], u[NMAX];
     EACH(j, n) z[j] = x[j] * x[j];
     EACH(j, n) {
         fvec P = (SPLAT(-9.64399179425052238628e-1) * z[j] + SPLAT(-9.92877231001918586564e1)) * z[j] +
