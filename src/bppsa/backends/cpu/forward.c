@@ -54,6 +54,7 @@ typedef fvec vec;
 #endif
 
 _Static_assert(H >= 1, "a layer has hidden units");
+_Static_assert(ACT >= 1 && ACT <= NMAX, "simd.h's _n forms take at most NMAX vectors");
 
 #if CELL == 0 || CELL == 1
 #define G 1
