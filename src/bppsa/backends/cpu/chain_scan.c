@@ -1256,7 +1256,7 @@ static AI void dot_tile(int m, const real *bias, const real *bias2, const real *
 }
 
 /* dot_tile over n rows, DT at a time.  One row at a time, each sum is a chain of n1 + n2 dependent multiply-adds,
- * and too few of them fit the out-of-order window to keep the FMA units busy (the LSTM's pass on AVX2: 1.4x
+ * and too few of them fit the out-of-order window to keep the FMA units busy (the LSTM's pass on AVX2: 1.14x
  * slower so). */
 static AI void dots(int n, const real *bias, const real *bias2, const real *W1, long n1, const real (*v1)[FV],
                     const real *W2, int n2, const real (*v2)[FV], fvec *out) {
